@@ -1,0 +1,20 @@
+# `make demo`: end-to-end generation through vLLM with DHP vs vLLM's own backend.
+# `make test`: the test suite (what CI runs through .ci/run).
+# Both create .venv and install everything on first use (scripts/setup_env.sh).
+PY := .venv/bin/python
+
+.PHONY: setup demo test info clean
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup
+	$(PY) -m integration.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+info: setup
+	$(PY) -m dhp_backend.cli info
+
+clean:
+	rm -rf .venv .work .pytest_cache

@@ -1,0 +1,269 @@
+"""`paged_attention`: the seam between the kernels and the vLLM adapter.
+
+Torch tensors in, the result written into a caller-provided tensor. It
+validates everything it is given (cheap shape/dtype/device checks always;
+value checks that need the host unless ``check_values=False``), picks a path
+(`dispatch.choose_path`) and runs it. The reference path implements exactly
+this function; every kernel path must compute the same thing.
+
+Semantics, per request ``r`` with query rows ``query_start_loc[r]:query_start_loc[r+1]``
+(``q_len`` rows) and total length ``seq_len = seq_lens[r]`` (cached context plus
+the new tokens, whose K/V are already in the cache):
+
+- its K/V position ``p`` (``0 <= p < seq_len``) lives in block
+  ``block_table[r, p // block_size]`` at offset ``p % block_size``;
+- query row ``i`` (0-based within the request) attends to positions
+  ``p < seq_len - q_len + i + 1`` if ``causal``, else to all ``p < seq_len``;
+- query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA);
+- ``out[t] = softmax(scale * q[t] . K^T) V``, accumulated in float32, rounded
+  once to ``out.dtype``;
+- rows ``query_start_loc[-1]:num_tokens`` (padding beyond the last request) are
+  set to zero; rows at and beyond ``num_tokens`` are not touched.
+
+Nothing at or beyond ``seq_len`` (stale K/V in reused blocks, block-table
+columns past the request's last block) may influence the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+from dhp_backend.config import Policy
+from dhp_backend.ops import dispatch
+
+logger = logging.getLogger("dhp_backend")
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _fail(arg: str, got: object, accepted: str) -> None:
+    raise ValueError(f"paged_attention: {arg} is {got}; accepted: {accepted}")
+
+
+def _check_tensor(arg: str, t: object, *, ndim: int, dtypes, device: torch.device | None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(arg, f"of type {type(t).__name__}", "a torch.Tensor")
+    if t.dim() != ndim:
+        _fail(arg, f"{t.dim()}-D with shape {tuple(t.shape)}", f"a {ndim}-D tensor")
+    if t.dtype not in dtypes:
+        _fail(arg, f"of dtype {t.dtype}", " or ".join(str(d) for d in dtypes))
+    if device is not None and t.device != device:
+        _fail(arg, f"on device {t.device}", f"the device of query ({device})")
+    return t
+
+
+def _check_last_dim_contiguous(arg: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(arg, f"strided with strides {t.stride()} (last-dimension stride {t.stride(-1)})",
+              "a tensor whose last dimension is contiguous (stride 1)")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    policy: Policy | str = Policy.STRICT,
+    bucket: int | torch.Tensor | None = None,
+    max_model_len: int | None = None,
+    num_tokens: int | None = None,
+    path: str = "auto",
+    allow_fallback: bool = False,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Paged attention over a packed step of decodes, prefills and prefill chunks.
+
+    Args:
+        query: ``[T, num_heads, head_size]`` packed queries of all requests.
+        key_cache, value_cache: ``[num_blocks, num_kv_heads, block_size, head_size]``,
+            any strides with a contiguous last dimension (views into vLLM's cache).
+        block_table: ``[num_reqs, max_blocks]`` int32 physical block ids.
+        query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths.
+        seq_lens: ``[num_reqs]`` int32 total lengths (context + this step's tokens).
+        out: ``[>= num_tokens, num_heads, head_size]``, written in place and returned.
+        scale: softmax scale (usually ``head_size ** -0.5``).
+        causal: causal masking with cached context (see module docstring).
+        policy: ``strict`` | ``batch`` | ``request`` | ``off``.
+        bucket: the length bucket L for the policy: an int for ``strict``/``batch``,
+            an int32 ``[num_reqs]`` tensor (or an int) for ``request``, ``None`` for
+            ``off``. If omitted under ``strict``, ``max_model_len`` is used.
+            See `dhp_backend.ops.buckets.bucket_for_step`.
+        num_tokens: query rows to produce (default ``query.shape[0]``).
+        path: ``auto`` | ``reference`` | ``triton``.
+        allow_fallback: accept a non-constant-time path under a constant-time policy.
+        check_values: also validate tensor *values* (offsets, lengths, block ids);
+            this reads them on the host (a device sync). Callers that validated
+            the same facts from host-side copies pass False.
+    """
+    if not isinstance(query, torch.Tensor):
+        _fail("query", f"of type {type(query).__name__}", "a torch.Tensor")
+    device = query.device
+    _check_tensor("query", query, ndim=3, dtypes=SUPPORTED_DTYPES, device=None)
+    _check_last_dim_contiguous("query", query)
+    T, num_heads, head_size = query.shape
+    if num_heads == 0 or head_size == 0:
+        _fail("query", f"of shape {tuple(query.shape)}", "at least one head and head_size >= 1")
+
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_tensor(name, cache, ndim=4, dtypes=(query.dtype,), device=device)
+        _check_last_dim_contiguous(name, cache)
+    if key_cache.shape != value_cache.shape:
+        _fail("value_cache", f"of shape {tuple(value_cache.shape)}",
+              f"the shape of key_cache {tuple(key_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, cache_head_size = key_cache.shape
+    if cache_head_size != head_size:
+        _fail("key_cache", f"of head size {cache_head_size} (shape {tuple(key_cache.shape)})",
+              f"the head size of query ({head_size}); layout [num_blocks, num_kv_heads, block_size, head_size]")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        _fail("key_cache", f"with {num_kv_heads} KV heads for {num_heads} query heads",
+              "a number of KV heads that divides the number of query heads (GQA/MQA)")
+    if block_size == 0 or num_blocks == 0:
+        _fail("key_cache", f"of shape {tuple(key_cache.shape)}", "at least one block of at least one slot")
+
+    _check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    _check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
+    _check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1:
+        _fail("query_start_loc", f"of length {query_start_loc.shape[0]}",
+              f"num_reqs + 1 = {num_reqs + 1} entries (seq_lens has {num_reqs})")
+    if block_table.shape[0] < num_reqs:
+        _fail("block_table", f"of shape {tuple(block_table.shape)}", f"at least num_reqs = {num_reqs} rows")
+
+    _check_tensor("out", out, ndim=3, dtypes=(query.dtype,), device=device)
+    _check_last_dim_contiguous("out", out)
+    if num_tokens is None:
+        num_tokens = T
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= T:
+        _fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
+    if tuple(out.shape[1:]) != (num_heads, head_size) or out.shape[0] < num_tokens:
+        _fail("out", f"of shape {tuple(out.shape)}", f"[>= {num_tokens}, {num_heads}, {head_size}]")
+
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        _fail("scale", repr(scale), "a finite positive float (usually head_size ** -0.5)")
+    if not isinstance(causal, bool):
+        _fail("causal", repr(causal), "True or False")
+
+    policy = Policy.parse(policy, source="paged_attention: policy")
+    bucket = _normalize_bucket(policy, bucket, max_model_len, num_reqs, device,
+                               block_table.shape[1] * block_size)
+
+    if check_values:
+        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size)
+
+    spec = dispatch.ProblemSpec(
+        device_type=device.type,
+        dtype=_DTYPE_NAMES[query.dtype],
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        causal=causal,
+        device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+    )
+    choice = _choose_path_logged(spec, policy, path, allow_fallback)
+    run = _PATH_RUNNERS[choice.name]()
+    run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+        scale=float(scale), causal=causal, policy=policy, bucket=bucket, num_tokens=num_tokens)
+    return out
+
+
+def _normalize_bucket(policy, bucket, max_model_len, num_reqs, device, table_capacity):
+    """Check the bucket against the policy; return an int, an int32 tensor, or None."""
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len <= 0):
+        _fail("max_model_len", repr(max_model_len), "a positive int")
+    if policy is Policy.OFF:
+        if bucket is not None:
+            _fail("bucket", repr(bucket), "None under policy 'off' (true lengths are used)")
+        return None
+    if bucket is None and policy is Policy.STRICT and max_model_len is not None:
+        bucket = max_model_len
+    if policy is Policy.REQUEST and isinstance(bucket, torch.Tensor):
+        _check_tensor("bucket", bucket, ndim=1, dtypes=(torch.int32,), device=device)
+        if bucket.shape[0] != num_reqs:
+            _fail("bucket", f"of length {bucket.shape[0]}", f"one entry per request ({num_reqs})")
+        return bucket
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0:
+        want = ("a positive int or an int32 tensor of per-request buckets" if policy is Policy.REQUEST
+                else "a positive int (the length bucket L)")
+        _fail("bucket", repr(bucket), f"{want} under policy '{policy.value}'")
+    if bucket > table_capacity:
+        _fail("bucket", str(bucket),
+              f"at most block_table.shape[1] * block_size = {table_capacity} (the kernels read the "
+              "block table up to the bucket)")
+    return int(bucket)
+
+
+def _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size):
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if qsl[0] != 0:
+        _fail("query_start_loc[0]", str(qsl[0]), "0")
+    for r, s in enumerate(lens):
+        q_len = qsl[r + 1] - qsl[r]
+        if q_len < 0:
+            _fail(f"query_start_loc[{r + 1}]", f"{qsl[r + 1]} < query_start_loc[{r}] = {qsl[r]}",
+                  "a non-decreasing sequence")
+        if s < 0:
+            _fail(f"seq_lens[{r}]", str(s), "a length >= 0")
+        if q_len > s:
+            _fail(f"seq_lens[{r}]", f"{s}, shorter than its query ({q_len} tokens)",
+                  "seq_len >= query length (seq_len counts the cached context plus the new tokens)")
+    if qsl[-1] > num_tokens:
+        _fail("query_start_loc[-1]", str(qsl[-1]), f"at most num_tokens = {num_tokens}")
+    if bucket is not None:
+        buckets = bucket.tolist() if isinstance(bucket, torch.Tensor) else [bucket] * len(lens)
+        table_capacity = block_table.shape[1] * block_size
+        for r, (s, b) in enumerate(zip(lens, buckets)):
+            if s > b:
+                _fail(f"seq_lens[{r}]", f"{s}, above its bucket {b}",
+                      "lengths at most the policy's bucket (raise max_model_len or use another policy)")
+            if b > table_capacity:
+                _fail(f"bucket[{r}]", str(b), f"at most block_table.shape[1] * block_size = {table_capacity}")
+    table = block_table.cpu()
+    for r, s in enumerate(lens):
+        n = -(-s // block_size)
+        if n > table.shape[1]:
+            _fail(f"seq_lens[{r}]", f"{s}, which needs {n} blocks",
+                  f"at most block_table.shape[1] = {table.shape[1]} blocks of {block_size}")
+        if n:
+            row = table[r, :n]
+            bad = ((row < 0) | (row >= num_blocks)).nonzero()
+            if bad.numel():
+                j = int(bad[0, 0])
+                _fail(f"block_table[{r}, {j}]", str(int(row[j])),
+                      f"a block id in [0, {num_blocks}) (the cache has {num_blocks} blocks)")
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_path_logged(spec, policy, requested, allow_fallback) -> dispatch.PathChoice:
+    choice = dispatch.choose_path(spec, policy, requested=requested, allow_fallback=allow_fallback)
+    level = logging.WARNING if (policy.is_constant_time and not choice.constant_time) else logging.INFO
+    logger.log(level, "DHP paged_attention: policy=%s path=%s", policy.value, choice.describe())
+    return choice
+
+
+def _reference_runner():
+    from dhp_backend.ops.reference import paged_attention_reference
+
+    return paged_attention_reference
+
+
+def _triton_runner():
+    from dhp_backend.ops.triton import paged_attention_triton
+
+    return paged_attention_triton
+
+
+_PATH_RUNNERS = {dispatch.REFERENCE: _reference_runner, dispatch.TRITON: _triton_runner}

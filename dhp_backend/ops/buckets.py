@@ -1,0 +1,71 @@
+"""Length buckets: the L that a policy lets timing depend on (design.md section 2).
+
+The bucket is computed by the caller from *public* information (the model's
+max_model_len, and for `batch`/`request` the step's lengths rounded up to a
+power of two, which is what those policies declare public) and passed to
+`ops.paged_attention`. Kernels round it up to their own tile internally; the
+tile is public too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dhp_backend.config import Policy
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def next_pow2_tensor(lengths: torch.Tensor) -> torch.Tensor:
+    """Element-wise next power of two of an int32 tensor, on its device.
+
+    Pure integer bit arithmetic (no floats, no host sync), so it is exact, runs
+    inside CUDA-graph capture, and costs the same for every value.
+    """
+    x = lengths.to(torch.int32).clamp(min=1) - 1
+    for shift in (1, 2, 4, 8, 16):
+        x = x | (x >> shift)
+    return x + 1
+
+
+def bucket_for_step(
+    policy: Policy | str,
+    *,
+    max_model_len: int,
+    seq_lens: Sequence[int] | torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+) -> int | torch.Tensor | None:
+    """The bucket argument of `ops.paged_attention` for one step.
+
+    - ``strict``: ``max_model_len`` (an int).
+    - ``batch``: next power of two >= the longest sequence, capped at
+      ``max_model_len`` (an int). Uses ``max_seq_len`` if given (vLLM's host-side
+      upper bound), else ``max(seq_lens)``.
+    - ``request``: per-request next power of two capped at ``max_model_len``, as
+      an int32 tensor on the device of ``seq_lens`` (computed there, no sync).
+    - ``off``: ``None`` (true lengths).
+    """
+    policy = Policy.parse(policy)
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len: must be positive, got {max_model_len}")
+    if policy is Policy.STRICT:
+        return int(max_model_len)
+    if policy is Policy.OFF:
+        return None
+    if policy is Policy.BATCH:
+        if max_seq_len is None:
+            if seq_lens is None:
+                raise ValueError("bucket_for_step(batch): pass max_seq_len or seq_lens")
+            vals = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+            max_seq_len = max(vals, default=1)
+        return min(next_pow2(max_seq_len), int(max_model_len))
+    # request
+    if seq_lens is None:
+        raise ValueError("bucket_for_step(request): pass seq_lens (per-request lengths)")
+    lens = seq_lens if isinstance(seq_lens, torch.Tensor) else torch.tensor(list(seq_lens))
+    return next_pow2_tensor(lens).clamp(max=int(max_model_len)).to(torch.int32)

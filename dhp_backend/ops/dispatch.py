@@ -1,0 +1,99 @@
+"""Which implementation runs a given problem, and why.
+
+A *path* is one implementation of `ops.paged_attention`. Each declares whether
+it is constant-time; under a constant-time policy a path that is not is refused
+unless the user explicitly allowed the fallback. The choice depends only on the
+problem's static shape (dtype, head size, block size, heads, device), so it is
+made once per layer at start-up and logged, not per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from dhp_backend.config import Policy
+
+logger = logging.getLogger("dhp_backend")
+
+REFERENCE = "reference"
+TRITON = "triton"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSpec:
+    """Static (public) description of an attention problem."""
+
+    device_type: str  # "cuda" or "cpu"
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int
+    causal: bool = True
+    device_capability: tuple[int, int] | None = None  # CUDA only
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class PathChoice:
+    name: str
+    constant_time: bool
+    reason: str  # why this path (and why not the better one)
+
+    def describe(self) -> str:
+        ct = "constant-time" if self.constant_time else "NOT constant-time"
+        return f"{self.name} ({ct}): {self.reason}"
+
+
+class FallbackRefused(ValueError):
+    """A constant-time policy would have to run a path that is not constant-time."""
+
+
+def _triton_supports(spec: ProblemSpec) -> tuple[bool, str]:
+    from dhp_backend.ops import triton as triton_pkg  # cheap: no Triton import
+
+    return triton_pkg.supports(spec)
+
+
+def choose_path(
+    spec: ProblemSpec,
+    policy: Policy | str,
+    *,
+    requested: str = "auto",
+    allow_fallback: bool = False,
+) -> PathChoice:
+    """Pick the path for ``spec``; raise `FallbackRefused` or `ValueError` with the reason."""
+    policy = Policy.parse(policy)
+    if requested not in ("auto", REFERENCE, TRITON):
+        raise ValueError(f"path: unknown path {requested!r}; accepted: 'auto', 'reference', 'triton'")
+
+    ok, why_not = _triton_supports(spec)
+    if requested == TRITON:
+        if not ok:
+            raise ValueError(f"path='triton' was requested but the Triton kernels do not cover this problem: {why_not}")
+        return PathChoice(TRITON, True, "requested explicitly")
+    if requested == "auto" and ok:
+        return PathChoice(TRITON, True, "shape covered by the constant-time Triton kernels")
+
+    reason = "requested explicitly" if requested == REFERENCE else f"fallback: {why_not}"
+    choice = PathChoice(REFERENCE, False, reason)
+    if policy.is_constant_time and not allow_fallback:
+        raise FallbackRefused(
+            f"DHP policy '{policy.value}' promises constant-time attention, but this problem "
+            f"({_describe_spec(spec)}) would run the PyTorch reference path, which is not "
+            f"constant-time ({reason}). Either use a supported shape, choose policy 'off', or "
+            "accept the fallback explicitly with --additional-config "
+            "'{\"dhp\": {\"allow_fallback\": true}}' (or DHP_ALLOW_FALLBACK=1)."
+        )
+    return choice
+
+
+def _describe_spec(spec: ProblemSpec) -> str:
+    return (
+        f"{spec.device_type}, {spec.dtype}, head_size={spec.head_size}, heads={spec.num_heads}/"
+        f"{spec.num_kv_heads} kv, block_size={spec.block_size}, causal={spec.causal}"
+    )

@@ -1,0 +1,75 @@
+"""PyTorch reference for `ops.paged_attention` (CPU and GPU).
+
+Exact semantics, no performance claims, NOT constant-time: it loops over
+requests on the host and its work follows the true lengths. It is the oracle
+for the kernels and the fallback for shapes they do not cover.
+
+Each request is computed on its own, from tensors whose shapes depend only on
+that request, so its output does not depend on the rest of the batch (batch
+invariant) and repeats bit for bit on the same device. Arithmetic is float32
+whatever the input dtype; the result is rounded to ``out.dtype`` once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_request_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """K or V of one request as ``[num_kv_heads, seq_len, head_size]``.
+
+    Reads only the blocks that hold positions ``< seq_len`` and slices off the
+    tail of the last one, so nothing past the true length is ever used.
+    """
+    num_kv_heads, block_size, head_size = cache.shape[1:]
+    n = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_ids[:n].long())  # [n, Hkv, bs, D]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, n * block_size, head_size)[:, :seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    num_tokens: int,
+    policy=None,
+    bucket=None,
+) -> torch.Tensor:
+    """Arguments as `ops.paged_attention` (already validated). ``policy``/``bucket``
+    do not change the result, only what a constant-time kernel may reveal."""
+    del policy, bucket
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+
+    for r, seq_len in enumerate(lens):
+        q0, q1 = qsl[r], qsl[r + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        k = gather_request_kv(key_cache, block_table[r], seq_len).float()  # [Hkv, S, D]
+        v = gather_request_kv(value_cache, block_table[r], seq_len).float()
+        # query head h = kv_head * group + g  ->  [Hkv, group, q_len, D]
+        q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, q_len, S]
+        if causal:
+            context = seq_len - q_len
+            rows = torch.arange(q_len, device=query.device).unsqueeze(1)
+            cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
+            scores = scores.masked_fill(cols > context + rows, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, q_len, D]
+        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
+
+    if qsl[-1] < num_tokens:
+        out[qsl[-1]:num_tokens].zero_()
+    return out

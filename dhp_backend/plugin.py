@@ -1,0 +1,43 @@
+"""vLLM plugin entry point (``vllm.general_plugins`` -> ``dhp_backend.plugin:register``).
+
+vLLM calls `register` once in every process it starts (front end, engine core,
+workers). It must be idempotent and cheap: no torch.cuda, no Triton, no build.
+
+What it does:
+- points ``AttentionBackendEnum.CUSTOM`` at our backend class and makes the
+  name ``DHP`` an alias of ``CUSTOM``, so ``--attention-backend DHP``,
+  ``--attention-backend CUSTOM`` and ``LLM(..., attention_backend="DHP")`` all
+  work, including when the engine core runs in a spawned process (the pickled
+  config carries ``CUSTOM``, whose value exists in every process);
+- only if ``DHP_OVERRIDE_CPU_ATTN=1``: also points ``CPU_ATTN`` at our backend.
+  vLLM's CPU platform ignores ``--attention-backend`` and always takes the
+  ``CPU_ATTN`` slot; this opt-in is a testing aid that lets a CPU engine run
+  DHP (it is how CI runs the backend end to end).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("dhp_backend")
+
+_CPU_OVERRIDE_ENV = "DHP_OVERRIDE_CPU_ATTN"
+
+
+def cpu_override_requested() -> bool:
+    return os.environ.get(_CPU_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    from dhp_backend.vllm import compat
+
+    previous = compat.custom_override()
+    if previous not in (None, compat.BACKEND_CLASS_PATH):
+        logger.warning("DHP: AttentionBackendEnum.CUSTOM was registered to %s by another plugin; "
+                       "DHP takes it over", previous)
+    compat.register_class_path("CUSTOM")
+    compat.install_alias()
+    if cpu_override_requested():
+        compat.register_class_path("CPU_ATTN")
+        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)", _CPU_OVERRIDE_ENV)

@@ -1,0 +1,346 @@
+"""The vLLM adapter: backend class, metadata, builder and per-layer impl.
+
+It translates vLLM's per-step metadata into one call of
+`dhp_backend.ops.paged_attention` and knows nothing of kernel internals.
+Version differences live in `dhp_backend.vllm.compat`.
+
+KV cache convention (both versions, see compat.kv_cache_layouts): each layer's
+cache is a contiguous ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+tensor; the ``block_size * 2 * head_size`` run of one (block, kv head) holds the
+block's K page (``[block_size, head_size]``) followed by its V page. This is
+the memory CPU_ATTN uses too, so both can be compared on one cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from dhp_backend import __version__
+from dhp_backend.config import DHPConfig, Policy
+from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path, paged_attention
+from dhp_backend.vllm import compat
+
+logger = logging.getLogger("dhp_backend")
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views ``[num_blocks, num_kv_heads, block_size, head_size]`` of a layer's cache."""
+    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
+    if width != 2 * head_size:
+        raise ValueError(
+            f"DHP: KV cache of shape {tuple(kv_cache.shape)} does not hold K and V of head size "
+            f"{head_size} (expected last dimension {2 * head_size})"
+        )
+    if not kv_cache.is_contiguous():
+        raise ValueError(
+            f"DHP: KV cache with strides {kv_cache.stride()} is not in the LBHNC layout DHP "
+            "declares; do not force another layout with VLLM_KV_CACHE_LAYOUT"
+        )
+    pages = kv_cache.view(num_blocks, num_kv_heads, 2, block_size, head_size)
+    return pages[:, :, 0], pages[:, :, 1]
+
+
+class DHPAttentionBackend(AttentionBackend):
+    """Constant-time, deterministic, batch-invariant paged attention."""
+
+    # The engine writes K/V through `do_kv_cache_update` before `forward`.
+    forward_includes_kv_cache_update: bool = False
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # Resolved with AttentionBackendEnum[...] in every worker; the alias
+        # exists wherever our plugin ran, and we make sure of it here too.
+        compat.install_alias()
+        return compat.ALIAS
+
+    @staticmethod
+    def get_impl_cls() -> type[DHPAttentionImpl]:
+        return DHPAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DHPMetadataBuilder]:
+        return DHPMetadataBuilder
+
+    # --- KV-cache layout: both APIs, one memory layout (see compat) ---------
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return compat.kv_cache_layouts()
+
+    @classmethod
+    def get_required_kv_cache_layout(cls):  # 0.24: we need no global layout string
+        return None
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # The reference path takes any block size; the kernels' own limits are
+        # applied by the dispatcher, which refuses or falls back explicitly.
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any; the dispatcher decides kernel vs. reference
+
+    # --- honest capability declarations ------------------------------------
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True  # the promise: per-request bits independent of the batch
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class DHPMetadata:
+    """What one step's attention needs; tensors are the runner's own buffers."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool
+    policy: Policy
+    bucket: int | torch.Tensor | None
+    max_model_len: int
+
+
+class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
+    # Issue 3 raises this once the kernels read every bound from device memory.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> DHPMetadata:
+        cm = common_attn_metadata
+        if isinstance(cm.causal, torch.Tensor):
+            raise NotImplementedError("DHP: per-request causal flags (drafter metadata) are not supported")
+        policy = self.dhp_config.policy
+        bucket = bucket_for_step(policy, max_model_len=self.max_model_len,
+                                 seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len)
+        return DHPMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            max_query_len=cm.max_query_len,
+            max_seq_len=cm.max_seq_len,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            causal=bool(cm.causal),
+            policy=policy,
+            bucket=bucket,
+            max_model_len=self.max_model_len,
+        )
+
+
+_LOGGED: set[tuple] = set()
+_LOG_LOCK = threading.Lock()
+
+
+def _once(key: tuple, fn) -> None:
+    with _LOG_LOCK:
+        if key in _LOGGED:
+            return
+        _LOGGED.add(key)
+    fn()
+
+
+def _trace(event: dict) -> None:
+    """Append one JSON line to $DHP_TRACE_FILE (tests use it to prove DHP ran)."""
+    path = os.environ.get("DHP_TRACE_FILE")
+    if not path:
+        return
+    event = {"pid": os.getpid(), "dhp_version": __version__, **event}
+    with open(path, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args,
+    ) -> None:
+        unsupported = []
+        if alibi_slopes is not None:
+            unsupported.append("ALiBi slopes")
+        if sliding_window is not None and sliding_window not in (-1, (-1, -1)):
+            unsupported.append(f"sliding window {sliding_window}")
+        if logits_soft_cap:
+            unsupported.append(f"logits soft-cap {logits_soft_cap}")
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {attn_type!r} (only decoder self-attention)")
+        if kv_cache_dtype not in DHPAttentionBackend.supported_kv_cache_dtypes:
+            unsupported.append(f"KV-cache dtype {kv_cache_dtype!r} (accepted: "
+                               f"{DHPAttentionBackend.supported_kv_cache_dtypes})")
+        for name, value in extra_impl_args.items():
+            if value is not None and value is not False:
+                unsupported.append(f"{name}={value!r}")
+        if unsupported:
+            raise NotImplementedError("DHP attention backend does not support: " + "; ".join(unsupported))
+
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+        vllm_config = get_current_vllm_config()
+        self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
+        model_config = vllm_config.model_config
+        dtype = model_config.dtype if model_config is not None else torch.float16
+        from vllm.platforms import current_platform
+
+        device_type = current_platform.device_type
+        cap = None
+        if device_type == "cuda":
+            c = current_platform.get_device_capability()
+            cap = (c.major, c.minor) if c is not None else None
+        self.spec = ProblemSpec(
+            device_type=device_type,
+            dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+            head_size=head_size,
+            num_heads=num_heads,
+            num_kv_heads=self.num_kv_heads,
+            block_size=int(vllm_config.cache_config.block_size),
+            causal=True,
+            device_capability=cap,
+        )
+        # Decided once, at start-up: a refused fallback stops the engine here
+        # with the reason, not mid-request.
+        self.path_choice = choose_path(self.spec, self.dhp_config.policy,
+                                       requested=self.dhp_config.path,
+                                       allow_fallback=self.dhp_config.allow_fallback)
+        self._cache_update_op = compat.kv_cache_update_op(device_type)
+        self._check_values = os.environ.get("DHP_CHECK_VALUES", "0") == "1"
+        max_model_len = model_config.max_model_len if model_config is not None else None
+        _once(("init", self.spec, self.dhp_config), lambda: logger.warning(
+            "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s",
+            __version__, ".".join(map(str, compat.vllm_version())), self.dhp_config.describe(),
+            _describe_bucket(self.dhp_config.policy, max_model_len), self.path_choice.describe()))
+        if self.dhp_config.policy is Policy.STRICT and vllm_config.cache_config.enable_prefix_caching:
+            _once(("prefix-caching",), lambda: logger.warning(
+                "DHP policy 'strict': prefix caching is on. The scheduler skips the compute of "
+                "cached prefixes, which is a timing signal outside the attention kernel "
+                "(disable with --no-enable-prefix-caching for full constant time)."))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None, *args, **kwargs):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("DHP: fused output quantisation is not supported")
+        if attn_metadata is None or kv_cache.numel() == 0:
+            # Profiling / dummy runs: nothing to attend to; keep the output defined.
+            return output.zero_()
+        md: DHPMetadata = attn_metadata
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        out3 = output.view(output.shape[0], self.num_heads, self.head_size)
+        q3 = query.view(query.shape[0], self.num_heads, self.head_size)
+        paged_attention(
+            q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
+            scale=self.scale, causal=md.causal, policy=md.policy, bucket=md.bucket,
+            num_tokens=md.num_actual_tokens, path=self.dhp_config.path,
+            allow_fallback=self.dhp_config.allow_fallback, check_values=self._check_values,
+        )
+        _once(("forward", self.path_choice.name, md.policy), lambda: _trace({
+            "event": "forward", "backend": "DHP", "path": self.path_choice.name,
+            "policy": md.policy.value, "device": str(query.device),
+            "dtype": str(query.dtype), "head_size": self.head_size,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+            "block_size": key_cache.shape[2]}))
+        return output
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Scatter this step's K/V into their slots; slot -1 (padding) is skipped."""
+        if kv_cache.numel() == 0:
+            return
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        if self._cache_update_op is not None:
+            # vLLM's op wants [blocks, slots, heads, head] and honours strides.
+            self._cache_update_op(key, value, key_cache.transpose(1, 2), value_cache.transpose(1, 2),
+                                  slot_mapping, self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+            return
+        n = slot_mapping.shape[0]
+        slots = slot_mapping[:n]
+        valid = slots >= 0
+        slots = slots[valid]
+        block_size = key_cache.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, :, offsets] = key[:n][valid].to(key_cache.dtype)
+        value_cache[blocks, :, offsets] = value[:n][valid].to(value_cache.dtype)
+
+
+def _describe_bucket(policy: Policy, max_model_len: int | None) -> str:
+    if policy is Policy.STRICT:
+        return f"L=max_model_len={max_model_len}"
+    if policy is Policy.BATCH:
+        return "L=next power of two >= longest sequence in the step"
+    if policy is Policy.REQUEST:
+        return "L=each request's next power of two"
+    return "true lengths"

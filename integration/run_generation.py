@@ -1,0 +1,148 @@
+"""One offline vLLM generation run with a chosen attention backend; prints JSON.
+
+Run it as its own process (the demo and the e2e tests do): vLLM reads some
+settings at import time and backend overrides are per process.
+
+    python -m integration.run_generation --model DIR --backend DHP [--policy strict] \
+        [--multiprocessing 1] [--dtype float32] [--out result.json]
+
+``--backend native`` is vLLM's own choice for the platform (CPU_ATTN on CPU,
+FLASH_ATTN on Hopper); any other name is passed as ``attention_backend``. On the
+CPU platform vLLM ignores ``attention_backend``, so ``DHP`` there sets
+``DHP_OVERRIDE_CPU_ATTN=1`` (the plugin's testing aid).
+
+The workload is built to catch attention bugs: prompts of 1 to 260 tokens that
+cross several KV blocks, chunked prefill forced by a small token budget (mixed
+prefill/decode steps and prefill chunks on top of context), and a second round
+of prompts that share long prefixes with the first, so prefix caching turns
+their prefill into "chunk on top of cached context".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+
+def make_prompts(seed: int = 1234, vocab: int = 512) -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(seed)
+
+    def toks(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    first = [toks(n) for n in (1, 7, 40, 77, 150, 260)]
+    # Second round: long shared prefixes (whole blocks) of first-round prompts,
+    # plus new tokens -> prefix-cache hits, then a prefill chunk on that context.
+    second = [first[4][:128] + toks(21), first[5][:200] + toks(5), first[3][:64] + toks(1)]
+    return first, second
+
+
+def on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:
+        return True
+
+
+def run(args: argparse.Namespace) -> dict:
+    cpu = on_cpu()
+    trace_file = args.trace_file or tempfile.mktemp(prefix="dhp-trace-", suffix=".jsonl")
+    os.environ["DHP_TRACE_FILE"] = trace_file
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if args.backend == "DHP" and cpu:
+        os.environ["DHP_OVERRIDE_CPU_ATTN"] = "1"
+    else:
+        os.environ.pop("DHP_OVERRIDE_CPU_ATTN", None)
+
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=True, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=8, seed=0, enforce_eager=args.eager,
+    )
+    if not cpu:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.backend == "DHP":
+        kwargs["additional_config"] = {"dhp": {"policy": args.policy,
+                                               "allow_fallback": args.allow_fallback}}
+        if not cpu:
+            kwargs["attention_backend"] = "DHP"
+    elif args.backend != "native" and not cpu:
+        kwargs["attention_backend"] = args.backend
+
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1,
+                            ignore_eos=True, detokenize=False)
+    first, second = make_prompts()
+    outputs = []
+    for round_prompts in (first, second):
+        res = llm.generate([{"prompt_token_ids": p} for p in round_prompts], params, use_tqdm=False)
+        for prompt, r in zip(round_prompts, res):
+            c = r.outputs[0]
+            lps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
+            outputs.append({"prompt_len": len(prompt), "token_ids": list(c.token_ids), "logprobs": lps,
+                            "num_cached_tokens": getattr(r, "num_cached_tokens", None)})
+    elapsed = time.time() - t0
+
+    trace = []
+    if os.path.exists(trace_file):
+        with open(trace_file) as f:
+            trace = [json.loads(line) for line in f if line.strip()]
+    import vllm
+
+    return {"backend": args.backend, "policy": args.policy if args.backend == "DHP" else None,
+            "platform": "cpu" if cpu else "cuda", "vllm_version": vllm.__version__,
+            "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype,
+            "elapsed_s": round(elapsed, 1), "dhp_trace": trace, "outputs": outputs}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--backend", default="DHP", help="DHP | native | a vLLM backend name")
+    ap.add_argument("--policy", default="strict")
+    ap.add_argument("--allow-fallback", type=int, default=1,
+                    help="accept the non-constant-time reference path (CPU has no other)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--multiprocessing", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--eager", type=int, default=1)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--trace-file", default=None)
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    args.allow_fallback = bool(args.allow_fallback)
+    result = run(args)
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    sys.stdout.write("\nDHP_RESULT_JSON " + text + "\n")
+    sys.stdout.flush()
+    # vLLM's engine-core child can keep the interpreter alive; leave promptly.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
