@@ -8,7 +8,8 @@ KV cache convention (both versions, see compat.kv_cache_layouts): each layer's
 cache is a contiguous ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 tensor; the ``block_size * 2 * head_size`` run of one (block, kv head) holds the
 block's K page (``[block_size, head_size]``) followed by its V page. This is
-the memory CPU_ATTN uses too, so both can be compared on one cache.
+the page split CPU_ATTN uses too (CPU_ATTN orders elements inside its K page
+for its SIMD ISA, so the two backends do not share cache bytes).
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def kv_cache_update_op(device_type: str):
     CUDA: ``reshape_and_cache_flash`` takes the cache as
     ``[blocks, slots, heads, head]`` and honours its strides, so it writes our
     head-major pages through a permuted view. CPU: vLLM's op takes an ISA
-    argument that may select a packed layout (AMX), so we write with a plain
-    scatter in PyTorch instead (same bytes as CPU_ATTN's vec layout).
+    argument and orders each K page for that SIMD ISA, not as plain
+    ``[slots, head]`` rows, so we write with a plain scatter in PyTorch.
     """
     if device_type != "cuda":
         return None

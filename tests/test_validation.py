@@ -1,0 +1,152 @@
+"""Bad inputs to `ops.paged_attention`: each is rejected with a clear ValueError.
+
+Every message must name the argument, show the value it got and say what is
+accepted. Rejected inputs covered here:
+
+- query: not a tensor; 2-D; integer dtype; last dimension not contiguous; zero heads
+- key_cache / value_cache: dtype differs from query; on another device; shapes differ;
+  head size differs from query; KV heads do not divide query heads; not 4-D
+- block_table: int64 instead of int32; fewer rows than requests
+- query_start_loc: wrong length; wrong dtype
+- seq_lens: wrong dtype; 2-D
+- out: wrong dtype; wrong head shape; fewer rows than num_tokens; non-contiguous last dim
+- num_tokens: above query rows; negative; bool
+- scale: zero, negative, NaN, bool, string
+- causal: not a bool
+- policy: unknown name
+- bucket: missing under strict; given under off; above the block table's capacity;
+  per-request tensor of wrong length or dtype under request; zero
+- values: query_start_loc[0] != 0; decreasing query_start_loc; query longer than its
+  sequence; negative length; length above the bucket; block id negative / out of range;
+  length needing more blocks than the table has; last offset beyond num_tokens
+- path: unknown; 'triton' when the kernels do not cover the problem
+- policy strict with only the non-constant-time path and no explicit permission
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from dhp_backend.ops import FallbackRefused, paged_attention
+from paged_batch import Request, make_batch
+
+
+def base():
+    b = make_batch([Request(20, 1), Request(0, 5)], num_heads=4, num_kv_heads=2, head_size=16,
+                   block_size=8, seed=1, extra_columns=1)
+    return dict(query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
+                block_table=b.block_table, query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+                out=torch.empty_like(b.query), scale=0.25, causal=True, policy="off", path="reference")
+
+
+def call(**changes):
+    kw = base()
+    kw.update(changes)
+    args = [kw.pop(k) for k in ("query", "key_cache", "value_cache", "block_table", "query_start_loc",
+                                "seq_lens", "out")]
+    return paged_attention(*args, **kw)
+
+
+def mutate(name, fn):
+    kw = base()
+    return {name: fn(kw[name])}
+
+
+def with_values(**tensors):
+    return {k: torch.tensor(v, dtype=torch.int32) for k, v in tensors.items()}
+
+
+B = base()
+NB = B["key_cache"].shape[0]
+
+CASES = [
+    # (id, changes, argument named in the message)
+    ("query-not-tensor", {"query": [[1.0]]}, "query"),
+    ("query-2d", mutate("query", lambda q: q.reshape(q.shape[0], -1)), "query"),
+    ("query-int", mutate("query", lambda q: q.to(torch.int32)), "query"),
+    ("query-noncontig", mutate("query", lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)), "query"),
+    ("query-zero-heads", {"query": torch.empty(6, 0, 16)}, "query"),
+    ("kcache-dtype", mutate("key_cache", lambda k: k.half()), "key_cache"),
+    ("kcache-device", mutate("key_cache", lambda k: k.to("meta")), "key_cache"),
+    ("kcache-3d", mutate("key_cache", lambda k: k[0]), "key_cache"),
+    ("vcache-shape", mutate("value_cache", lambda v: v[:-1]), "value_cache"),
+    ("head-size-mismatch", {"key_cache": B["key_cache"][..., :8], "value_cache": B["value_cache"][..., :8]},
+     "key_cache"),
+    ("kv-heads-not-dividing", {"key_cache": torch.zeros(NB, 3, 8, 16), "value_cache": torch.zeros(NB, 3, 8, 16)},
+     "key_cache"),
+    ("block-table-int64", mutate("block_table", lambda t: t.long()), "block_table"),
+    ("block-table-rows", mutate("block_table", lambda t: t[:1]), "block_table"),
+    ("qsl-length", mutate("query_start_loc", lambda t: t[:-1]), "query_start_loc"),
+    ("qsl-dtype", mutate("query_start_loc", lambda t: t.long()), "query_start_loc"),
+    ("seq-lens-dtype", mutate("seq_lens", lambda t: t.float()), "seq_lens"),
+    ("seq-lens-2d", mutate("seq_lens", lambda t: t[None]), "seq_lens"),
+    ("out-dtype", mutate("out", lambda o: o.half()), "out"),
+    ("out-shape", mutate("out", lambda o: o[:, :2]), "out"),
+    ("out-rows", mutate("out", lambda o: o[:3]), "out"),
+    ("out-noncontig", mutate("out", lambda o: o.transpose(1, 2).contiguous().transpose(1, 2)), "out"),
+    ("num-tokens-high", {"num_tokens": 100}, "num_tokens"),
+    ("num-tokens-negative", {"num_tokens": -1}, "num_tokens"),
+    ("num-tokens-bool", {"num_tokens": True}, "num_tokens"),
+    ("scale-zero", {"scale": 0.0}, "scale"),
+    ("scale-negative", {"scale": -1.0}, "scale"),
+    ("scale-nan", {"scale": float("nan")}, "scale"),
+    ("scale-bool", {"scale": True}, "scale"),
+    ("scale-str", {"scale": "0.1"}, "scale"),
+    ("causal-int", {"causal": 1}, "causal"),
+    ("policy-unknown", {"policy": "paranoid"}, "policy"),
+    ("bucket-missing-strict", {"policy": "strict", "allow_fallback": True}, "bucket"),
+    ("bucket-under-off", {"bucket": 64}, "bucket"),
+    ("bucket-zero", {"policy": "batch", "bucket": 0, "allow_fallback": True}, "bucket"),
+    ("bucket-above-table", {"policy": "strict", "bucket": 10_000, "allow_fallback": True}, "bucket"),
+    ("bucket-tensor-length", {"policy": "request", "bucket": torch.tensor([32], dtype=torch.int32),
+                              "allow_fallback": True}, "bucket"),
+    ("bucket-tensor-dtype", {"policy": "request", "bucket": torch.tensor([32, 32]), "allow_fallback": True},
+     "bucket"),
+    ("qsl-not-starting-at-zero", with_values(query_start_loc=[1, 2, 6]), "query_start_loc[0]"),
+    ("qsl-decreasing", with_values(query_start_loc=[0, 4, 2]), "query_start_loc[2]"),
+    ("query-longer-than-sequence", with_values(seq_lens=[20, 3]), "seq_lens[1]"),
+    ("negative-length", with_values(seq_lens=[-1, 5], query_start_loc=[0, 0, 5]), "seq_lens[0]"),
+    ("length-above-bucket", {"policy": "strict", "bucket": 16, "allow_fallback": True}, "seq_lens[0]"),
+    ("request-bucket-too-small", {"policy": "request", "bucket": torch.tensor([16, 8], dtype=torch.int32),
+                                  "allow_fallback": True}, "seq_lens[0]"),
+    ("block-id-negative", mutate("block_table", lambda t: t.clone().index_fill_(1, torch.tensor([0]), -1)),
+     "block_table[0, 0]"),
+    ("block-id-out-of-range", mutate("block_table", lambda t: t.clone().index_fill_(1, torch.tensor([0]), NB)),
+     "block_table[0, 0]"),
+    ("length-beyond-table", with_values(seq_lens=[50, 5]), "seq_lens[0]"),
+    ("qsl-beyond-num-tokens", {"num_tokens": 4}, "query_start_loc[-1]"),
+    ("path-unknown", {"path": "cuda"}, "path"),
+]
+
+
+@pytest.mark.parametrize("changes,argument", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rejected_with_clear_message(changes, argument):
+    with pytest.raises(ValueError) as info:
+        call(**changes)
+    msg = str(info.value)
+    assert re.search(r"\b" + re.escape(argument), msg), f"message does not name {argument!r}: {msg}"
+    assert "accepted" in msg, f"message does not say what is accepted: {msg}"
+
+
+def test_triton_path_refused_when_not_covered():
+    # head size 16 on the CPU is outside every kernel's coverage: a forced
+    # 'triton' path is an error, never a silent substitute
+    with pytest.raises(ValueError, match="path='triton'.*do not cover"):
+        call(path="triton")
+
+
+def test_strict_refuses_non_constant_time_fallback():
+    with pytest.raises(FallbackRefused) as info:
+        call(policy="strict", bucket=32, path="auto")
+    msg = str(info.value)
+    assert "not constant-time" in msg and "allow_fallback" in msg and "'off'" in msg
+
+
+def test_valid_call_passes_and_values_check_can_be_skipped():
+    out = call()
+    assert torch.isfinite(out).all()
+    # check_values=False skips host-side value checks (for callers that validated already)
+    call(check_values=False)
