@@ -77,8 +77,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.backend == "DHP":
         kwargs["additional_config"] = {"dhp": {"policy": args.policy,
                                                "allow_fallback": args.allow_fallback}}
-        if not cpu:
-            kwargs["attention_backend"] = "DHP"
+        # Also on CPU, where vLLM selects by the CPU_ATTN slot: passing the name
+        # exercises its resolution and the pickling of the config into the
+        # spawned engine core (the alias must survive it).
+        kwargs["attention_backend"] = args.attention_backend_name
     elif args.backend != "native" and not cpu:
         kwargs["attention_backend"] = args.backend
 
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             outputs.append({"prompt_len": len(prompt), "token_ids": list(c.token_ids), "logprobs": lps,
                             "num_cached_tokens": getattr(r, "num_cached_tokens", None)})
     elapsed = time.time() - t0
+    shutdown(llm)
 
     trace = []
     if os.path.exists(trace_file):
@@ -109,11 +112,43 @@ def run(args: argparse.Namespace) -> dict:
             "elapsed_s": round(elapsed, 1), "dhp_trace": trace, "outputs": outputs}
 
 
+def shutdown(llm) -> None:
+    """Stop vLLM's engine-core process (and its workers) before this process exits.
+
+    Without it a spawned engine core can outlive us, holding memory and any
+    pipe our caller reads our output from.
+    """
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # best effort; the backstop below still runs
+        print(f"engine shutdown: {exc!r}", file=sys.stderr)
+    terminate_children()
+
+
+def terminate_children(timeout: float = 15.0) -> None:
+    """Backstop: end every process this one started that is still alive."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for c in children:
+        try:
+            c.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for c in alive:
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--backend", default="DHP", help="DHP | native | a vLLM backend name")
     ap.add_argument("--policy", default="strict")
+    ap.add_argument("--attention-backend-name", default="DHP", help="DHP or CUSTOM (same backend)")
     ap.add_argument("--allow-fallback", type=int, default=1,
                     help="accept the non-constant-time reference path (CPU has no other)")
     ap.add_argument("--dtype", default="float32")
@@ -140,7 +175,9 @@ def main(argv=None) -> None:
             f.write(text)
     sys.stdout.write("\nDHP_RESULT_JSON " + text + "\n")
     sys.stdout.flush()
-    # vLLM's engine-core child can keep the interpreter alive; leave promptly.
+    sys.stderr.flush()
+    terminate_children()
+    # vLLM's atexit hooks can block on already-stopped children; leave promptly.
     os._exit(0)
 
 

@@ -26,3 +26,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _scope_triton_interpreter(request, monkeypatch):
+    """TRITON_INTERPRET=1 only inside the Triton test modules.
+
+    On a CPU, the dispatcher covers shapes with the Triton kernels only under the
+    interpreter; a test module that sets the variable must not change which path
+    the adapter and end-to-end tests get. The path choice is cached per problem,
+    so the cache is cleared whenever the scope changes.
+    """
+    wants = "triton" in request.node.module.__name__
+    if wants:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from dhp_backend.ops import attention
+
+    attention._choose_path_logged.cache_clear()
+    yield
+    attention._choose_path_logged.cache_clear()

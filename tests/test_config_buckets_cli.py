@@ -1,0 +1,127 @@
+"""Configuration sources, length buckets, path dispatch and the `dhp-backend` CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dhp_backend.cli import main as cli_main
+from dhp_backend.config import DHPConfig, Policy
+from dhp_backend.ops import FallbackRefused, ProblemSpec, bucket_for_step, choose_path, next_pow2
+from dhp_backend.ops.buckets import next_pow2_tensor
+
+
+# --- configuration -----------------------------------------------------------------
+def test_defaults():
+    cfg = DHPConfig.from_sources(None, environ={})
+    assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.STRICT, False, "auto")
+
+
+def test_additional_config_beats_environment():
+    env = {"DHP_POLICY": "off", "DHP_ALLOW_FALLBACK": "0", "DHP_PATH": "triton"}
+    cfg = DHPConfig.from_sources({"dhp": {"policy": "BATCH", "allow_fallback": True, "path": "reference"}},
+                                 environ=env)
+    assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.BATCH, True, "reference")
+    cfg = DHPConfig.from_sources({"other_plugin": {}}, environ=env)
+    assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.OFF, False, "triton")
+    assert "policy from DHP_POLICY" in cfg.describe()
+
+
+@pytest.mark.parametrize("section,env,needle", [
+    ({"dhp": {"policy": "fast"}}, {}, r"additional_config\['dhp'\]\['policy'\]: unknown DHP policy 'fast'"),
+    ({"dhp": {"polcy": "off"}}, {}, r"unknown key\(s\) \['polcy'\]"),
+    ({"dhp": "strict"}, {}, r"must be a JSON object"),
+    ({"dhp": {"allow_fallback": "maybe"}}, {}, r"allow_fallback.*expected a boolean"),
+    ({"dhp": {"path": "cuda"}}, {}, r"unknown path 'cuda'"),
+    (None, {"DHP_POLICY": "nope"}, r"DHP_POLICY: unknown DHP policy 'nope'"),
+    (None, {"DHP_ALLOW_FALLBACK": "2"}, r"DHP_ALLOW_FALLBACK: expected a boolean"),
+    (None, {"DHP_PATH": "gpu"}, r"DHP_PATH: unknown path 'gpu'"),
+])
+def test_bad_configuration_is_explained(section, env, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        DHPConfig.from_sources(section, environ=env)
+    assert "accepted" in str(info.value) or "expected" in str(info.value) or "JSON object" in str(info.value)
+
+
+# --- buckets -------------------------------------------------------------------------
+def test_next_pow2():
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+    lens = torch.arange(0, 70_000, dtype=torch.int32)
+    expected = torch.tensor([next_pow2(int(n)) for n in lens], dtype=torch.int32)
+    assert torch.equal(next_pow2_tensor(lens), expected)
+
+
+def test_bucket_per_policy():
+    lens = [5, 100, 1000]
+    assert bucket_for_step("strict", max_model_len=4096, seq_lens=lens) == 4096
+    assert bucket_for_step("off", max_model_len=4096, seq_lens=lens) is None
+    assert bucket_for_step("batch", max_model_len=4096, seq_lens=lens) == 1024
+    assert bucket_for_step("batch", max_model_len=4096, max_seq_len=3000) == 4096
+    assert bucket_for_step("batch", max_model_len=3000, max_seq_len=2500) == 3000  # capped, never above
+    b = bucket_for_step("request", max_model_len=512, seq_lens=torch.tensor([1, 5, 100, 511], dtype=torch.int32))
+    assert b.dtype == torch.int32 and b.tolist() == [1, 8, 128, 512]
+    with pytest.raises(ValueError, match="max_model_len"):
+        bucket_for_step("strict", max_model_len=0)
+    with pytest.raises(ValueError, match="request"):
+        bucket_for_step("request", max_model_len=64)
+
+
+# --- dispatch ----------------------------------------------------------------------------
+SPEC_UNCOVERED = ProblemSpec("cuda", "bfloat16", 72, 32, 8, 16, True, (9, 0))
+
+
+def test_dispatch_refuses_or_falls_back_explicitly():
+    with pytest.raises(FallbackRefused, match="head size 72"):
+        choose_path(SPEC_UNCOVERED, "strict")
+    for policy in ("batch", "request"):
+        with pytest.raises(FallbackRefused):
+            choose_path(SPEC_UNCOVERED, policy)
+    allowed = choose_path(SPEC_UNCOVERED, "strict", allow_fallback=True)
+    assert allowed.name == "reference" and not allowed.constant_time and "head size 72" in allowed.reason
+    assert choose_path(SPEC_UNCOVERED, "off").name == "reference"
+    with pytest.raises(ValueError, match="path='triton'"):
+        choose_path(SPEC_UNCOVERED, "off", requested="triton")
+    with pytest.raises(ValueError, match="unknown path"):
+        choose_path(SPEC_UNCOVERED, "off", requested="fast")
+
+
+# --- CLI ------------------------------------------------------------------------------------
+def test_info_json(capsys):
+    assert cli_main(["info", "--json", "--device", "cuda", "--policy", "batch", "--head-size", "72"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["versions"]["dhp_backend"] == "0.1.0" and r["versions"]["torch"]
+    assert r["config"]["policy"] == "batch"
+    assert set(r["cases"]) == {"decode", "prefill", "mixed"}
+    for case in r["cases"].values():
+        assert case["path"] == "REFUSED" and "head size 72" in case["why"]
+    assert r["cases"]["decode"]["bucket"] == 1024  # 8 decodes at context 1000 -> next power of two
+    assert "allow_fallback" in r["refusal"]
+
+
+def test_info_text_and_additional_config(capsys):
+    assert cli_main(["info", "--device", "cpu", "--additional-config",
+                     '{"dhp": {"policy": "off"}}']) == 0
+    out = capsys.readouterr().out
+    assert "policy=off" in out and "reference (not constant-time)" in out and "true lengths" in out
+
+
+def test_info_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["info", "--num-heads", "6", "--num-kv-heads", "4"])
+    assert e.value.code == 2
+    assert cli_main(["info", "--additional-config", '{"dhp": {"policy": "x"}}']) == 2
+    assert "unknown DHP policy" in capsys.readouterr().err
+
+
+def test_console_script_installed():
+    exe = Path(sys.executable).with_name("dhp-backend")
+    if not exe.exists():
+        pytest.skip("package not installed in this interpreter's environment")
+    res = subprocess.run([str(exe), "info", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "dhp_backend 0.1.0" in res.stdout

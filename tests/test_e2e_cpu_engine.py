@@ -1,0 +1,186 @@
+"""End to end on vLLM's CPU engine: the seeded tiny Llama, DHP vs the built-in backend.
+
+Each generation runs in its own process (``integration/run_generation.py``):
+vLLM reads settings at import and backend overrides are per process. The
+workload forces chunked prefill (64-token budget, prompts up to 260 tokens over
+32-token blocks), mixed prefill/decode steps, and prefix-cache hits (a second
+round of prompts sharing long prefixes with the first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parent.parent
+# The engine must take the path a user's CPU engine takes (the reference), not
+# the Triton interpreter that the kernel test modules enable for themselves.
+ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DHP_POLICY", "DHP_PATH",
+                                                         "DHP_ALLOW_FALLBACK", "DHP_OVERRIDE_CPU_ATTN")}
+ENV.update({"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            "TOKENIZERS_PARALLELISM": "false"})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from integration.tiny_llama import build
+
+    return build(tmp_path_factory.mktemp("tiny-llama-e2e"), seed=0)
+
+
+def generate(model_dir, backend, *extra, expect_ok=True):
+    cmd = [sys.executable, "-m", "integration.run_generation", "--model", str(model_dir), "--backend", backend,
+           *extra]
+    code, text = run_logged(cmd, ENV)
+    if not expect_ok:
+        return code, text
+    assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
+    return json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
+
+
+def run_logged(cmd, env, timeout=900):
+    """Run with output to a file (no pipe a stray child could hold open) in its own
+    session, and end whatever is left of that session afterwards."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            _kill_session(proc)
+        log.seek(0)
+        return code, log.read()
+
+
+def _kill_session(proc):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def native(model_dir):
+    return generate(model_dir, "native", "--multiprocessing", "1")
+
+
+@pytest.fixture(scope="module")
+def dhp_mp(model_dir):
+    return generate(model_dir, "DHP", "--multiprocessing", "1", "--policy", "strict")
+
+
+def assert_ran_dhp(result, policy):
+    trace = result["dhp_trace"]
+    assert trace, "the worker did not run DHP (silent fallback to CPU_ATTN?)"
+    assert {(t["backend"], t["path"], t["policy"]) for t in trace} == {("DHP", "reference", policy)}
+    return {t["pid"] for t in trace}
+
+
+def test_dhp_matches_builtin_cpu_backend(native, dhp_mp):
+    assert native["dhp_trace"] == []  # the baseline really is vLLM's own backend
+    pids = assert_ran_dhp(dhp_mp, "strict")
+    assert os.getpid() not in pids
+    assert len(native["outputs"]) == len(dhp_mp["outputs"]) == 9
+    worst = 0.0
+    for n, d in zip(native["outputs"], dhp_mp["outputs"]):
+        assert n["token_ids"] == d["token_ids"], f"prompt of {n['prompt_len']} tokens"
+        assert len(d["token_ids"]) == 12
+        worst = max(worst, max(abs(a - b) for a, b in zip(n["logprobs"], d["logprobs"])))
+    assert worst < 1e-4, worst
+    # the workload exercised what it claims: prefix-cache hits on the second round
+    assert [o["num_cached_tokens"] for o in dhp_mp["outputs"][6:]] == [128, 192, 64]
+    assert max(o["prompt_len"] for o in dhp_mp["outputs"]) > 64  # > token budget: chunked
+
+
+def test_dhp_in_process_engine_gives_identical_bits(model_dir, dhp_mp):
+    single = generate(model_dir, "DHP", "--multiprocessing", "0", "--policy", "strict")
+    assert_ran_dhp(single, "strict")
+    assert [o["token_ids"] for o in single["outputs"]] == [o["token_ids"] for o in dhp_mp["outputs"]]
+    assert [o["logprobs"] for o in single["outputs"]] == [o["logprobs"] for o in dhp_mp["outputs"]]
+
+
+def test_policy_off_and_custom_name_give_identical_bits(model_dir, dhp_mp):
+    off = generate(model_dir, "DHP", "--policy", "off", "--allow-fallback", "0",
+                   "--attention-backend-name", "CUSTOM")
+    assert_ran_dhp(off, "off")
+    assert [o["logprobs"] for o in off["outputs"]] == [o["logprobs"] for o in dhp_mp["outputs"]]
+
+
+def test_strict_without_permission_refuses_to_start(model_dir):
+    code, text = generate(model_dir, "DHP", "--policy", "strict", "--allow-fallback", "0",
+                          "--multiprocessing", "0", expect_ok=False)
+    assert code != 0
+    assert "FallbackRefused" in text and "allow_fallback" in text, text[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_smoke(model_dir):
+    """`--attention-backend DHP` on the OpenAI server: one completion, then stop it by PID."""
+    port = _free_port()
+    trace = tempfile.mktemp(prefix="dhp-serve-", suffix=".jsonl")
+    env = {**ENV, "DHP_OVERRIDE_CPU_ATTN": "1", "DHP_TRACE_FILE": trace}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--attention-backend", "DHP",
+           "--additional-config", json.dumps({"dhp": {"policy": "strict", "allow_fallback": True}}),
+           "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
+    log = open(tempfile.mktemp(prefix="dhp-serve-", suffix=".log"), "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, "server exited:\n" + _tail(log)
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not come up:\n" + _tail(log)
+            time.sleep(1)
+        body = json.dumps({"model": str(model_dir), "prompt": "w1 w2 w3 w4 w5 w6", "max_tokens": 5,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.loads(r.read())
+        assert reply["choices"][0]["text"].strip(), reply
+        assert reply["usage"]["completion_tokens"] == 5, reply
+        with open(trace) as f:
+            events = [json.loads(line) for line in f if line.strip()]
+        assert events and all(e["backend"] == "DHP" and e["path"] == "reference" for e in events), events
+    finally:
+        _kill_session(proc)  # stop the server (and its engine core) by PID / session
+        log.close()
+
+
+def _tail(f, n=60):
+    f.flush()
+    f.seek(0)
+    return "\n".join(f.read().splitlines()[-n:])
