@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
     first, second = make_prompts()
     outputs = []
     for round_prompts in (first, second):
-        res = llm.generate([{"prompt_token_ids": p} for p in round_prompts], params, use_tqdm=False)
+        res = generate_batched(llm, round_prompts, params, args.batching)
         for prompt, r in zip(round_prompts, res):
             c = r.outputs[0]
             lps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
@@ -108,8 +108,26 @@ def run(args: argparse.Namespace) -> dict:
 
     return {"backend": args.backend, "policy": args.policy if args.backend == "DHP" else None,
             "platform": "cpu" if cpu else "cuda", "vllm_version": vllm.__version__,
-            "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype,
+            "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype, "batching": args.batching,
+            "eager": bool(args.eager), "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
             "elapsed_s": round(elapsed, 1), "dhp_trace": trace, "outputs": outputs}
+
+
+def generate_batched(llm, prompts, params, batching: str):
+    """Generate ``prompts`` in one of several batch compositions; results in prompt order.
+
+    ``together``: one batch in order; ``reversed``: one batch in reverse order;
+    ``solo``: each prompt alone. With a batch-invariant engine the per-prompt bits
+    must not depend on this.
+    """
+    items = [{"prompt_token_ids": p} for p in prompts]
+    if batching == "together":
+        return llm.generate(items, params, use_tqdm=False)
+    if batching == "reversed":
+        return list(reversed(llm.generate(items[::-1], params, use_tqdm=False)))
+    if batching == "solo":
+        return [llm.generate([it], params, use_tqdm=False)[0] for it in items]
+    raise ValueError(f"--batching {batching!r}; accepted: together, reversed, solo")
 
 
 def shutdown(llm) -> None:
@@ -160,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--eager", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--batching", default="together", choices=["together", "reversed", "solo"])
     ap.add_argument("--trace-file", default=None)
     ap.add_argument("--out", default=None, help="write the JSON here too")
     return ap
