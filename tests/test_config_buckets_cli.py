@@ -127,3 +127,25 @@ def test_console_script_installed():
     res = subprocess.run([str(exe), "info", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "dhp_backend 0.1.0" in res.stdout
+
+
+def test_request_buckets_written_into_persistent_buffer():
+    buf = torch.full((8,), -1, dtype=torch.int32)
+    view = bucket_for_step("request", max_model_len=100, seq_lens=torch.tensor([3, 70], dtype=torch.int32),
+                           out=buf)
+    assert view.data_ptr() == buf.data_ptr() and view.tolist() == [4, 100]
+    assert buf[2:].tolist() == [-1] * 6
+    with pytest.raises(ValueError, match="out must be"):
+        bucket_for_step("request", max_model_len=100, seq_lens=torch.tensor([3, 70], dtype=torch.int32),
+                        out=torch.empty(1, dtype=torch.int32))
+
+
+def test_graph_capture_rules():
+    from dhp_backend.ops import PathChoice, graph_capturable
+
+    triton_path = PathChoice("triton", True, "covered")
+    reference = PathChoice("reference", False, "fallback")
+    assert graph_capturable(triton_path, "strict") and graph_capturable(triton_path, "request")
+    assert graph_capturable(triton_path, "off")
+    assert not graph_capturable(triton_path, "batch")  # host bucket changes every step
+    assert not any(graph_capturable(reference, p) for p in ("strict", "batch", "request", "off"))

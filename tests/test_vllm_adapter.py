@@ -324,3 +324,25 @@ def test_plugin_import_is_cheap():
     code = ("import dhp_backend.ops as o; o.choose_path(o.ProblemSpec('cuda', 'bfloat16', 128, 32, 8, 16, "
             "True, (9, 0)), 'off')")
     assert loaded_after(code) == "['torch']"
+
+
+def test_cudagraph_support_follows_path_and_policy(model_dir):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    builder_cls = DHPAttentionBackend.get_builder_cls()
+    for policy in ("strict", "off"):
+        # on this CPU the reference path runs: it reads lengths on the host -> never captured
+        cfg = make_vllm_config(model_dir, 16, policy=policy, allow_fallback=True)
+        assert builder_cls.get_cudagraph_support(cfg, spec) is AttentionCGSupport.NEVER
+
+
+def test_request_buckets_reuse_one_buffer(model_dir):
+    cfg = make_vllm_config(model_dir, 16, policy="request", allow_fallback=True)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    builder = DHPAttentionBackend.get_builder_cls()(spec, ["l0"], cfg, torch.device("cpu"))
+    a = builder.build(0, Step([Request(60, 1), Request(0, 9)], 16, seed=1).common).bucket
+    ptr, values_a = a.data_ptr(), a.tolist()
+    b = builder.build(0, Step([Request(200, 1), Request(3, 2)], 16, seed=2).common).bucket
+    assert values_a == [64, 16] and b.tolist() == [256, 8]
+    assert b.data_ptr() == ptr  # refilled in place: what a captured graph reads on replay

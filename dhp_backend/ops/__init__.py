@@ -7,7 +7,14 @@ reference implement it. It knows nothing of vLLM.
 from dhp_backend.config import Policy
 from dhp_backend.ops.attention import paged_attention
 from dhp_backend.ops.buckets import bucket_for_step, next_pow2
-from dhp_backend.ops.dispatch import FallbackRefused, PathChoice, ProblemSpec, choose_path
+from dhp_backend.ops.dispatch import (
+    FallbackRefused,
+    PathChoice,
+    ProblemSpec,
+    choose_path,
+    graph_capturable,
+    prepare_path,
+)
 
 __all__ = [
     "FallbackRefused",
@@ -16,6 +23,8 @@ __all__ = [
     "ProblemSpec",
     "bucket_for_step",
     "choose_path",
+    "graph_capturable",
     "next_pow2",
     "paged_attention",
+    "prepare_path",
 ]

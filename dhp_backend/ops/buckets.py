@@ -39,6 +39,7 @@ def bucket_for_step(
     max_model_len: int,
     seq_lens: Sequence[int] | torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> int | torch.Tensor | None:
     """The bucket argument of `ops.paged_attention` for one step.
 
@@ -48,6 +49,9 @@ def bucket_for_step(
       upper bound), else ``max(seq_lens)``.
     - ``request``: per-request next power of two capped at ``max_model_len``, as
       an int32 tensor on the device of ``seq_lens`` (computed there, no sync).
+      With ``out`` (int32, at least ``len(seq_lens)`` long) the result is written
+      into ``out[:len(seq_lens)]`` and that view is returned: a persistent buffer
+      is what a CUDA graph captured once can read on every replay.
     - ``off``: ``None`` (true lengths).
     """
     policy = Policy.parse(policy)
@@ -68,4 +72,12 @@ def bucket_for_step(
     if seq_lens is None:
         raise ValueError("bucket_for_step(request): pass seq_lens (per-request lengths)")
     lens = seq_lens if isinstance(seq_lens, torch.Tensor) else torch.tensor(list(seq_lens))
-    return next_pow2_tensor(lens).clamp(max=int(max_model_len)).to(torch.int32)
+    result = next_pow2_tensor(lens).clamp(max=int(max_model_len)).to(torch.int32)
+    if out is None:
+        return result
+    if out.dtype != torch.int32 or out.dim() != 1 or out.shape[0] < result.shape[0]:
+        raise ValueError(f"bucket_for_step: out must be a 1-D int32 tensor of at least {result.shape[0]} "
+                         f"entries, got {out.dtype} of shape {tuple(out.shape)}")
+    view = out[:result.shape[0]]
+    view.copy_(result)
+    return view

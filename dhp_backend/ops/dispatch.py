@@ -97,3 +97,29 @@ def _describe_spec(spec: ProblemSpec) -> str:
         f"{spec.device_type}, {spec.dtype}, head_size={spec.head_size}, heads={spec.num_heads}/"
         f"{spec.num_kv_heads} kv, block_size={spec.block_size}, causal={spec.causal}"
     )
+
+
+def graph_capturable(choice: PathChoice, policy: Policy | str) -> bool:
+    """Whether a launch on ``choice`` can be captured in a CUDA graph and replayed.
+
+    The Triton path reads every length from device memory and sizes its grid
+    from the step geometry and the bucket; under ``strict`` the bucket is a
+    constant, under ``request``/``off`` it lives on the device. Under ``batch``
+    the bucket is a host value that changes every step, which a replay would
+    freeze. The reference path reads lengths on the host (a sync): never.
+    """
+    return choice.name == TRITON and Policy.parse(policy) is not Policy.BATCH
+
+
+def prepare_path(choice: PathChoice, device) -> int:
+    """Allocate, now, whatever ``choice`` needs on ``device``; return the bytes held.
+
+    Called at start-up (before vLLM's memory profiling and graph capture), so
+    nothing is allocated per step and the engine sizes its KV cache around it.
+    """
+    if choice.name == TRITON and getattr(device, "type", str(device)) == "cuda":
+        from dhp_backend.ops import triton as triton_pkg
+
+        triton_pkg.reserve_workspace(device)
+        return triton_pkg.workspace_bytes()
+    return 0

@@ -35,7 +35,14 @@ from vllm.v1.attention.backend import (
 
 from dhp_backend import __version__
 from dhp_backend.config import DHPConfig, Policy
-from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path, paged_attention
+from dhp_backend.ops import (
+    ProblemSpec,
+    bucket_for_step,
+    choose_path,
+    graph_capturable,
+    paged_attention,
+    prepare_path,
+)
 from dhp_backend.vllm import compat
 
 logger = logging.getLogger("dhp_backend")
@@ -158,14 +165,57 @@ class DHPMetadata:
     max_model_len: int
 
 
+def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                  dtype: torch.dtype) -> ProblemSpec:
+    """The static problem of one attention layer on this process's platform."""
+    from vllm.platforms import current_platform
+
+    device_type = current_platform.device_type
+    cap = None
+    if device_type == "cuda":
+        c = current_platform.get_device_capability()
+        cap = (c.major, c.minor) if c is not None else None
+    return ProblemSpec(device_type=device_type, dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+                       head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       block_size=block_size, causal=True, device_capability=cap)
+
+
 class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
-    # Issue 3 raises this once the kernels read every bound from device memory.
+    # The real level depends on policy and path: see get_cudagraph_support.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """ALWAYS (full graphs of any mix of prefills and decodes) when the chosen
+        path reads every length from device memory and the bucket does not change
+        between steps; NEVER otherwise (vLLM then runs attention eagerly between
+        captured pieces). See `dhp_backend.ops.graph_capturable`."""
+        try:
+            cfg = DHPConfig.from_sources(vllm_config.additional_config)
+            spec = _problem_spec(
+                num_heads=vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+                num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
+                block_size=kv_cache_spec.block_size, dtype=kv_cache_spec.dtype)
+            # what would run (a refused fallback is reported by the impl at start-up)
+            choice = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
+        except Exception as exc:  # never fail graph planning over a question we can't answer
+            logger.warning("DHP: CUDA-graph support unknown (%s); declaring NEVER", exc)
+            return AttentionCGSupport.NEVER
+        level = AttentionCGSupport.ALWAYS if graph_capturable(choice, cfg.policy) else AttentionCGSupport.NEVER
+        _once(("cg", level, cfg.policy, choice.name), lambda: logger.warning(
+            "DHP: CUDA-graph support %s (policy=%s, path=%s)", level.name, cfg.policy.value, choice.name))
+        return level
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        # Per-request buckets live in one persistent buffer, refilled in place each
+        # step: a CUDA graph replays the addresses it captured.
+        self._request_buckets = None
+        if self.dhp_config.policy is Policy.REQUEST:
+            max_reqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 256)
+            self._request_buckets = torch.empty(max_reqs, dtype=torch.int32, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DHPMetadata:
@@ -173,8 +223,12 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
         if isinstance(cm.causal, torch.Tensor):
             raise NotImplementedError("DHP: per-request causal flags (drafter metadata) are not supported")
         policy = self.dhp_config.policy
+        out = self._request_buckets
+        if out is not None and out.shape[0] < cm.seq_lens.shape[0]:  # more requests than planned for
+            out = self._request_buckets = torch.empty(cm.seq_lens.shape[0], dtype=torch.int32,
+                                                      device=cm.seq_lens.device)
         bucket = bucket_for_step(policy, max_model_len=self.max_model_len,
-                                 seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len)
+                                 seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len, out=out)
         return DHPMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -257,35 +311,26 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
         model_config = vllm_config.model_config
         dtype = model_config.dtype if model_config is not None else torch.float16
-        from vllm.platforms import current_platform
-
-        device_type = current_platform.device_type
-        cap = None
-        if device_type == "cuda":
-            c = current_platform.get_device_capability()
-            cap = (c.major, c.minor) if c is not None else None
-        self.spec = ProblemSpec(
-            device_type=device_type,
-            dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
-            head_size=head_size,
-            num_heads=num_heads,
-            num_kv_heads=self.num_kv_heads,
-            block_size=int(vllm_config.cache_config.block_size),
-            causal=True,
-            device_capability=cap,
-        )
+        self.spec = _problem_spec(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_size=head_size,
+                                  block_size=int(vllm_config.cache_config.block_size), dtype=dtype)
         # Decided once, at start-up: a refused fallback stops the engine here
         # with the reason, not mid-request.
         self.path_choice = choose_path(self.spec, self.dhp_config.policy,
                                        requested=self.dhp_config.path,
                                        allow_fallback=self.dhp_config.allow_fallback)
-        self._cache_update_op = compat.kv_cache_update_op(device_type)
+        # Whatever the path needs on the device is allocated now, before vLLM
+        # profiles memory and captures graphs (never per step).
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.spec.device_type == "cuda"
+                  else torch.device(self.spec.device_type))
+        self.reserved_bytes = prepare_path(self.path_choice, device)
+        self._cache_update_op = compat.kv_cache_update_op(self.spec.device_type)
         self._check_values = os.environ.get("DHP_CHECK_VALUES", "0") == "1"
         max_model_len = model_config.max_model_len if model_config is not None else None
         _once(("init", self.spec, self.dhp_config), lambda: logger.warning(
-            "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s",
+            "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s; device memory held: %.1f MiB",
             __version__, ".".join(map(str, compat.vllm_version())), self.dhp_config.describe(),
-            _describe_bucket(self.dhp_config.policy, max_model_len), self.path_choice.describe()))
+            _describe_bucket(self.dhp_config.policy, max_model_len), self.path_choice.describe(),
+            self.reserved_bytes / 2**20))
         if self.dhp_config.policy is Policy.STRICT and vllm_config.cache_config.enable_prefix_caching:
             _once(("prefix-caching",), lambda: logger.warning(
                 "DHP policy 'strict': prefix caching is on. The scheduler skips the compute of "
