@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU-machine call: bring vLLM 0.24 + FlashInfer (gpu-stack) if this machine
+# lacks them, install this package so vLLM finds its plugin, then run the steps
+# named in $@ (each logs to $OUT/<step>.log):
+#   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
+#   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py)
+#   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
+# Carry: .gpu-stack/bin .gpu-stack/send/core .gpu-stack/send/flashinfer
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ ! -f /root/gpu-stack/env.sh ]; then
+  bash .gpu-stack/bin/stage.sh .gpu-stack/send/core .gpu-stack/send/flashinfer >"$OUT/stage.log" 2>&1 \
+    && GPU_STACK_NO_CHECK=1 bash .gpu-stack/bin/install.sh >"$OUT/install.log" 2>&1 \
+    || { echo "gpu-stack install failed"; tail -30 "$OUT/install.log"; exit 1; }
+fi
+. /root/gpu-stack/env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
+  || { echo "pip install -e . failed"; tail -20 "$OUT/pip.log"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton, vllm; print('torch', torch.__version__, '| triton', triton.__version__, '| vllm', vllm.__version__)"
+status=0
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    kernels) python3 -m pytest -q -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
+    bench)   python3 -m dhp_backend.bench.quick_kernel_bench 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    e2e)     python3 -m integration.gpu_e2e --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=$rc
+  echo "=== $step exit $rc"
+done
+cp -r .work/*.log "$OUT/" 2>/dev/null || true
+exit $status
