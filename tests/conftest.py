@@ -30,14 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _scope_triton_interpreter(request, monkeypatch):
-    """TRITON_INTERPRET=1 only inside the Triton test modules.
+    """TRITON_INTERPRET=1 only inside the Triton interpreter test module.
 
     On a CPU, the dispatcher covers shapes with the Triton kernels only under the
     interpreter; a test module that sets the variable must not change which path
     the adapter and end-to-end tests get. The path choice is cached per problem,
     so the cache is cleared whenever the scope changes.
     """
-    wants = "triton" in request.node.module.__name__
+    wants = "triton_interpret" in request.node.module.__name__
     if wants:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:

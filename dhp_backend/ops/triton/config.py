@@ -1,0 +1,92 @@
+"""Static kernel configuration: tile shapes and the split size, chosen from public model facts only.
+
+Everything here is a function of (head size, GQA group size, dtype, device kind),
+never of the batch. That is what makes the output bits batch-invariant: the tile
+shapes fix which MMA instructions run and where the KV tiles and splits begin,
+and none of that may move when the batch changes. Importing this module is cheap
+(no Triton, no torch), so `supports()` can use it at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Split-KV granularity in KV positions, at absolute positions 0, SPLIT_KV, 2*SPLIT_KV...
+# A public constant of the kernel version: changing it changes the output bits
+# (a different summation order), so it is never chosen from the batch.
+SPLIT_KV = 512
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+MAX_GROUP = 128  # query heads per KV head that one tile can hold (BLOCK_M <= 128)
+
+# Requests per step the tile search scans in one vector load (see kernels._locate).
+SEARCH_BLOCK = 256
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One compiled kernel variant's tile geometry.
+
+    ``block_m`` rows of a query tile are ``block_q`` query tokens times ``group``
+    query heads that share one KV head, so K/V are read once per tile for the
+    whole group. ``block_n`` KV positions per inner step; ``split_kv`` positions
+    per split (a multiple of ``block_n``).
+    """
+
+    head_size: int
+    head_pad: int
+    group: int
+    block_m: int
+    block_q: int
+    block_n: int
+    split_kv: int
+    num_warps: int
+    num_stages: int
+    fp32: bool
+    prefetch: bool = True  # block ids two KV steps ahead (kernels.attention_kernel)
+
+    @property
+    def tiles_per_split(self) -> int:
+        return self.split_kv // self.block_n
+
+
+def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | None = None) -> KernelConfig:
+    """The config for a (head size, group, dtype) problem.
+
+    ``split_kv`` overrides the split size (tests use small splits so that short
+    sequences cross split boundaries under the interpreter); production uses the
+    constant `SPLIT_KV`.
+    """
+    head_pad = next_pow2(head_size)
+    block_m = max(64, next_pow2(group))
+    fp32 = dtype == "float32"
+    # Two fp32 accumulators stay live (running state + current split), so the
+    # register file sets the shape. Measured on an H200 (docs/kernels.md): at
+    # head <= 128 and 64-row tiles, 4 warps (255 registers, a few spills, two
+    # programs per SM) beat 8 warps (~250 registers, no spills, one program per
+    # SM, and the QK^T/softmax work duplicated across the two warpgroups) by
+    # 1.2x on decode and 1.5x on prefill. Head 256 halves the KV step and keeps
+    # 8 warps; it spills (correct, slower).
+    block_n = 64 if head_pad <= 128 else 32
+    num_warps = 4 if head_pad <= 128 and block_m <= 64 else 8
+    split = SPLIT_KV if split_kv is None else int(split_kv)
+    if split <= 0 or split % block_n:
+        raise ValueError(f"split_kv={split} must be a positive multiple of block_n={block_n}")
+    return KernelConfig(
+        head_size=head_size,
+        head_pad=head_pad,
+        group=group,
+        block_m=block_m,
+        block_q=block_m // group,
+        block_n=block_n,
+        split_kv=split,
+        num_warps=num_warps,
+        num_stages=2,
+        fp32=fp32,
+    )

@@ -1,0 +1,382 @@
+"""The constant-time Triton kernels: paged attention over a packed step, and the split merge.
+
+Read docs/kernels.md for the design and the constant-time argument; the comments
+here say why each line is the way it is.
+
+Two kernels:
+
+- `attention_kernel`: one program per (query tile, KV head, split chunk). A query
+  tile holds BLOCK_Q tokens x GROUP query heads of one request (the heads that
+  share the KV head), so K/V are read once per tile. The program walks the KV
+  positions of its splits in BLOCK_N steps, each split with a fresh online-softmax
+  state. With ``write_partials == 0`` it folds each split into a running state
+  with `fold` and writes the normalised output; with ``write_partials == 1`` it
+  stores each split's state to the workspace instead.
+- `merge_kernel`: folds the stored split states of one (token, head) row left to
+  right with the same `fold`, then normalises with the same `finalize`.
+
+Both modes apply the identical sequence of operations to every row, so the output
+bits do not depend on which mode the host picked (that choice follows the batch).
+
+Constant time: every loop bound below is derived from the public bucket L (or,
+under policy ``off``, the true length), the public step geometry, or constexprs.
+Masking is by selection (`tl.where`), never by branches or multiplication.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Lowest finite fp32: the running max starts here (finite, so that a row whose
+# scores are all -inf gives exp2(-inf - M_INIT) = 0 and never inf - inf).
+M_INIT = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def fold(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    """Combine two online-softmax states (a first, then b). m, l: [M]; acc: [M, D].
+
+    Shared by the in-program split loop and the merge kernel so both compute the
+    same bits. Explicit fma so that no compiler contraction choice can differ
+    between the two kernels. Exact no-op for a neutral b (m_b = M_INIT, l_b = 0,
+    acc_b = 0): m = m_a, alpha = 1 exactly (selected, not trusted to ex2(0)),
+    beta = ex2(M_INIT - m_a) = 0 or 1 with l_b = acc_b = 0.
+    """
+    m = tl.maximum(m_a, m_b)
+    alpha = tl.where(m_a == m, 1.0, tl.exp2(m_a - m))
+    beta = tl.where(m_b == m, 1.0, tl.exp2(m_b - m))
+    l = tl.fma(l_a, alpha, l_b * beta)
+    alpha2 = tl.broadcast_to(alpha[:, None], acc_a.shape)
+    beta2 = tl.broadcast_to(beta[:, None], acc_b.shape)
+    acc = tl.fma(acc_a, alpha2, acc_b * beta2)
+    return m, l, acc
+
+
+@triton.jit
+def finalize(acc, l):
+    """acc / l with an approximate reciprocal (no IEEE division slow path).
+
+    Rows that saw no position (l == 0: padding rows, fully masked rows) give
+    exactly 0, by selecting the divisor rather than branching.
+    """
+    inv = 1.0 / tl.where(l > 0.0, l, 1.0)
+    return acc * tl.broadcast_to(inv[:, None], acc.shape)
+
+
+@triton.jit
+def store_rows(ptrs, x, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Store a [rows, HEAD_PAD] tile; only the constexpr head padding is masked."""
+    if HEAD == HEAD_PAD:
+        tl.store(ptrs, x)
+    else:
+        offs_d = tl.arange(0, HEAD_PAD)
+        tl.store(ptrs, x, mask=tl.broadcast_to((offs_d < HEAD)[None, :], x.shape))
+
+
+@triton.jit
+def decoy_block(r, lb, num_blocks):
+    """A cache block id in [0, num_blocks) for request r's logical block lb.
+
+    Read in place of the real block for padding positions (true length <= p < L),
+    so that padding costs what real positions cost: a genuine page of the cache
+    that usually misses L2, not the null block that would hit it. A function of
+    public values only (request index, logical block index, cache size); the same
+    (r, lb) gives the same page in every tile and head of r, as a real block does.
+    Integer hash (lowbias32) then a multiply-high range reduction (no division).
+    """
+    x = r.to(tl.uint32) * 0x9E3779B1
+    x = x ^ (lb.to(tl.uint32) * 0x85EBCA77 + 0x165667B1)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return ((x.to(tl.uint64) * num_blocks.to(tl.uint64)) >> 32).to(tl.int32)
+
+
+@triton.jit
+def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
+           BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """Map a query-tile index to (request, q-block) with a fixed-work search.
+
+    Request r owns tile indices [key(r), key(r+1)) with key(r) = qsl[r] // BLOCK_Q + r,
+    which covers its ceil(q_len / BLOCK_Q) q-blocks plus at most one surplus tile.
+    Index num_reqs is the pseudo-request of padding rows [qsl[R], num_tokens).
+    The search counts keys <= tile over all R requests in vector chunks: its trip
+    count is ceil(R / SEARCH_BLOCK) whatever the query lengths.
+    """
+    cnt = 0
+    for c in range(0, search_trips):
+        idx = c * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK) + 1
+        ok = idx <= num_reqs
+        qs = tl.load(qsl_ptr + idx, mask=ok, other=0)
+        key = qs // BLOCK_Q + idx
+        cnt += tl.sum(tl.where(ok & (key <= tile), 1, 0), axis=0)
+    r = cnt
+    is_pad = r >= num_reqs
+    q_start = tl.load(qsl_ptr + r)
+    q_next = tl.load(qsl_ptr + tl.minimum(r + 1, num_reqs))
+    q_end = tl.where(is_pad, num_tokens, q_next)
+    qb = tile - (q_start // BLOCK_Q + r)
+    return r, is_pad, q_start, q_end, qb
+
+
+@triton.jit
+def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Physical block of each KV position of step j: the block-table entry for real
+    positions (p < seq_len), a decoy page for padding positions.
+
+    The table is read for every position of the step whatever seq_len is (only the
+    public table width masks the read); entries past the request's last block may
+    be garbage and are never used, the select replaces them.
+    """
+    pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    lb = pos // BLOCK_SIZE
+    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_blocks)).to(tl.int64)
+
+
+@triton.jit
+def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                 TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """`tile_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
+    pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    lb = pos // BLOCK_SIZE
+    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_blocks)).to(tl.int64)
+
+
+@triton.jit
+def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
+            k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
+            BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
+    reading K/V from blocks ``bid`` (see `tile_blocks`).
+
+    Always the same loads and arithmetic; what must not count is removed by
+    selection: scores -> -inf, V rows -> 0 (so stale NaN/inf in reused blocks or
+    decoy pages never reaches the output through 0 * NaN).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    pos = j * BLOCK_N + offs_n
+    real = pos < seq_len
+    slot = (pos % BLOCK_SIZE).to(tl.int64)
+
+    k_ptrs = k_ptr + bid[None, :] * sk_b + kvh * sk_h + slot[None, :] * sk_s + offs_d[:, None]
+    v_ptrs = v_ptr + bid[:, None] * sv_b + kvh * sv_h + slot[:, None] * sv_s + offs_d[None, :]
+    if HEAD == HEAD_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        # The head-dim mask is a constexpr shape fact, the same for every tile.
+        k = tl.load(k_ptrs, mask=(offs_d < HEAD)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=(offs_d < HEAD)[None, :], other=0.0)
+
+    if FP32:
+        qk = tl.dot(q, k, input_precision="ieee")
+    elif UPCAST_DOT:
+        # Interpreter only: its dot cannot multiply bf16. bf16 products are exact
+        # in fp32 and accumulate in fp32 on the GPU too, so this models the MMA.
+        qk = tl.dot(q.to(tl.float32), k.to(tl.float32))
+    else:
+        qk = tl.dot(q, k)
+    s = tl.where(pos[None, :] < limit[:, None], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Selected, not trusted: alpha is exactly 1 when the max did not move, so a
+    # fully masked step is an exact no-op and policies give identical bits.
+    alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_new))
+    p = tl.exp2(s - m_new[:, None])
+    l_new = tl.fma(l_i, alpha, tl.sum(p, axis=1))
+    v = tl.where(real[:, None], v, tl.zeros_like(v))
+    acc = acc * tl.broadcast_to(alpha[:, None], acc.shape)
+    if FP32:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    elif UPCAST_DOT:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_new, acc
+
+
+@triton.jit(do_not_specialize=[
+    "num_reqs", "num_tokens", "q_rows", "l_scalar", "l_mode", "pad_l", "search_trips",
+    "n_split_grid", "spp", "write_partials", "num_blocks", "max_blocks", "bt_stride",
+])
+def attention_kernel(
+    q_ptr, sq_t, sq_h,
+    k_ptr, sk_b, sk_h, sk_s,
+    v_ptr, sv_b, sv_h, sv_s,
+    out_ptr, so_t, so_h,
+    bt_ptr, bt_stride, qsl_ptr, seq_ptr, bucket_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, sink_ptr, sink_out_ptr,
+    qk_scale,
+    num_reqs, num_tokens, q_rows, num_heads,
+    l_scalar, l_mode, pad_l, search_trips,
+    n_split_grid, spp, write_partials,
+    num_blocks, max_blocks,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+    FP32: tl.constexpr, UPCAST_DOT: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """See the module docstring. Runtime ints that follow the batch are not
+    specialised, so every batch runs one and the same binary.
+
+    l_mode: 0 = one public bucket ``l_scalar`` for every request (strict, batch,
+    request with an int); 1 = per-request public buckets in ``bucket_ptr``
+    (request); 2 = true lengths (off, with the causal trim; not constant-time).
+    """
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    chunk = tl.program_id(2)
+
+    r, is_pad, q_start, q_end, qb = locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
+                                           BLOCK_Q, SEARCH_BLOCK)
+    # The padding pseudo-request has no block-table row: read the last real row
+    # (the host guarantees num_reqs >= 1); every position of it is a decoy.
+    r_row = tl.minimum(r, num_reqs - 1)
+    seq_len = tl.where(is_pad, 0, tl.load(seq_ptr + r_row))
+    q_len = q_end - q_start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row_tok = offs_m // GROUP
+    qi = qb * BLOCK_Q + row_tok
+    head = kvh * GROUP + offs_m % GROUP
+    row_valid = (row_tok < BLOCK_Q) & (qi < q_len)
+    tok = q_start + qi
+    # Q rows are loaded for every row of the tile, valid or not, at an in-range
+    # address (mod the public row count): the load count never follows q_len.
+    tok_ld = (tok % q_rows).to(tl.int64)
+    q_ptrs = q_ptr + tok_ld[:, None] * sq_t + head[:, None].to(tl.int64) * sq_h + offs_d[None, :]
+    if HEAD == HEAD_PAD:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(offs_d < HEAD)[None, :], other=0.0)
+
+    # Attendable positions of each row: p < limit (0 for rows outside the request).
+    if CAUSAL:
+        limit = seq_len - q_len + qi + 1
+    else:
+        limit = tl.zeros_like(qi) + seq_len
+    limit = tl.where(row_valid, limit, 0)
+
+    # The KV extent this tile walks: public under strict/batch/request.
+    bkt = tl.load(bucket_ptr + r_row)
+    if CAUSAL:
+        trimmed = tl.minimum(seq_len, seq_len - q_len + (qb + 1) * BLOCK_Q)
+    else:
+        trimmed = seq_len
+    trimmed = tl.where(qb * BLOCK_Q < q_len, trimmed, 0)
+    ext = tl.where(l_mode == 0, l_scalar,
+                   tl.where(l_mode == 1, tl.where(is_pad, pad_l, bkt), trimmed))
+    n_kv = (ext + BLOCK_N - 1) // BLOCK_N
+    n_split = (n_kv + TILES_PER_SPLIT - 1) // TILES_PER_SPLIT
+
+    s_lo = chunk * spp
+    s_hi = tl.where(write_partials != 0, tl.minimum(s_lo + spp, n_split_grid), n_split)
+
+    m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    row_out = tok.to(tl.int64) * num_heads + head
+    # Rows outside the request are not masked off at the stores: they are sent to
+    # a scratch "sink" instead, so every tile executes the same stores with all
+    # lanes active (store instructions, requests and sectors do not follow q_len).
+    sink_row = ((tile % SINK_SLOTS) * BLOCK_M + offs_m).to(tl.int64)
+    sink_acc = sink_ptr + sink_row[:, None] * SINK_WIDTH + offs_d[None, :]
+    sink_ml = sink_ptr + SINK_ROWS * SINK_WIDTH + sink_row
+    split_stride = num_tokens.to(tl.int64) * num_heads
+    # PREFETCH: the block ids of a whole split are read one split ahead (carried
+    # by the outer loop), so the inner loop's K/V loads depend on no load of the
+    # same loop and the software pipeliner can issue them early; the table read
+    # is never waited on per step. The one look-ahead past the last split is a
+    # fixed, public surplus read.
+    rows_t = tl.arange(0, TILES_PER_SPLIT)
+    if PREFETCH:
+        ids_next = split_blocks(s_lo, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                                TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
+    for s in range(s_lo, s_hi):
+        # Every split starts from a fresh state, so its partial result is the same
+        # whether it is folded here or stored and folded by merge_kernel.
+        m_i = tl.full([BLOCK_M], M_INIT, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        j_lo = s * TILES_PER_SPLIT
+        j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
+        if PREFETCH:
+            ids = ids_next
+            ids_next = split_blocks(s + 1, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                                    TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
+        for j in range(j_lo, j_hi):
+            if PREFETCH:
+                # Row j - j_lo of the split's ids, by selection (exact for integers).
+                bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
+            else:
+                bid = tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                                  BLOCK_N, BLOCK_SIZE)
+            m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
+                                    k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
+                                    BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT)
+        if write_partials != 0:
+            base = split_stride * s
+            a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
+                              sink_acc)
+            store_rows(a_ptrs, acc, HEAD, HEAD_PAD)
+            tl.store(tl.where(row_valid, ws_m_ptr + base + row_out, sink_ml), m_i)
+            tl.store(tl.where(row_valid, ws_l_ptr + base + row_out, sink_ml), l_i)
+        else:
+            m_run, l_run, acc_run = fold(m_run, l_run, acc_run, m_i, l_i, acc)
+
+    if write_partials == 0:
+        o = finalize(acc_run, l_run)
+        o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
+        o_ptrs = tl.where(row_valid[:, None], o_ptrs,
+                          sink_out_ptr + sink_row[:, None] * SINK_WIDTH + offs_d[None, :])
+        store_rows(o_ptrs, o.to(out_ptr.dtype.element_ty), HEAD, HEAD_PAD)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "n_split_grid"])
+def merge_kernel(
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, so_t, so_h,
+    num_tokens, num_heads, n_split_grid,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """Fold the split states of one token's GROUP query heads of one KV head, left
+    to right, then normalise.
+
+    Trip count ceil(n_split_grid / UNROLL) (public); splits past n_split_grid are
+    loaded as neutral states, an exact no-op in `fold`. UNROLL independent loads
+    per trip keep several in flight.
+    """
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    gmask = offs_g < GROUP
+    mask2 = gmask[:, None] & (offs_d < HEAD)[None, :]
+    head = kvh * GROUP + offs_g
+    row = tok.to(tl.int64) * num_heads + head
+    split_stride = num_tokens.to(tl.int64) * num_heads
+    m = tl.full([GROUP_PAD], M_INIT, tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    for c in range(0, (n_split_grid + UNROLL - 1) // UNROLL):
+        for k in tl.static_range(UNROLL):
+            s = tl.zeros([GROUP_PAD], tl.int32) + (c * UNROLL + k)
+            ok = (s < n_split_grid) & gmask
+            base = s.to(tl.int64) * split_stride + row
+            a = tl.load(ws_acc_ptr + base[:, None] * HEAD + offs_d[None, :], mask=ok[:, None] & mask2, other=0.0)
+            mb = tl.load(ws_m_ptr + base, mask=ok, other=M_INIT)
+            lb = tl.load(ws_l_ptr + base, mask=ok, other=0.0)
+            m, l, acc = fold(m, l, acc, mb, lb, a)
+    o = finalize(acc, l)
+    o_ptrs = out_ptr + tok.to(tl.int64) * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask2)

@@ -1,0 +1,180 @@
+"""Host side of the Triton path: grid, split mode, workspace, and the launches.
+
+Everything decided here is a function of public values only: the model shape,
+the step geometry (``num_tokens``, number of requests), the bucket L, the cache
+and block-table sizes and the device's SM count. Nothing reads a tensor's values
+on the host (no sync; safe under CUDA-graph capture once the workspace exists).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from dhp_backend.config import Policy
+from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops.triton import kernels
+from dhp_backend.ops.triton import workspace as wsp
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+MERGE_UNROLL = 8
+_CPU_SMS = 4  # interpreter: a small "device" so that tests reach the split path
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_SMS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
+         cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None) -> dict:
+    """Grid and split mode for one launch, from public values only.
+
+    ``num_tiles = num_tokens // BLOCK_Q + num_reqs + 1`` bounds the query tiles of
+    any split of ``num_tokens`` rows among the requests (plus the padding
+    pseudo-request), whatever the secret query lengths are. ``mode``: None picks
+    by occupancy; "fold" (all splits in one program) or "split" (one split state
+    per program written to the workspace, then merged) force one (tests). Both
+    give the same bits.
+    """
+    num_tiles = num_tokens // cfg.block_q + num_reqs + 1
+    n_kv_grid = _cdiv(ext_grid, cfg.block_n)
+    n_split_grid = max(1, _cdiv(n_kv_grid, cfg.tiles_per_split))
+    programs = num_tiles * num_kv_heads
+    rows = n_split_grid * num_tokens * num_heads
+    ws_floats = _round_up(rows * head_size, 16) + _round_up(rows, 16) + rows
+    fits = ws_floats <= wsp.SPLIT_FLOATS
+    if mode is None:
+        split = n_split_grid > 1 and programs < 2 * num_sms and fits
+    elif mode == "split":
+        if not fits:
+            raise ValueError(f"split mode needs {ws_floats} workspace floats > {wsp.SPLIT_FLOATS}")
+        split = True
+    elif mode == "fold":
+        split = False
+    else:
+        raise ValueError(f"mode: {mode!r}; accepted: None, 'fold', 'split'")
+    if split:
+        chunks = min(n_split_grid, max(1, _cdiv(4 * num_sms, programs)))
+        spp = _cdiv(n_split_grid, chunks)
+        chunks = _cdiv(n_split_grid, spp)
+    else:
+        chunks, spp = 1, n_split_grid
+    return dict(num_tiles=num_tiles, n_split_grid=n_split_grid, split=split, chunks=chunks, spp=spp)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    num_tokens: int,
+    policy: Policy | str,
+    bucket: int | torch.Tensor | None,
+    _mode: str | None = None,
+    _split_kv: int | None = None,
+    _config: kcfg.KernelConfig | None = None,
+) -> torch.Tensor:
+    """Arguments as `ops.paged_attention` (already validated there).
+
+    ``_mode``/``_split_kv``/``_config`` are test and benchmark hooks (force the
+    split mode; a smaller split size so short sequences cross split boundaries
+    under the interpreter; another tile config to compare).
+    """
+    policy = Policy.parse(policy)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    if num_reqs == 0:
+        # Public geometry: a step without requests is all padding.
+        out[:num_tokens].zero_()
+        return out
+
+    q_rows, num_heads, head_size = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    cfg = _config or kcfg.kernel_config(head_size, group, _DTYPE_NAMES[query.dtype], split_kv=_split_kv)
+    capacity = block_table.shape[1] * block_size
+
+    if policy is Policy.OFF:
+        l_mode, l_scalar, bucket_t = 2, 0, seq_lens
+    elif isinstance(bucket, torch.Tensor):
+        l_mode, l_scalar, bucket_t = 1, 0, bucket
+    else:
+        if bucket is None:
+            raise ValueError(f"policy {policy.value!r} needs a bucket")
+        l_mode, l_scalar, bucket_t = 0, int(bucket), seq_lens
+    # Under per-request buckets or true lengths the host does not know the longest
+    # extent without a sync, so split states are laid out for the table capacity;
+    # splits past a tile's own extent are neutral (exact no-ops in the merge).
+    ext_grid = l_scalar if l_mode == 0 else capacity
+
+    device = query.device
+    p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
+             head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode)
+
+    ws, sink = wsp.reserve_workspace(device)
+    if p["split"]:
+        n = p["n_split_grid"] * num_tokens * num_heads
+        # Slices start on 64-byte boundaries so that pointer-alignment
+        # specialisation is the same for every batch (one binary).
+        a_end = _round_up(n * head_size, 16)
+        m_end = a_end + _round_up(n, 16)
+        ws_acc, ws_m, ws_l = ws[:a_end], ws[a_end:m_end], ws[m_end:m_end + n]
+    else:
+        ws_acc = ws_m = ws_l = ws  # never dereferenced: write_partials == 0
+
+    grid = (p["num_tiles"], num_kv_heads, p["chunks"])
+    kernels.attention_kernel[grid](
+        query, query.stride(0), query.stride(1),
+        key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out, out.stride(0), out.stride(1),
+        block_table, block_table.stride(0), query_start_loc, seq_lens, bucket_t,
+        ws_acc, ws_m, ws_l, sink, sink.view(out.dtype),
+        float(scale) * math.log2(math.e),
+        num_reqs, num_tokens, q_rows, num_heads,
+        l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
+        p["n_split_grid"], p["spp"], 1 if p["split"] else 0,
+        num_blocks, block_table.shape[1],
+        GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size,
+        HEAD=head_size, HEAD_PAD=cfg.head_pad, CAUSAL=bool(causal),
+        FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
+        SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
+        SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
+        PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if p["split"]:
+        kernels.merge_kernel[(num_tokens, num_kv_heads)](
+            ws_acc, ws_m, ws_l, out, out.stride(0), out.stride(1),
+            num_tokens, num_heads, p["n_split_grid"],
+            GROUP=group, GROUP_PAD=kcfg.next_pow2(group),
+            HEAD=head_size, HEAD_PAD=cfg.head_pad, UNROLL=MERGE_UNROLL,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,54 @@
+"""The split-KV workspace: one fixed-size buffer per device, allocated once.
+
+design.md section 2: backend memory beyond the KV cache is allocated once (never
+per step), stays small, and should exist before vLLM's memory-profiling run. The
+launcher only uses the cross-program split path when its partial states fit in
+this buffer; otherwise it folds splits inside each program (same bits, see
+kernels.py), so the buffer's size never changes a result, only the speed.
+
+The buffer is used in stream order by one launch at a time; two streams running
+Triton attention concurrently on one device would need one buffer each.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+WORKSPACE_BYTES = 64 * 1024 * 1024
+
+# The tail of the buffer is the store "sink" (kernels.py): rows of a query tile
+# that belong to no request are written there instead of being masked off.
+# SINK_SLOTS tiles' worth of rows, each up to SINK_ROWS x SINK_WIDTH fp32 values,
+# then one fp32 per row for the softmax statistics.
+SINK_SLOTS = 16
+SINK_ROWS = SINK_SLOTS * 128  # 128 = the tallest tile (config.MAX_GROUP)
+SINK_WIDTH = 256  # the widest padded head
+SINK_FLOATS = SINK_ROWS * SINK_WIDTH + SINK_ROWS
+SPLIT_FLOATS = WORKSPACE_BYTES // 4 - SINK_FLOATS
+
+_lock = threading.Lock()
+_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def workspace_bytes() -> int:
+    """Bytes this module holds per device once reserved (for `dhp-backend info`)."""
+    return WORKSPACE_BYTES
+
+
+def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate (once) the device's workspace; return (split area, sink), flat float32.
+
+    Call this at start-up, before memory profiling and CUDA-graph capture: an
+    allocation during capture would fail.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _lock:
+        buf = _buffers.get(device)
+        if buf is None:
+            buf = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device)
+            _buffers[device] = buf
+        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS:]

@@ -1,0 +1,210 @@
+"""The Triton kernels on a CUDA GPU: accuracy over many random steps, bitwise
+repeatability, batch invariance over batch sizes 1..256, identical bits across
+policies and split modes, and prefill-vs-decode bits.
+
+Run in its own process (``pytest tests/test_triton_gpu.py -m gpu``): the
+interpreter tests set TRITON_INTERPRET=1 for the whole process. With
+DHP_REPORT_DIR set, the per-spec errors are written there as a table.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+from test_triton_helpers import (
+    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, reference, rel_err,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+# (name, H, Hkv, D, block_size, dtypes)
+CONFIGS = [
+    ("llama3-8b", 32, 8, 128, 16, (torch.bfloat16, torch.float16)),
+    ("mha-d128", 16, 16, 128, 16, (torch.float16,)),
+    ("gqa8-d64-bs32", 16, 2, 64, 32, (torch.bfloat16,)),
+    ("mqa-d128-bs64", 8, 1, 128, 64, (torch.float16,)),
+    ("g7-d128", 28, 4, 128, 16, (torch.bfloat16,)),
+    ("d256-bs128", 8, 2, 256, 128, (torch.bfloat16,)),
+    ("d80-bs32", 20, 4, 80, 32, (torch.float16,)),
+    ("d96-g3", 12, 4, 96, 16, (torch.bfloat16,)),
+]
+POLICIES = ("strict", "batch", "request", "off")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_not_interpreted(monkeypatch):
+    """The kernels must be compiled, not interpreted: Triton decides when the
+    kernel module is first imported, from TRITON_INTERPRET. tests/conftest.py
+    sets that variable for every module named *triton*; drop it here, and skip
+    if the interpreter tests already imported the kernels in this process."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import sys
+
+    mod = sys.modules.get("dhp_backend.ops.triton.kernels")
+    if mod is not None and type(mod.attention_kernel).__name__ == "InterpretedFunction":
+        pytest.skip("the kernels were imported under the interpreter in this process; "
+                    "run tests/test_triton_gpu.py in its own process")
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _run(step, *, policy, causal=True, mode=None, bucket="auto"):
+    from dhp_backend.ops.triton import paged_attention_triton
+
+    D = step.query.shape[2]
+    out = poisoned_out(step)
+    b = step.bucket(policy) if bucket == "auto" else bucket
+    paged_attention_triton(*step.args(), out, scale=D ** -0.5, causal=causal, num_tokens=step.num_tokens,
+                           policy=policy, bucket=b, _mode=mode)
+    return out
+
+
+def _random_lens(rng, R, max_ctx):
+    out = []
+    for _ in range(R):
+        kind = rng.random()
+        if kind < 0.55:  # decode
+            s = rng.randint(1, max_ctx)
+            out.append((1, s))
+        elif kind < 0.75:  # whole prompt
+            q = rng.randint(1, min(512, max_ctx))
+            out.append((q, q))
+        else:  # prefill chunk on cached context
+            q = rng.randint(1, min(256, max_ctx))
+            out.append((q, rng.randint(q, max_ctx)))
+    return out
+
+
+def _specs():
+    rng = random.Random(1234)
+    specs = []
+    for i in range(220):
+        name, H, Hkv, D, BS, dtypes = CONFIGS[i % len(CONFIGS)]
+        long = name == "llama3-8b" and i % 16 == 0
+        max_ctx = 32768 if long else rng.choice([64, 300, 1500, 4096])
+        R = rng.randint(1, 4 if long else 12)
+        specs.append(dict(
+            i=i, name=name, H=H, Hkv=Hkv, D=D, BS=BS, dtype=dtypes[(i // len(CONFIGS)) % len(dtypes)],
+            causal=rng.random() < 0.9 or name not in ("llama3-8b", "gqa8-d64-bs32"),
+            policy=rng.choice(POLICIES), lens=_random_lens(rng, R, max_ctx), pad=rng.choice([0, 0, 1, 3]),
+        ))
+    return specs
+
+
+def test_random_specs_match_reference():
+    rows = []
+    failures = []
+    for sp in _specs():
+        g = _gen(sp["i"])
+        reqs = [make_request(q, s, H=sp["H"], Hkv=sp["Hkv"], D=sp["D"], dtype=sp["dtype"], gen=g)
+                for q, s in sp["lens"]]
+        step = assemble(reqs, block_size=sp["BS"], pad_tokens=sp["pad"], gen=g)
+        out = _run(step, policy=sp["policy"], causal=sp["causal"])
+        check_written(step, out)
+        ref = reference(step, scale=sp["D"] ** -0.5, causal=sp["causal"])
+        n = int(step.query_start_loc[-1])
+        err = rel_err(out, ref, n) if n else 0.0
+        rows.append((sp["i"], sp["name"], str(sp["dtype"]).split(".")[-1], sp["policy"], sp["causal"],
+                     len(sp["lens"]), n, max(s for _, s in sp["lens"]), err))
+        if not err < TOL[sp["dtype"]]:
+            failures.append(rows[-1])
+    _report("accuracy.tsv", "i\tconfig\tdtype\tpolicy\tcausal\treqs\ttokens\tmax_seq\trel_err", rows)
+    by = {}
+    for r in rows:
+        by.setdefault(r[2], []).append(r[-1])
+    for dt, errs in sorted(by.items()):
+        print(f"{dt}: {len(errs)} specs, max rel err {max(errs):.2e}, mean {sum(errs) / len(errs):.2e}")
+    assert len(rows) >= 200
+    assert not failures, failures[:5]
+
+
+def test_fp32_matches_reference():
+    g = _gen(77)
+    reqs = [make_request(q, s, H=8, Hkv=2, D=128, dtype=torch.float32, gen=g)
+            for q, s in [(1, 700), (33, 90), (1, 5)]]
+    step = assemble(reqs, block_size=16, pad_tokens=2, gen=g)
+    out = _run(step, policy="strict")
+    check_written(step, out)
+    assert rel_err(out, reference(step, scale=128 ** -0.5, causal=True), 35) < TOL[torch.float32]
+
+
+def _llama_mixed_step(seed, dtype=torch.bfloat16):
+    g = _gen(seed)
+    # Small enough that the forced split mode fits the workspace.
+    lens = [(1, 2000), (1, 4095), (1, 17), (100, 1200), (1, 3000), (64, 64), (1, 1)]
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=dtype, gen=g) for q, s in lens]
+    return assemble(reqs, block_size=16, pad_tokens=2, gen=g)
+
+
+@pytest.mark.parametrize("mode", ["fold", "split"])
+def test_bitwise_repeatable_100_runs(mode):
+    step = _llama_mixed_step(5)
+    first = bits(_run(step, policy="strict", mode=mode)).clone()
+    for _ in range(99):
+        assert torch.equal(bits(_run(step, policy="strict", mode=mode)), first)
+
+
+def test_bits_equal_across_policies_and_modes():
+    step = _llama_mixed_step(6)
+    outs = [_run(step, policy=p, mode=m) for p in POLICIES for m in ("fold", "split", None)]
+    for o in outs[1:]:
+        assert torch.equal(bits(outs[0]), bits(o))
+
+
+@pytest.mark.parametrize("target_lens", [(7, 1800), (1, 1333)], ids=["chunk", "decode"])
+def test_batch_invariance_sizes_1_to_256(target_lens):
+    rng = random.Random(11)
+    g = _gen(11)
+    H, Hkv, D, BS = 32, 8, 128, 16
+    dtype = torch.bfloat16
+    pool = [make_request(*ql, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=g) for ql in _random_lens(rng, 300, 2048)]
+    target = make_request(*target_lens, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=g)
+    max_blocks = cdiv(2048, BS) + 1  # same table width in every step: same strict bucket
+
+    def target_rows(others, pos, pad):
+        reqs = others[:pos] + [target] + others[pos:]
+        step = assemble(reqs, block_size=BS, pad_tokens=pad, gen=g, max_blocks=max_blocks)
+        out = _run(step, policy="strict")
+        check_written(step, out)
+        start = sum(r.q_len for r in reqs[:pos])
+        return bits(out[start: start + target.q_len]).clone()
+
+    alone = target_rows([], 0, 0)
+    sizes = list(range(1, 257))
+    rng.shuffle(sizes)
+    for B in sizes:
+        others = rng.sample(pool, B - 1)
+        got = target_rows(others, rng.randint(0, B - 1), rng.choice([0, 1, 5]))
+        assert torch.equal(alone, got), f"batch size {B}"
+
+
+def test_prefill_row_equals_decode_row():
+    g = _gen(12)
+    req = make_request(300, 1000, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=g)
+    mb = cdiv(1000, 16) + 1
+    out_pre = _run(assemble([req], block_size=16, gen=g, max_blocks=mb), policy="strict")
+    ctx = 1000 - 300
+    for i in (0, 1, 77, 299):
+        dec = Request(q=req.q[i: i + 1], k=req.k[: ctx + i + 1], v=req.v[: ctx + i + 1])
+        out_dec = _run(assemble([dec], block_size=16, gen=g, max_blocks=mb), policy="strict")
+        assert torch.equal(bits(out_pre[i]), bits(out_dec[0])), f"row {i}"
+
+
+def _report(name, header, rows):
+    d = os.environ.get("DHP_REPORT_DIR")
+    if not d:
+        return
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "w") as f:
+        f.write(header + "\n")
+        for r in rows:
+            f.write("\t".join(f"{x:.3e}" if isinstance(x, float) else str(x) for x in r) + "\n")

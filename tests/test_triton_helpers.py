@@ -1,0 +1,152 @@
+"""Batch builders shared by the Triton tests (interpreter and GPU); holds no tests.
+
+A "request" is its own query rows and K/V content; `assemble` lays any list of
+requests into one packed step with a fresh paged cache, random physical blocks,
+stale garbage (NaN/inf) everywhere no request owns, garbage block-table entries
+past each request's last block, and NaN-poisoned padding query rows. So what a
+request's output may depend on is exactly its own data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dhp_backend.ops.buckets import bucket_for_step
+from dhp_backend.ops.reference import paged_attention_reference
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class Request:
+    q: torch.Tensor  # [q_len, H, D]
+    k: torch.Tensor  # [seq_len, Hkv, D]
+    v: torch.Tensor
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.k.shape[0]
+
+
+def make_request(q_len: int, seq_len: int, *, H: int, Hkv: int, D: int, dtype, gen: torch.Generator,
+                 scale: float = 1.0) -> Request:
+    """Random request on ``gen``'s device."""
+    assert 0 <= q_len <= seq_len
+    dev = gen.device
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
+
+    return Request(q=rnd(q_len, H, D), k=rnd(seq_len, Hkv, D), v=rnd(seq_len, Hkv, D))
+
+
+@dataclasses.dataclass
+class Step:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_tokens: int
+    capacity: int  # block_table.shape[1] * block_size
+
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.block_table,
+                self.query_start_loc, self.seq_lens)
+
+    def bucket(self, policy: str):
+        return bucket_for_step(policy, max_model_len=self.capacity, seq_lens=self.seq_lens)
+
+
+def _garbage(shape, gen, dtype):
+    """Stale cache content: NaN, with +-inf and large finite values mixed in."""
+    dev = gen.device
+    sel = torch.rand(shape, generator=gen, device=dev)
+    g = torch.full(shape, float("nan"), device=dev)
+    g[sel < 0.2] = float("inf")
+    g[(sel >= 0.2) & (sel < 0.3)] = -float("inf")
+    g[(sel >= 0.3) & (sel < 0.4)] = 6.0e4
+    return g.to(dtype)
+
+
+def assemble(reqs: list[Request], *, block_size: int, H: int | None = None, Hkv: int | None = None,
+             D: int | None = None, dtype=None, pad_tokens: int = 0, extra_rows: int = 0,
+             spare_blocks: int = 5, extra_table_cols: int = 1, gen: torch.Generator,
+             max_blocks: int | None = None) -> Step:
+    """Pack ``reqs`` into one step on ``gen``'s device (see module docstring)."""
+    dev = gen.device
+    if reqs:
+        H, D = reqs[0].q.shape[1:]
+        Hkv = reqs[0].k.shape[1]
+        dtype = reqs[0].q.dtype
+    nblk = [cdiv(r.seq_len, block_size) for r in reqs]
+    if max_blocks is None:
+        max_blocks = max(nblk + [1]) + extra_table_cols
+    num_blocks = sum(nblk) + spare_blocks
+    kc = _garbage((num_blocks, Hkv, block_size, D), gen, dtype)
+    vc = _garbage((num_blocks, Hkv, block_size, D), gen, dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=dev)
+    table = torch.randint(-(1 << 20), 1 << 20, (len(reqs), max_blocks), generator=gen,
+                          device=dev, dtype=torch.int32)
+    kv_k, kv_v = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)  # [blocks, slot, Hkv, D] views
+    used = 0
+    for i, r in enumerate(reqs):
+        ids = perm[used: used + nblk[i]]
+        used += nblk[i]
+        table[i, : nblk[i]] = ids.to(torch.int32)
+        if r.seq_len:
+            pos = torch.arange(r.seq_len, device=dev)
+            blk, slot = ids[pos // block_size], pos % block_size
+            kv_k[blk, slot] = r.k
+            kv_v[blk, slot] = r.v
+    q_lens = [r.q_len for r in reqs]
+    n_real = sum(q_lens)
+    num_tokens = n_real + pad_tokens
+    query = torch.full((num_tokens + extra_rows, H, D), float("nan"), dtype=dtype, device=dev)
+    if n_real:
+        query[:n_real] = torch.cat([r.q for r in reqs])
+    qsl = torch.tensor([0] + torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist(),
+                       dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32, device=dev)
+    return Step(query=query, key_cache=kc, value_cache=vc, block_table=table, query_start_loc=qsl,
+                seq_lens=seq_lens, num_tokens=num_tokens, capacity=max_blocks * block_size)
+
+
+def reference(step: Step, *, scale: float, causal: bool) -> torch.Tensor:
+    """The reference in float32 on the step's own inputs (upcast)."""
+    q, kc, vc, bt, qsl, sl = step.args()
+    out = torch.full((q.shape[0],) + tuple(q.shape[1:]), float("nan"), dtype=torch.float32, device=q.device)
+    return paged_attention_reference(q.float(), kc.float(), vc.float(), bt, qsl, sl, out,
+                                     scale=scale, causal=causal, num_tokens=step.num_tokens)
+
+
+def poisoned_out(step: Step, extra: int = 3) -> torch.Tensor:
+    q = step.query
+    return torch.full((max(step.num_tokens + extra, q.shape[0]),) + tuple(q.shape[1:]), float("nan"),
+                      dtype=q.dtype, device=q.device)
+
+
+def check_written(step: Step, out: torch.Tensor) -> None:
+    """Every row below num_tokens written (finite), padding rows exactly 0, rows beyond untouched."""
+    n_real = int(step.query_start_loc[-1])
+    assert torch.isfinite(out[: step.num_tokens].float()).all(), "unwritten or non-finite output rows"
+    assert (out[n_real: step.num_tokens] == 0).all(), "padding rows must be zero"
+    assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were touched"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, n: int) -> float:
+    d = (out[:n].float() - ref[:n]).norm()
+    return float(d / ref[:n].norm().clamp_min(1e-30))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
