@@ -75,24 +75,37 @@ def store_rows(ptrs, x, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def decoy_block(r, lb, num_blocks):
+def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic):
     """A cache block id in [0, num_blocks) for request r's logical block lb.
 
     Read in place of the real block for padding positions (true length <= p < L),
     so that padding costs what real positions cost: a genuine page of the cache
-    that usually misses L2, not the null block that would hit it. A function of
-    public values only (request index, logical block index, cache size); the same
-    (r, lb) gives the same page in every tile and head of r, as a real block does.
-    Integer hash (lowbias32) then a multiply-high range reduction (no division).
+    that misses L2 like a real one, not the null block that would hit it. A
+    function of public values only (request index, logical block, number of
+    requests, cache size); the same (r, lb) gives the same page in every tile and
+    head of r, as a real block does.
+
+    Column-major: x = lb * (num_reqs + 1) + r (the + 1 is the padding
+    pseudo-request), then x mod num_blocks. Distinct (r, lb) get distinct pages
+    whenever (num_reqs + 1) * table_width <= num_blocks; otherwise a page repeats
+    only num_blocks values of x later, i.e. ~num_blocks / (num_reqs + 1) logical
+    blocks later in the walk, after the whole cache has been read in between, so
+    the repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
+    read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
+
+    The mod is a Barrett reduction without branches: decoy_magic =
+    floor((2**32 - 1) / num_blocks) from the host, q = umulhi(x, magic) satisfies
+    x/n - 3 < q <= x/n for x < 2**32, so x - q*n is in [0, 4n) and three
+    selects finish it.
     """
-    x = r.to(tl.uint32) * 0x9E3779B1
-    x = x ^ (lb.to(tl.uint32) * 0x85EBCA77 + 0x165667B1)
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    x = x ^ (x >> 16)
-    return ((x.to(tl.uint64) * num_blocks.to(tl.uint64)) >> 32).to(tl.int32)
+    n = num_blocks.to(tl.uint32)
+    x = lb.to(tl.uint32) * (num_reqs + 1).to(tl.uint32) + r.to(tl.uint32)
+    q = tl.umulhi(x, tl.zeros_like(x) + decoy_magic.to(tl.uint32))
+    y = x - q * n
+    y = tl.where(y >= n, y - n, y)
+    y = tl.where(y >= n, y - n, y)
+    y = tl.where(y >= n, y - n, y)
+    return y.to(tl.int32)
 
 
 @triton.jit
@@ -123,7 +136,7 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
 
 
 @triton.jit
-def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Physical block of each KV position of step j: the block-table entry for real
     positions (p < seq_len), a decoy page for padding positions.
@@ -135,17 +148,17 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_blocks)).to(tl.int64)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic)).to(tl.int64)
 
 
 @triton.jit
-def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                  TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """`tile_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_blocks)).to(tl.int64)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic)).to(tl.int64)
 
 
 @triton.jit
@@ -204,7 +217,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
 @triton.jit(do_not_specialize=[
     "num_reqs", "num_tokens", "q_rows", "l_scalar", "l_mode", "pad_l", "search_trips",
-    "n_split_grid", "spp", "write_partials", "num_blocks", "max_blocks", "bt_stride",
+    "n_split_grid", "spp", "write_partials", "num_blocks", "max_blocks", "bt_stride", "decoy_magic",
 ])
 def attention_kernel(
     q_ptr, sq_t, sq_h,
@@ -217,7 +230,7 @@ def attention_kernel(
     num_reqs, num_tokens, q_rows, num_heads,
     l_scalar, l_mode, pad_l, search_trips,
     n_split_grid, spp, write_partials,
-    num_blocks, max_blocks,
+    num_blocks, max_blocks, decoy_magic,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
@@ -300,7 +313,7 @@ def attention_kernel(
     # fixed, public surplus read.
     rows_t = tl.arange(0, TILES_PER_SPLIT)
     if PREFETCH:
-        ids_next = split_blocks(s_lo, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+        ids_next = split_blocks(s_lo, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                                 TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
     for s in range(s_lo, s_hi):
         # Every split starts from a fresh state, so its partial result is the same
@@ -312,14 +325,14 @@ def attention_kernel(
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
         if PREFETCH:
             ids = ids_next
-            ids_next = split_blocks(s + 1, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+            ids_next = split_blocks(s + 1, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                                     TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
         for j in range(j_lo, j_hi):
             if PREFETCH:
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
                 bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
             else:
-                bid = tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_blocks,
+                bid = tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                                   BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,

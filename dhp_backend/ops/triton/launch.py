@@ -43,6 +43,13 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
+def decoy_magic(num_blocks: int) -> int:
+    """Barrett constant for the kernel's branch-free ``x mod num_blocks`` (kernels.decoy_block)."""
+    if not 1 <= num_blocks < 2**31:
+        raise ValueError(f"num_blocks={num_blocks}: the decoy map needs 1 <= num_blocks < 2**31")
+    return (2**32 - 1) // num_blocks
+
+
 def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
          cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None) -> dict:
     """Grid and split mode for one launch, from public values only.
@@ -159,7 +166,7 @@ def paged_attention_triton(
         num_reqs, num_tokens, q_rows, num_heads,
         l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
         p["n_split_grid"], p["spp"], 1 if p["split"] else 0,
-        num_blocks, block_table.shape[1],
+        num_blocks, block_table.shape[1], decoy_magic(num_blocks),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size,
         HEAD=head_size, HEAD_PAD=cfg.head_pad, CAUSAL=bool(causal),
