@@ -26,7 +26,16 @@ for step in "$@"; do
   case $step in
     kernels) python3 -m pytest -q -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
-    e2e)     python3 -m integration.gpu_e2e --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
+               --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    ncu)     # G1 spot check: B=16, L=4096, every true length 1 vs 4096 (same public parameters)
+             for n in 1 4096; do
+               ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
+                 --metrics dram__bytes_read.sum,smsp__inst_executed.sum,smsp__sass_inst_executed_op_branch.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum \
+                 --csv python3 -m dhp_backend.bench.quick_kernel_bench --profile base --profile-shape 16,4096,$n \
+                 > "$OUT/ncu-len$n.csv" 2>"$OUT/ncu-len$n.err"
+               echo "true length $n:"; grep -E "dram__|inst_executed|requests|sectors" "$OUT/ncu-len$n.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
+             done; (exit 0) ;;
     *) echo "unknown step $step" ;;
   esac
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=$rc

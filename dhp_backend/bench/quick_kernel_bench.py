@@ -96,6 +96,27 @@ def sdpa_prefill(q, k, v):
     return o[0].transpose(0, 1)
 
 
+def fa3_callable(s, q_len, ctx):
+    """FlashAttention-3 (vLLM's build, paged) on the same set, or None if not importable.
+
+    FA3 wants NHD pages ([blocks, block_size, kv_heads, head]): a copy of the
+    same data, made outside the timed region.
+    """
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - anchor absent: the row says so
+        return None
+    k = s["kc"].permute(0, 2, 1, 3).contiguous()
+    v = s["vc"].permute(0, 2, 1, 3).contiguous()
+    out = torch.empty_like(s["q"])
+
+    def run():
+        return flash_attn_varlen_func(s["q"], k, v, max_seqlen_q=q_len, cu_seqlens_q=s["qsl"], max_seqlen_k=ctx,
+                                      seqused_k=s["sl"], causal=True, softmax_scale=D ** -0.5,
+                                      block_table=s["table"], fa_version=3, out=out)
+    return run
+
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -146,10 +167,19 @@ def shape_rows(args, gen):
             print(f"WRONG RESULT {kind} B={B} ctx={ctx}: rel err {err}", flush=True)
         t_ours = bench([lambda s=s, o=o: run_ours(s, o) for s, o in zip(sets, outs)])
         t_sdpa = bench(sd)
+        fa3 = [fa3_callable(s, q_len, ctx) for s in sets]
+        t_fa3 = err_fa3 = float("nan")
+        if all(f is not None for f in fa3):
+            err_fa3 = rel(fa3[0](), ref)
+            if err_fa3 < 2e-2:  # never time a wrong anchor
+                t_fa3 = bench(fa3)
+            else:
+                print(f"FA3 WRONG RESULT {kind} B={B} ctx={ctx}: rel err {err_fa3}", flush=True)
+        del fa3
         kv_bytes = 2 * B * ctx * HKV * D * 2
         flops = 4 * B * q_len * ctx * H * D  # full L for ours (constant time: no causal skip)
         rows.append(dict(kind=kind, B=B, ctx=ctx, rel_err=err, us_ours=t_ours, us_sdpa=t_sdpa,
-                         ratio=t_ours / t_sdpa, kv_GBps_ours=kv_bytes / t_ours / 1e3,
+                         ratio=t_ours / t_sdpa, us_fa3=t_fa3, rel_err_fa3=err_fa3, ours_over_fa3=t_ours / t_fa3, kv_GBps_ours=kv_bytes / t_ours / 1e3,
                          kv_GBps_sdpa=kv_bytes / t_sdpa / 1e3, tflops_ours=flops / t_ours / 1e6))
         print(json.dumps(rows[-1]), flush=True)
         del sets, outs, dense
@@ -298,11 +328,12 @@ def main(argv=None):
     if args.out:
         with open(os.path.join(args.out, "quick_kernel_bench.json"), "w") as f:
             json.dump(res, f, indent=1)
-    print("\n| shape | B | ctx | ours us | SDPA us | ours/SDPA | ours KV GB/s | SDPA KV GB/s | rel err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| shape | B | ctx | ours us | FA3 us | ours/FA3 | SDPA us | ours/SDPA | ours KV GB/s | rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res.get("shapes", []):
-        print(f"| {r['kind']} | {r['B']} | {r['ctx']} | {r['us_ours']:.1f} | {r['us_sdpa']:.1f} | "
-              f"{r['ratio']:.2f} | {r['kv_GBps_ours']:.0f} | {r['kv_GBps_sdpa']:.0f} | {r['rel_err']:.1e} |")
+        fa3 = "not available" if math.isnan(r["us_fa3"]) else f"{r['us_fa3']:.1f}"
+        print(f"| {r['kind']} | {r['B']} | {r['ctx']} | {r['us_ours']:.1f} | {fa3} | {r['ours_over_fa3']:.2f} | "
+              f"{r['us_sdpa']:.1f} | {r['ratio']:.2f} | {r['kv_GBps_ours']:.0f} | {r['rel_err']:.1e} |")
     if res.get("sweep"):
         names = list(dict.fromkeys(r["variant"] for r in res["sweep"]))
         print("\n| variant | " + " | ".join(f"{k} B={b} ctx={c}" for k, b, c in SWEEP_SHAPES) + " |")
