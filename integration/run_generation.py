@@ -43,12 +43,15 @@ def make_prompts(seed: int = 1234, vocab: int = 512) -> tuple[list[list[int]], l
 
 
 def on_cpu() -> bool:
-    try:
-        import torch
+    """Whether vLLM runs on its CPU platform here.
 
-        return not torch.cuda.is_available()
-    except Exception:
-        return True
+    Asks vLLM's platform detection (NVML, no CUDA context): calling
+    torch.cuda in this process would initialise CUDA, and vLLM's engine core,
+    forked from here, could then not use the GPU.
+    """
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def run(args: argparse.Namespace) -> dict:
