@@ -24,17 +24,21 @@ status=0
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case $step in
-    kernels) python3 -m pytest -q -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 | tee "$OUT/kernels.log" | tail -25 ;;
+    kernels) DHP_REPORT_DIR=$OUT python3 -m pytest -q -s -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 \
+               | tee "$OUT/kernels.log" | grep -v "^\s*$" | tail -25 ;;
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
-    ncu)     # G1 spot check: B=16, L=4096, every true length 1 vs 4096 (same public parameters)
-             for n in 1 4096; do
+    ncu)     # G1 spot check: per shape "B,L", every true length 1 vs L (same public parameters)
+             for shape in ${NCU_SHAPES:-16,4096}; do
+             B=${shape%,*}; L=${shape#*,}
+             for n in 1 $L; do
                ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
                  --metrics dram__bytes_read.sum,smsp__inst_executed.sum,smsp__sass_inst_executed_op_branch.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum \
-                 --csv python3 -m dhp_backend.bench.quick_kernel_bench --profile base --profile-shape 16,4096,$n \
-                 > "$OUT/ncu-len$n.csv" 2>"$OUT/ncu-len$n.err"
-               echo "true length $n:"; grep -E "dram__|inst_executed|requests|sectors" "$OUT/ncu-len$n.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
+                 --csv python3 -m dhp_backend.bench.quick_kernel_bench --profile base --profile-shape $B,$L,$n \
+                 > "$OUT/ncu-B$B-L$L-len$n.csv" 2>"$OUT/ncu-B$B-L$L-len$n.err"
+               echo "B=$B L=$L true length $n:"; grep -E "dram__|inst_executed|requests|sectors" "$OUT/ncu-B$B-L$L-len$n.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
+             done
              done; (exit 0) ;;
     *) echo "unknown step $step" ;;
   esac
