@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from test_triton_helpers import (
+from triton_steps import (
     Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, reference, rel_err,
 )
 

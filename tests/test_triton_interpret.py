@@ -58,7 +58,7 @@ def test_interpreter_suite_in_fresh_process():
 
 from dhp_backend.ops import ProblemSpec, paged_attention  # noqa: E402
 from dhp_backend.ops.triton import paged_attention_triton, supports  # noqa: E402
-from test_triton_helpers import (  # noqa: E402
+from triton_steps import (  # noqa: E402
     assemble, bits, check_written, make_request, poisoned_out, reference, rel_err,
 )
 
