@@ -6,7 +6,13 @@
 `info` prints versions, platform and GPU, the effective DHP configuration (from
 ``--additional-config`` and the environment, as the backend would read them),
 and for the given model shape which path each kind of step would take and why.
-Later issues add ``bench`` and ``audit``.
+    dhp-backend audit sass [--all] [--groups 1,2,4,8] [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
+
+`audit sass` is gate G2 (design.md section 3): compiles every kernel variant for
+sm_90 on this machine (no GPU needed), classifies every control instruction of
+the SASS against the rules in ``dhp_backend/audit/rules.py``, and exits 1 when
+one is unexplained or a slow path is found. Without ``--all`` it runs the CI
+subset. Later issues add ``bench`` and the other gates.
 """
 
 from __future__ import annotations
@@ -158,7 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="plan for this device type (default: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
+    asub = a.add_subparsers(dest="gate", required=True)
+    g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")
+    g2.add_argument("--all", action="store_true", help="every variant (default: the CI subset)")
+    g2.add_argument("--groups", default="1,2,4,8", help="GQA group sizes for --all (comma-separated)")
+    g2.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g2.add_argument("--report-dir", help="write <date>-sass-cpu-triton<version>.md/.json here (e.g. docs/audit)")
+    g2.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
+    g2.add_argument("--cache-dir", help="Triton cache directory for the compiled binaries")
     args = ap.parse_args(argv)
+    if args.command == "audit":
+        return _audit(args, ap)
     if args.command == "info":
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
             if getattr(args, name) <= 0:
@@ -175,6 +192,38 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(result)
     return 0
+
+
+def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
+    import time
+
+    from dhp_backend.audit import report, variants
+
+    try:
+        groups = tuple(int(x) for x in args.groups.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--groups: comma-separated integers, got {args.groups!r}")
+    if args.all:
+        vs = variants.enumerate_variants(groups=groups)
+        scope = f"all variants, groups {','.join(map(str, groups))}"
+    else:
+        vs = list(variants.CI_SUBSET)
+        scope = "CI subset"
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    log(f"G2 SASS gate: {len(vs)} variants ({scope})")
+    t = time.time()
+    results = report.run(vs, jobs=args.jobs, cache_dir=args.cache_dir, progress=log)
+    s = report.summarize(results, time.time() - t, scope)
+    if args.report_dir:
+        md, js = report.write_reports(args.report_dir, s, results)
+        s["reports"] = [md, js]
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        report.print_summary(s, results)
+        if args.report_dir:
+            print(f"  reports: {s['reports'][0]}, {s['reports'][1]}")
+    return 0 if s["passed"] and not s["rule_table_errors"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,171 @@
+"""G2 SASS gate (dhp_backend.audit): parser, taint, planted kernels, and the real kernels' CI subset.
+
+Compiles for sm_90 with Triton's bundled ptxas: no GPU needed. The planted
+kernels prove the gate catches what it must (a data-dependent loop and ``if``,
+precise division) and passes what it must (a clean kernel). They live in
+tests/data/planted_kernels.py and compile in a fresh process: this test session
+imports Triton in interpreter mode (conftest), which cannot compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+from dhp_backend.audit import ptx, sass  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """Gate results of tests/data/planted_kernels.py, compiled in a fresh process (see its docstring)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, os.path.join(DATA, "planted_kernels.py")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def _at(f, name, planted):
+    return f["source"].startswith(f"planted_kernels.py:{planted['lines'][name]}")
+
+
+def test_planted_secret_trip_count_fails_naming_instruction_and_line(planted):
+    r = planted["planted_loop"]
+    assert not r["passed"]
+    sass_fails = [f for f in r["failures"] if f["index"] is not None]
+    assert sass_fails, r["failures"]
+    assert all(f["kernel"] == "planted_loop" for f in sass_fails)
+    assert any(("BRA" in f["instr"] or "EXIT" in f["instr"]) and _at(f, "planted_loop", planted)
+               for f in sass_fails), sass_fails
+    assert any("mem:x_ptr" in f["why"] for f in r["failures"]), r["failures"]
+
+
+def test_planted_secret_if_fails(planted):
+    r = planted["planted_if"]
+    assert not r["passed"]
+    assert any(_at(f, "planted_if", planted) and "mem:x_ptr" in f["why"] for f in r["failures"]), r["failures"]
+    # The branch survives into SASS and is named there too.
+    assert any(f["index"] is not None and _at(f, "planted_if", planted) for f in r["failures"]), r["failures"]
+
+
+def test_planted_precise_division_is_flagged(planted):
+    r = planted["planted_div"]
+    assert not r["passed"]
+    assert any(s["where"] == "ptx" and s["what"] == "IEEE division" for s in r["slow_paths"]), r["slow_paths"]
+    assert any(s["where"] == "sass" and s["what"] in ("CALL", "FCHK") for s in r["slow_paths"]), r["slow_paths"]
+    assert any("slow path" in f["why"] for f in r["failures"])
+
+
+def test_planted_clean_kernel_passes(planted):
+    r = planted["planted_clean_with_rule"]
+    assert r["passed"], r["failures"]
+    assert {b["rule"] for b in r["branches"]} >= {"n-loop", "exit"}
+    assert not r["slow_paths"]
+    # Without the rule the same loop is unexplained: rules are required, not implied.
+    assert not planted["planted_clean"]["passed"]
+
+
+def test_ttir_taint_of_a_public_loop(planted):
+    assert planted["planted_clean_ttir_for"] == [["arg:n"]]
+
+
+# --- parsers ------------------------------------------------------------------------------------
+
+
+def test_sass_parser_on_recorded_snippet():
+    gi = sass.parse_nvdisasm(open(os.path.join(DATA, "sass_snippet_gi.txt")).read())
+    gp = sass.parse_nvdisasm(open(os.path.join(DATA, "sass_snippet_gp.txt")).read())
+    f = sass.join_line_info(gi, gp)["attention_kernel"]
+    ins = {i.offset: i for i in f["instrs"]}
+    guard = ins[0x8980]
+    assert (guard.predicate, guard.base, guard.target) == ("P1", "BRA", ".L_x_8")
+    assert guard.src.line == 356 and guard.ptx_line == 2961 and guard.is_branching
+    jump = ins[0x89b0]
+    assert jump.predicate is None and jump.src.line == 350
+    fm = ins[0x89c0]  # an inlined location keeps its chain
+    assert fm.src.line == 46 and fm.src.chain[0][1] == 358
+    trap = ins[0xa7f0]
+    assert trap.target == ".L_x_10" and f["labels"][".L_x_10"] == 0xa7f0
+    assert ins[0xa7e0].base == "EXIT" and ins[0xa7e0].ptx_line == 3405
+    assert not ins[0x8990].is_control
+
+
+def test_ptx_predicate_taint():
+    src = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1
+)
+{
+	ld.param.b64 	%rd1, [k_param_0];
+	ld.param.b32 	%r1, [k_param_1];
+	mov.u32 	%r2, %tid.x;
+	setp.lt.u32 	%p1, %r2, 64;
+	ld.global.b32 	%r3, [%rd1];
+	setp.gt.s32 	%p2, %r3, %r1;
+	@%p1 st.global.b32 [%rd1], %r2;
+	@%p2 bra 	$L__BB0_2;
+	div.rn.f32 	%f1, %f2, %f3;
+}
+"""
+    t = ptx.Taint(src, ["x_ptr", "n"])
+    assert t.labels("%p1") == {"tid"}
+    assert "mem:x_ptr" in t.labels("%p2") and "param:n" in t.labels("%p2")
+    assert [s["what"] for s in ptx.slow_paths(src)] == ["IEEE division"]
+
+
+# --- the real kernels ----------------------------------------------------------------------------
+
+
+def test_rule_tables_are_consistent():
+    from dhp_backend.audit import rules
+
+    assert rules.check_tables() == []
+
+
+def test_real_kernels_pass_on_ci_subset(tmp_path):
+    from dhp_backend.audit import report, variants
+
+    results = report.run(list(variants.CI_SUBSET), jobs=os.cpu_count(), progress=None)
+    s = report.summarize(results, 0.0, "CI subset")
+    assert s["passed"], report.print_summary(s, results) or s["failures"]
+    assert {r["kernel"] for r in results} == {"attention_kernel", "merge_kernel"}
+    # Every attention variant has its three loops and the mode flag explained by source rules.
+    for r in results:
+        rules_ = {b["rule"] for b in r["branches"]}
+        if r["kernel"] == "attention_kernel":
+            assert {"locate-loop", "split-loop", "kv-loop", "write-partials-if"} <= rules_, r["variant"]
+        else:
+            assert "merge-loop" in rules_
+        assert not r["slow_paths"], r["slow_paths"]
+    md, js = report.write_reports(str(tmp_path), s, results)
+    assert os.path.getsize(md) > 1000 and os.path.getsize(js) > 1000
+
+
+def test_cli_audit_sass_exit_code(monkeypatch, capsys):
+    from dhp_backend import cli
+    from dhp_backend.audit import variants
+
+    monkeypatch.setattr(variants, "CI_SUBSET", variants.CI_SUBSET[-1:])  # one merge variant: fast
+    assert cli.main(["audit", "sass", "--jobs", "1"]) == 0
+    assert "G2 SASS gate: PASS" in capsys.readouterr().out
+
+
+def test_enumeration_counts_distinct_binaries():
+    from dhp_backend.audit import variants
+
+    vs = variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))
+    att = [v for v in vs if v.kernel == "attention_kernel"]
+    # 4 block sizes x causal x num_heads divisibility; merge: num_heads divisibility only.
+    assert len(att) == 16 and len(vs) - len(att) == 2
+    assert len({v.key for v in vs}) == len(vs)
