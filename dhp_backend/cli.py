@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     g2.add_argument("--report-dir", help="write <date>-sass-cpu-triton<version>.md/.json here (e.g. docs/audit)")
     g2.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
     g2.add_argument("--cache-dir", help="Triton cache directory for the compiled binaries")
+    g2.add_argument("--on-device", action="store_true",
+                    help="GPU machine: launch the variants on this GPU and gate the binaries its Triton compiled")
     args = ap.parse_args(argv)
     if args.command == "audit":
         return _audit(args, ap)
@@ -212,10 +214,27 @@ def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     log(f"G2 SASS gate: {len(vs)} variants ({scope})")
     t = time.time()
-    results = report.run(vs, jobs=args.jobs, cache_dir=args.cache_dir, progress=log)
+    if args.on_device:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("dhp-backend audit sass --on-device: no CUDA GPU here; run it on the GPU machine "
+                  "(without --on-device it compiles for sm_90 on the CPU)", file=sys.stderr)
+            return 2
+        from dhp_backend.audit import device
+
+        scope += ", binaries compiled and run on this GPU"
+        results = device.audit_on_device(vs, progress=log)
+    else:
+        results = report.run(vs, jobs=args.jobs, cache_dir=args.cache_dir, progress=log)
     s = report.summarize(results, time.time() - t, scope)
     if args.report_dir:
-        md, js = report.write_reports(args.report_dir, s, results)
+        where = "cpu"
+        if args.on_device:
+            import torch
+
+            where = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+        md, js = report.write_reports(args.report_dir, s, results, where=where)
         s["reports"] = [md, js]
     if args.json:
         print(json.dumps(s, indent=2))

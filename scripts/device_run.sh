@@ -5,6 +5,8 @@
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
+#   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
+#   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 # Carry: .gpu-stack/bin .gpu-stack/send/core .gpu-stack/send/flashinfer
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +31,7 @@ for step in "$@"; do
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    audit)   python3 -m dhp_backend.cli audit sass --on-device --report-dir "$OUT/audit" 2>&1 | tee "$OUT/audit.log" | tail -20 ;;
     ncu)     # G1 spot check: per shape "B,L", every true length 1 vs L (same public parameters)
              for shape in ${NCU_SHAPES:-16,4096}; do
              B=${shape%,*}; L=${shape#*,}

@@ -169,3 +169,51 @@ def test_enumeration_counts_distinct_binaries():
     # 4 block sizes x causal x num_heads divisibility; merge: num_heads divisibility only.
     assert len(att) == 16 and len(vs) - len(att) == 2
     assert len({v.key for v in vs}) == len(vs)
+
+
+# --- the SASS predicate slice (branches ptxas makes without a PTX counterpart) ---------------
+def _fn(lines, labels=None):
+    """Instructions from 'text' lines (guard predicate inline, as nvdisasm prints it)."""
+    from dhp_backend.audit.sass import Instr
+
+    out = []
+    for k, text in enumerate(lines):
+        pred = None
+        if text.startswith("@"):
+            pred = text.split()[0][1:]
+        op = text.split()[1] if pred else text.split()[0]
+        out.append(Instr(index=k, offset=16 * k, predicate=pred, opcode=op, text=text))
+    return out, labels or {}
+
+
+def _slice(lines, labels=None):
+    from dhp_backend.audit.sass_slice import public_predicate
+
+    instrs, labels = _fn(lines, labels)
+    return public_predicate(instrs, labels, instrs[-1])
+
+
+def test_slice_proves_a_hoisted_loop_guard_public():
+    # what Triton 3.6's ptxas emits for merge_kernel's zero-trip guard
+    ok, why = _slice(["LDC R54, c[0x0][0x240]", "S2R R73, SR_TID.X", "VIADD R54, R54, 0x7",
+                      "ISETP.GT.AND P0, PT, R54, 0x7, PT", "@!P0 BRA `(.L_x_0)"])
+    assert ok, why
+    ok, why = _slice(["LDC.64 R2, c[0x0][0x210]", "IMAD.WIDE R4, R3, 0x4, R2", "ISETP.NE.AND P0, PT, R5, RZ, PT",
+                      "@P0 BRA `(.L_x_1)"])
+    assert ok, why  # R5 is the high half of IMAD.WIDE's pair, from a 64-bit parameter
+
+
+@pytest.mark.parametrize("lines,labels,needle", [
+    (["LDG.E R5, desc[UR4][R2.64]", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "memory"),
+    (["SHFL.IDX PT, R5, R6, RZ, 0x1f", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "lane"),
+    (["LDC R5, c[0x0][0x240]", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], {".L_x_9": 16},
+     "basic block"),
+    (["FOO R5, R6", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "unknown destinations"),
+    # a guarded redefinition does not hide the loaded value it may leave in place
+    (["LDG.E R5, desc[UR4][R2.64]", "@P1 MOV R5, 0x1", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"],
+     None, "memory"),
+    (["ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "function entry"),
+])
+def test_slice_refuses_what_it_cannot_prove(lines, labels, needle):
+    ok, why = _slice(lines, labels)
+    assert not ok and needle in why, why

@@ -34,6 +34,7 @@ import re
 from dhp_backend.audit import ptx as ptxmod
 from dhp_backend.audit import rules as R
 from dhp_backend.audit import sass as sassmod
+from dhp_backend.audit import sass_slice as slicemod
 from dhp_backend.audit import ttir as ttirmod
 
 
@@ -171,7 +172,14 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
                 else:
                     rule = "lane-guard"
             else:
-                ok, detail = False, "predicated branch with no PTX counterpart and no source rule"
+                # ptxas-made branch (e.g. a hoisted zero-trip guard): prove its predicate public
+                # by a backward slice in SASS, or fail.
+                proven, why = slicemod.public_predicate(instrs, labels, ins)
+                if proven:
+                    rule, detail = "param-guard", why
+                else:
+                    ok = False
+                    detail = f"predicated branch with no PTX counterpart and no source rule; SASS slice: {why}"
         rec.update(rule=rule, ok=ok, detail=detail)
         branches.append(rec)
         if not ok:

@@ -139,14 +139,16 @@ def _rule_table_md() -> list[str]:
     return lines
 
 
-def write_reports(report_dir: str, s: dict, results: list[dict]) -> tuple[str, str]:
+def write_reports(report_dir: str, s: dict, results: list[dict], where: str = "cpu") -> tuple[str, str]:
+    """``where``: the machine whose compiler built the binaries ("cpu" = compiled for sm_90 on a CPU)."""
     vers = _versions()
     date = datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, f"{date}-sass-cpu-triton{vers['triton']}")
+    stem = os.path.join(report_dir, f"{date}-sass-{where}-triton{vers['triton']}")
     os.makedirs(report_dir, exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump({"date": date, "versions": vers, "summary": s, "results": results}, f, indent=1, default=str)
-    md = [f"# G2 SASS gate — {date}, CPU, Triton {vers['triton']}", "",
+    md = [f"# G2 SASS gate — {date}, {'CPU (compiled for sm_90)' if where == 'cpu' else where}, "
+          f"Triton {vers['triton']}", "",
           f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — {s['variants']} variants ({s['scope']}), "
           f"{s['control_instructions']} control instructions, {len(s['failures'])} failures, {s['seconds']} s.",
           "", f"Commit {vers['commit']}, dhp_backend {vers['dhp_backend']}, Python {vers['python']}, "

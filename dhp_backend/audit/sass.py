@@ -168,9 +168,14 @@ def tool_path(name: str) -> str:
     import triton
 
     p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(p):
-        raise FileNotFoundError(f"{name} not found in the Triton wheel ({p})")
-    return p
+    if os.path.exists(p):
+        return p
+    import shutil
+
+    found = shutil.which(name)  # a CUDA toolkit on PATH (the GPU machine has one)
+    if found:
+        return found
+    raise FileNotFoundError(f"{name} not found in the Triton wheel ({p}) nor on PATH")
 
 
 def disassemble(cubin: bytes) -> dict[str, dict]:

@@ -1,0 +1,146 @@
+"""Backward slice of a SASS predicate inside its basic block: is it computed from public values only?
+
+ptxas sometimes creates a predicated branch that has no predicated PTX
+counterpart (it hoists a loop's zero-trip guard into the entry block, say) and
+whose line info points at whatever source line the surrounding instructions
+came from. The source rules cannot explain such a branch; this can, when it is
+public: walking back from the branch inside its basic block, every definition
+the predicate depends on must bottom out in kernel parameters (constant bank
+``c[...]``), special registers (thread / program index), immediates or the zero
+registers.
+
+Conservative by construction: a load from memory, a lane shuffle, an opcode
+whose destinations are not known here, or reaching the start of the basic
+block with something still unresolved all answer "not proven", and the gate
+then fails the branch as before.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Compare-like opcodes: their leading predicate operands are the destinations.
+_PRED_WRITERS = ("ISETP", "UISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "PLOP3", "UPLOP3", "FCHK")
+# Opcodes whose destination is the first register operand (plus carry-out
+# predicates that follow it, or a predicate that precedes it in LOP3's form).
+_ALU = frozenset({
+    "MOV", "UMOV", "IMAD", "UIMAD", "IADD3", "UIADD3", "VIADD", "LOP3", "ULOP3", "SHF", "USHF", "LEA", "ULEA",
+    "SEL", "USEL", "SGXT", "USGXT", "IMNMX", "VIMNMX", "UIMNMX", "FLO", "UFLO", "POPC", "UPOPC", "BREV", "UBREV",
+    "PRMT", "UPRMT", "IABS", "ISCADD", "R2UR", "I2F", "F2I", "IMUL", "UMUL", "BMSK", "UBMSK", "P2R", "R2P",
+    "S2R", "S2UR", "CS2R", "LDC", "ULDC", "IDP", "FADD", "FMUL", "FFMA", "FMNMX", "FSEL",
+})
+# Definitions from memory or from other lanes: never public here.
+_SECRET_SOURCES = frozenset({
+    "LDG", "LDS", "LDL", "LD", "LDSM", "ATOM", "ATOMS", "ATOMG", "SHFL", "LDGDEPBAR", "TLD", "TEX", "SUATOM",
+    "SULD", "REDUX", "VOTE", "VOTEU", "MATCH",
+})
+# Write no register or predicate (stores, barriers, fences, async copies into shared memory).
+_NO_DEST = frozenset({
+    "ST", "STG", "STS", "STL", "RED", "BAR", "MEMBAR", "DEPBAR", "NOP", "FENCE", "LDGSTS", "ERRBAR", "CCTL",
+    "UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP", "ARRIVES",
+})
+_PUBLIC_CONSTANT_REGS = frozenset({"RZ", "URZ", "PT", "UPT", "SRZ"})
+_REG_RE = re.compile(r"\b(U?R\d+|U?P\d|UPT|PT|URZ|RZ)\b")
+_PRED_RE = re.compile(r"^!?(U?P\d|UPT|PT)$")
+
+
+def _operands(text: str) -> tuple[str, list[str]]:
+    """(opcode, operands) of an instruction text, without its guard predicate."""
+    t = re.sub(r"^@!?U?P(?:\d|T)\s+", "", text.strip())
+    op, _, rest = t.partition(" ")
+    ops = [o.strip().replace(".reuse", "") for o in rest.split(",")] if rest.strip() else []
+    return op, ops
+
+
+def _regs(operand: str) -> list[str]:
+    """Registers an operand reads (inside brackets too); constant-bank and special registers read none."""
+    if operand.startswith(("c[", "-c[", "|c[")) and "][" in operand and not re.search(r"\]\[\s*U?R\d", operand):
+        return []
+    if operand.startswith("SR_") or operand.startswith("SRZ"):
+        return []
+    return [r for r in _REG_RE.findall(operand) if r not in _PUBLIC_CONSTANT_REGS]
+
+
+def _widen(reg: str, opcode: str) -> list[str]:
+    """A destination register and the ones a 64/128-bit write also covers."""
+    m = re.match(r"^(U?R)(\d+)$", reg)
+    n = 4 if ".128" in opcode else 2 if (".64" in opcode or ".WIDE" in opcode or opcode.startswith("CS2R")) else 1
+    if not m or n == 1:
+        return [reg]
+    return [f"{m.group(1)}{int(m.group(2)) + k}" for k in range(n)]
+
+
+def destinations(opcode: str, ops: list[str]) -> tuple[list[str], int] | None:
+    """(registers and predicates written, how many leading operands are destinations),
+    or None if this module does not know the instruction's form."""
+    base = opcode.split(".")[0]
+    if base in _NO_DEST:
+        return [], 0
+    if base in _PRED_WRITERS:
+        out = []
+        for o in ops:
+            if not _PRED_RE.match(o):
+                break
+            out.append(o.lstrip("!"))
+        return out, len(out)
+    if base in _ALU or base in _SECRET_SOURCES:
+        out, i = [], 0
+        while i < len(ops) and _PRED_RE.match(ops[i]):  # LOP3.LUT P0, R0, ...
+            out.append(ops[i].lstrip("!"))
+            i += 1
+        if i < len(ops) and re.match(r"^U?R\d+$", ops[i]):
+            out += _widen(ops[i], opcode)
+            i += 1
+            while i < len(ops) and _PRED_RE.match(ops[i]):  # IADD3 R4, P0, PT, ...
+                out.append(ops[i].lstrip("!"))
+                i += 1
+        return out, i
+    return None
+
+
+def _is_control_flow_boundary(ins) -> bool:
+    return ins.base in ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSYNC", "WARPSYNC")
+
+
+def public_predicate(instrs: list, labels: dict, branch) -> tuple[bool, str]:
+    """Whether ``branch``'s guard predicate is computed from public values only (see module doc).
+
+    ``instrs``: the function's instructions in order; ``labels``: label -> byte offset.
+    Returns (proven, explanation).
+    """
+    if not branch.predicate:
+        return False, "unpredicated"
+    need = {branch.predicate.lstrip("!")} - _PUBLIC_CONSTANT_REGS
+    block_starts = set(labels.values())
+    trail = []
+    i = branch.index
+    while need:
+        if instrs[i].offset in block_starts:
+            return False, f"basic block starts at 0x{instrs[i].offset:04x} with {sorted(need)} unresolved"
+        i -= 1
+        if i < 0:
+            return False, f"function entry reached with {sorted(need)} unresolved"
+        ins = instrs[i]
+        if _is_control_flow_boundary(ins):
+            return False, f"control flow at #{ins.index} ({ins.text}) with {sorted(need)} unresolved"
+        opcode, ops = _operands(ins.text)
+        known = destinations(opcode, ops)
+        mentioned = {r for o in ops for r in _REG_RE.findall(o)}
+        if known is None:
+            if need & mentioned:
+                return False, f"#{ins.index} {ins.text}: unknown destinations of {opcode.split('.')[0]}"
+            continue
+        dests, n_dest_operands = known
+        written = need & set(dests)
+        if not written:
+            continue
+        if opcode.split(".")[0] in _SECRET_SOURCES:
+            return False, f"#{ins.index} {ins.text}: {sorted(written)} comes from memory or another lane"
+        sources = {r for o in ops[n_dest_operands:] for r in _regs(o)}
+        if ins.predicate:  # a guarded definition: the old value may survive, and the guard matters
+            sources |= {ins.predicate.lstrip("!")} | written
+        else:
+            need -= written
+        need |= sources - _PUBLIC_CONSTANT_REGS
+        trail.append(f"#{ins.index} {ins.text}")
+    return True, "predicate from kernel parameters / thread and program indices only: " + " <- ".join(trail)
