@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="plan for this device type (default: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
-    asub = a.add_subparsers(dest="gate", required=True)
+    asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")
     g2.add_argument("--all", action="store_true", help="every variant (default: the CI subset)")
     g2.add_argument("--groups", default="1,2,4,8", help="GQA group sizes for --all (comma-separated)")
@@ -175,8 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     g2.add_argument("--cache-dir", help="Triton cache directory for the compiled binaries")
     g2.add_argument("--on-device", action="store_true",
                     help="GPU machine: launch the variants on this GPU and gate the binaries its Triton compiled")
+    # G1 counters, G3 bits, G4 timing: each module declares its own options.
+    # Imported only for `audit` invocations: `info` stays cheap and independent of them.
+    auditing = (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]
+    gate_modules = {}
+    for gate, module, help_text in _GATE_MODULES:
+        mod = _optional_module(module) if auditing else None
+        gp = asub.add_parser(gate, help=help_text + ("" if mod else " [not available in this build]"))
+        if mod is not None:
+            mod.add_arguments(gp)
+        gate_modules[gate] = mod
+    summary = _optional_module("dhp_backend.audit.summary") if auditing else None
+    if summary is not None:
+        summary.add_arguments(a)
     args = ap.parse_args(argv)
     if args.command == "audit":
+        if args.gate is None:
+            if summary is None:
+                print("dhp-backend audit: the summary of all gates is not available in this build; "
+                      "name a gate: sass, counters, bits, timing", file=sys.stderr)
+                return 2
+            return summary.run_all(args)
+        if args.gate in gate_modules:
+            if gate_modules[args.gate] is None:
+                print(f"dhp-backend audit {args.gate}: not available in this build", file=sys.stderr)
+                return 2
+            return gate_modules[args.gate].run(args)
         return _audit(args, ap)
     if args.command == "info":
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
@@ -194,6 +218,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_info(result)
     return 0
+
+
+_GATE_MODULES = (
+    ("counters", "dhp_backend.audit.counters", "G1: ncu counters identical across secret classes (GPU)"),
+    ("bits", "dhp_backend.audit.bits", "G3: bitwise repeatability and batch invariance (GPU, or CPU interpreter)"),
+    ("timing", "dhp_backend.audit.timing", "G4: dudect-style timing of secret classes (GPU)"),
+)
+
+
+def _optional_module(name: str):
+    """A gate module, or None if this build does not have it (the subcommand then says so)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return None
+        raise
 
 
 def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:

@@ -7,6 +7,7 @@
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
+#   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
 # Carry: .gpu-stack/bin .gpu-stack/send/core .gpu-stack/send/flashinfer
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,6 +33,9 @@ for step in "$@"; do
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     audit)   python3 -m dhp_backend.cli audit sass --on-device --report-dir "$OUT/audit" 2>&1 | tee "$OUT/audit.log" | tail -20 ;;
+    g1)      python3 -m dhp_backend.cli audit counters --report-dir "$OUT/audit" ${G1_ARGS:-} 2>&1 | tee "$OUT/g1.log" | tail -30 ;;
+    g3)      python3 -m dhp_backend.cli audit bits --report-dir "$OUT/audit" ${G3_ARGS:-} 2>&1 | tee "$OUT/g3.log" | tail -20 ;;
+    g4)      python3 -m dhp_backend.cli audit timing --report-dir "$OUT/audit" ${G4_ARGS:-} 2>&1 | tee "$OUT/g4.log" | tail -30 ;;
     ncu)     # G1 spot check: per shape "B,L", every true length 1 vs L (same public parameters)
              for shape in ${NCU_SHAPES:-16,4096}; do
              B=${shape%,*}; L=${shape#*,}
