@@ -68,7 +68,12 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
     if cls not in CLASSES:
         raise ValueError(f"class {cls!r}; accepted: {', '.join(CLASSES)}")
     dt = _DTYPES[shape.dtype]
-    gen = torch.Generator(device=device).manual_seed(seed + (7919 if cls == "random2" else 0))
+    # Two generators: the page layout (block table) is public and must be the same
+    # for every class of a shape; only the data (and, for short/long, the lengths)
+    # may differ. (A first version seeded both from the class, so random vs random2
+    # also compared two public layouts: 0.18 % apart in time on an H200.)
+    layout_gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1 + (7919 if cls == "random2" else 0))
     width = -(-shape.bucket // shape.block_size)
     num_blocks = shape.batch * width + 16
     kv_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
@@ -94,7 +99,7 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
         v = randn(kv_shape)
     else:
         q, k, v = randn(q_shape), randn(kv_shape), randn(kv_shape)
-    perm = torch.randperm(num_blocks, generator=gen, device=device)[: shape.batch * width]
+    perm = torch.randperm(num_blocks, generator=layout_gen, device=device)[: shape.batch * width]
     table = perm.view(shape.batch, width).to(torch.int32).contiguous()
     qsl = torch.arange(0, T + 1, shape.q_len, dtype=torch.int32, device=device)
     sl = torch.full((shape.batch,), true_length(shape, cls), dtype=torch.int32, device=device)
