@@ -276,7 +276,9 @@ def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
         if args.on_device:
             import torch
 
-            where = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+            from dhp_backend.audit.provenance import device_slug
+
+            where = device_slug(torch.cuda.get_device_name())
         md, js = report.write_reports(args.report_dir, s, results, where=where)
         s["reports"] = [md, js]
     if args.json:

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from dhp_backend.config import Policy  # noqa: E402
 from dhp_backend.ops import FallbackRefused  # noqa: E402
 from dhp_backend.vllm import compat  # noqa: E402
-from dhp_backend.vllm.backend import DHPAttentionBackend, split_kv_cache  # noqa: E402
+from dhp_backend.vllm.backend import DHPAttentionBackend  # noqa: E402
 from paged_batch import Request, assert_close_to_oracle, oracle  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 64

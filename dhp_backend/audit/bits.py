@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+
+from dhp_backend.audit.provenance import device_slug, report_stem, versions
 
 MARK = "DHP_BITS_RESULT "
 PARTS = ("gpu", "interpret", "reference")
@@ -409,16 +410,10 @@ def gate(args, progress=print) -> dict:
     device = next((r["device"] for r in results if r["part"] == "gpu" and r.get("device")), "cpu")
     s = {"gate": "G3 bits", "device": device, "scope": "+".join(parts), "config": cfg,
          "passed": bool(results) and all(r["passed"] for r in results), "parts": results,
-         "seconds": round(time.time() - t0, 1), "versions": _versions()}
+         "seconds": round(time.time() - t0, 1), "versions": versions()}
     if args.report_dir:
         s["reports"] = list(write_reports(args.report_dir, s))
     return s
-
-
-def _versions() -> dict:
-    from dhp_backend.audit.counters import _versions as v
-
-    return v(None)
 
 
 def print_summary(s: dict, out=print) -> None:
@@ -439,11 +434,7 @@ def print_summary(s: dict, out=print) -> None:
 
 
 def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
-    from dhp_backend.audit.counters import device_slug
-
-    date = datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, f"{date}-bits-{device_slug(s['device'])}")
-    os.makedirs(report_dir, exist_ok=True)
+    stem, date = report_stem(report_dir, "bits", device_slug(s["device"]))
     with open(stem + ".json", "w") as f:
         json.dump({"date": date, **s}, f, indent=1, default=str)
     v = s["versions"]

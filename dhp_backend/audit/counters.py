@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import io
 import json
 import os
@@ -53,6 +52,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from dhp_backend.audit.provenance import device_slug, report_stem, versions
 
 METRICS = (
     "smsp__inst_executed.sum",
@@ -319,41 +320,6 @@ def profile(ncu: str, shape, cls: str, launches: int, timeout: float) -> dict:
 # the gate
 
 
-def _versions(ncu: str | None) -> dict:
-    import platform
-
-    v: dict = {"python": platform.python_version()}
-    for mod in ("torch", "triton", "vllm"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing package is reported as such
-            v[mod] = None
-    from dhp_backend import __version__
-
-    v["dhp_backend"] = __version__
-    try:
-        v["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        v["commit"] = None
-    if ncu:
-        try:
-            out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=30).stdout
-            v["ncu"] = out.strip().splitlines()[-1] if out.strip() else None
-        except Exception:  # noqa: BLE001
-            v["ncu"] = None
-    try:
-        v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001
-        v["driver"] = None
-    return v
-
-
-def device_slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower().replace("nvidia ", "")).strip("-")
-
-
 def unavailable_reason(ncu: str | None = None) -> str | None:
     """Why G1 cannot run on this machine, or None."""
     try:
@@ -406,7 +372,7 @@ def gate(args, progress=print) -> dict:
             r["warnings"] = [p["warning"] for p in (pa, pb) if p.get("warning")]
             results.append(r)
     gating_results = [r for r in results if r["gating"]]
-    s = {"gate": "G1 counters", "device": torch.cuda.get_device_name(), "versions": _versions(ncu),
+    s = {"gate": "G1 counters", "device": torch.cuda.get_device_name(), "versions": versions(ncu),
          "scope": f"{len(shapes)} shapes x {len(pairs)} pairs", "shapes": [s_.key for s_ in shapes],
          "passed": bool(gating_results) and all(r["passed"] for r in gating_results),
          "gating_failed": sum(not r["passed"] for r in gating_results),
@@ -462,9 +428,7 @@ def print_summary(s: dict, out=print) -> None:
 
 
 def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
-    date = datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, f"{date}-counters-{device_slug(s['device'])}")
-    os.makedirs(report_dir, exist_ok=True)
+    stem, date = report_stem(report_dir, "counters", device_slug(s["device"]))
     with open(stem + ".json", "w") as f:
         json.dump({"date": date, **s}, f, indent=1, default=str)
     v = s["versions"]

@@ -10,14 +10,12 @@ and ``.json``.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime
 import json
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import time
 
+from dhp_backend.audit.provenance import report_stem, versions
 from dhp_backend.audit import rules as R
 
 
@@ -70,21 +68,6 @@ def _progress(progress, n, total, r, t0):
     if progress:
         progress(f"[{n}/{total}] {r['variant'].get('key', r['kernel'])}: {'pass' if r['passed'] else 'FAIL'} "
                  f"({len(r['branches'])} control instrs, {r['seconds']}s; {time.time() - t0:.0f}s elapsed)")
-
-
-def _versions() -> dict:
-    import triton
-
-    from dhp_backend import __version__
-
-    commit = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001 - no git: the report says so
-        pass
-    return {"dhp_backend": __version__, "triton": triton.__version__, "python": sys.version.split()[0],
-            "commit": commit, "target": "sm_90 (compiled on the CPU with Triton's bundled ptxas)"}
 
 
 def summarize(results: list[dict], seconds: float, scope: str) -> dict:
@@ -141,10 +124,9 @@ def _rule_table_md() -> list[str]:
 
 def write_reports(report_dir: str, s: dict, results: list[dict], where: str = "cpu") -> tuple[str, str]:
     """``where``: the machine whose compiler built the binaries ("cpu" = compiled for sm_90 on a CPU)."""
-    vers = _versions()
-    date = datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, f"{date}-sass-{where}-triton{vers['triton']}")
-    os.makedirs(report_dir, exist_ok=True)
+    vers = {**versions(), "target": "sm_90 (compiled on the CPU with Triton's bundled ptxas)" if where == "cpu"
+            else "the binaries this GPU's Triton compiled and ran"}
+    stem, date = report_stem(report_dir, "sass", f"{where}-triton{vers['triton']}")
     with open(stem + ".json", "w") as f:
         json.dump({"date": date, "versions": vers, "summary": s, "results": results}, f, indent=1, default=str)
     md = [f"# G2 SASS gate — {date}, {'CPU (compiled for sm_90)' if where == 'cpu' else where}, "

@@ -63,15 +63,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
+
+from dhp_backend.audit.provenance import device_slug, report_stem, versions
 import zlib
 
 import numpy as np
@@ -517,41 +517,6 @@ def print_summary(s: dict, results: list[dict], out=print) -> None:
         out(f"  reports: {', '.join(s['reports'][:2])}")
 
 
-def versions() -> dict:
-    v = {"python": sys.version.split()[0]}
-    try:
-        from dhp_backend import __version__
-        v["dhp_backend"] = __version__
-    except ImportError:
-        v["dhp_backend"] = None
-    for mod in ("torch", "triton", "numpy"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except ImportError:
-            v[mod] = None
-    try:
-        import torch
-        v["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
-    v["commit"] = _run(["git", "rev-parse", "--short", "HEAD"], os.path.dirname(os.path.abspath(__file__)))
-    v["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], None)
-    return v
-
-
-def _run(cmd, cwd) -> str | None:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=10)
-        return (r.stdout.strip().splitlines() or [None])[0] if r.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - tool missing: the report says None
-        return None
-
-
-def device_slug(name: str) -> str:
-    s = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
-    return s or "gpu"
-
-
 def renderer() -> str:
     try:
         import matplotlib  # noqa: F401
@@ -624,9 +589,7 @@ def write_reports(report_dir: str, s: dict, results: list[dict], meta: dict, *, 
 
     ``meta``: device (name), versions, settings. Results carrying ``_samples`` get plots.
     """
-    os.makedirs(report_dir, exist_ok=True)
-    date = date or datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, f"{date}-timing-{device_slug(meta['device'])}")
+    stem, date = report_stem(report_dir, "timing", device_slug(meta["device"]), date)
     rend = renderer()
     for r in results:
         if r.get("_samples") is not None and r["_samples"][0].size:

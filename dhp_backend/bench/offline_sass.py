@@ -21,42 +21,20 @@ import tempfile
 _DT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def compile_attention(dtype="bf16", head=128, group=4, block_size=16, causal=True, cfg=None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def compile_attention(dtype="bf16", head=128, group=4, block_size=16, causal=True, nh16=True):
+    """The attention kernel for sm_90 as the dispatcher would launch it (`audit.variants` compiles it).
 
-    from dhp_backend.ops.triton import config as kcfg
-    from dhp_backend.ops.triton import kernels
-    from dhp_backend.ops.triton import workspace as wsp
+    ``nh16``: whether num_heads is a multiple of 16 (Triton specialises on it; Llama-3-8B's 32 is).
+    """
+    from dhp_backend.audit.variants import Variant, compile_variant
 
-    cfg = cfg or kcfg.kernel_config(head, group, _DT[dtype])
-    fn = kernels.attention_kernel
-    elem = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "out_ptr": dtype, "sink_out_ptr": dtype,
-            "bt_ptr": "i32", "qsl_ptr": "i32", "seq_ptr": "i32", "bucket_ptr": "i32",
-            "ws_acc_ptr": "fp32", "ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "sink_ptr": "fp32"}
-    const = dict(GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-                 TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size, HEAD=head, HEAD_PAD=cfg.head_pad,
-                 CAUSAL=causal, FP32=cfg.fp32, UPCAST_DOT=False, SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
-                 SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
-                 PREFETCH=cfg.prefetch)
-    sig = {}
-    for n in fn.arg_names:
-        sig[n] = "constexpr" if n in const else ("*" + elem[n] if n in elem else "fp32" if n == "qk_scale" else "i32")
-    # What the launcher's arguments get specialised to in practice: 16-byte aligned
-    # pointers, strides divisible by 16.
-    div16 = [n for n in fn.arg_names if n.endswith("_ptr") or re.fullmatch(r"s[qkvo]_[a-z]", n)]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return compile_variant(Variant("attention_kernel", _DT[dtype], head, group, block_size, causal, nh16))
 
 
 def resource_usage(cubin: bytes) -> str:
-    import os
+    from dhp_backend.audit.sass import tool_path
 
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = tool_path("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

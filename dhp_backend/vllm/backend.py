@@ -249,6 +249,8 @@ _LOG_LOCK = threading.Lock()
 
 
 def _once(key: tuple, fn) -> None:
+    if key in _LOGGED:  # every forward passes here: no lock once logged
+        return
     with _LOG_LOCK:
         if key in _LOGGED:
             return

@@ -325,6 +325,8 @@ def attention_kernel(
     if PREFETCH:
         ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                                 TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
+    # Public trip count: [s_lo, s_hi) comes from the program id and the host plan
+    # (split mode) or from L = l_scalar (fold mode); audit rule "split-loop".
     for s in range(s_lo, s_hi):
         # Every split starts from a fresh state, so its partial result is the same
         # whether it is folded here or stored and folded by merge_kernel.
@@ -337,6 +339,7 @@ def attention_kernel(
             ids = ids_next
             ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
                                     TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
+        # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
@@ -347,6 +350,7 @@ def attention_kernel(
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT)
+        # write_partials is the host's split-mode choice from public geometry ("write-partials-if").
         if write_partials != 0:
             base = split_stride * s
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
@@ -357,6 +361,7 @@ def attention_kernel(
         else:
             m_run, l_run, acc_run = fold(m_run, l_run, acc_run, m_i, l_i, acc)
 
+    # Same public flag: fold mode stores the result here, split mode leaves it to merge_kernel.
     if write_partials == 0:
         o = finalize(acc_run, l_run)
         o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
@@ -391,6 +396,7 @@ def merge_kernel(
     m = tl.full([GROUP_PAD], M_INIT, tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+    # Public trip count: the number of splits of the launch plan ("merge-loop").
     for c in range(0, (n_split_grid + UNROLL - 1) // UNROLL):
         for k in tl.static_range(UNROLL):
             s = tl.zeros([GROUP_PAD], tl.int32) + (c * UNROLL + k)
