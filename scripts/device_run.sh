@@ -3,7 +3,8 @@
 # lacks them, install this package so vLLM finds its plugin, then run the steps
 # named in $@ (each logs to $OUT/<step>.log):
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
-#   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py)
+#   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
+#   padloc    short vs long padding timing per decoy map and page layout (bench/padding_locality.py)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
@@ -29,7 +30,8 @@ for step in "$@"; do
   case $step in
     kernels) DHP_REPORT_DIR=$OUT python3 -m pytest -q -s -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/kernels.log" | grep -v "^\s*$" | tail -25 ;;
-    bench)   python3 -m dhp_backend.bench.quick_kernel_bench 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    bench)   python3 -m dhp_backend.bench.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    padloc)  python3 -m dhp_backend.bench.padding_locality --out "$OUT/padding_locality.json" 2>&1 | tee "$OUT/padloc.log" | tail -9 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     audit)   python3 -m dhp_backend.cli audit sass --on-device --report-dir "$OUT/audit" 2>&1 | tee "$OUT/audit.log" | tail -20 ;;
@@ -46,6 +48,15 @@ for step in "$@"; do
                  > "$OUT/ncu-B$B-L$L-len$n.csv" 2>"$OUT/ncu-B$B-L$L-len$n.err"
                echo "B=$B L=$L true length $n:"; grep -E "dram__|inst_executed|requests|sectors" "$OUT/ncu-B$B-L$L-len$n.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
              done
+             done; (exit 0) ;;
+    prof)    # where the time goes: one launch per shape "B,L" of PROF_SHAPES, ncu sections (no clock control)
+             for shape in ${PROF_SHAPES:-16,32768}; do
+               ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
+                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                 --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                 python3 -m dhp_backend.bench.quick_kernel_bench --profile ${PROF_VARIANT:-base} --profile-shape ${shape},${shape#*,} \
+                 > "$OUT/prof-${shape/,/-}.txt" 2>&1
+               grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Stall|L2 Hit|Local" "$OUT/prof-${shape/,/-}.txt" | head -30
              done; (exit 0) ;;
     *) echo "unknown step $step" ;;
   esac

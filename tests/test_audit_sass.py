@@ -140,11 +140,12 @@ def test_real_kernels_pass_on_ci_subset(tmp_path):
     s = report.summarize(results, 0.0, "CI subset")
     assert s["passed"], report.print_summary(s, results) or s["failures"]
     assert {r["kernel"] for r in results} == {"attention_kernel", "merge_kernel"}
-    # Every attention variant has its three loops and the mode flag explained by source rules.
+    # Every attention variant has its three loops explained by source rules (the split/fold
+        # mode is a constexpr: one binary per mode, no branch).
     for r in results:
         rules_ = {b["rule"] for b in r["branches"]}
         if r["kernel"] == "attention_kernel":
-            assert {"locate-loop", "split-loop", "kv-loop", "write-partials-if"} <= rules_, r["variant"]
+            assert {"locate-loop", "split-loop", "kv-loop"} <= rules_, r["variant"]
         else:
             assert "merge-loop" in rules_
         assert not r["slow_paths"], r["slow_paths"]
@@ -166,8 +167,8 @@ def test_enumeration_counts_distinct_binaries():
 
     vs = variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))
     att = [v for v in vs if v.kernel == "attention_kernel"]
-    # 4 block sizes x causal x num_heads divisibility; merge: num_heads divisibility only.
-    assert len(att) == 16 and len(vs) - len(att) == 2
+    # 4 block sizes x causal x num_heads divisibility x split/fold mode; merge: num_heads divisibility only.
+    assert len(att) == 32 and len(vs) - len(att) == 2
     assert len({v.key for v in vs}) == len(vs)
 
 

@@ -57,14 +57,14 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def _run(step, *, policy, causal=True, mode=None, bucket="auto"):
+def _run(step, *, policy, causal=True, mode=None, bucket="auto", tiling=None):
     from dhp_backend.ops.triton import paged_attention_triton
 
     D = step.query.shape[2]
     out = poisoned_out(step)
     b = step.bucket(policy) if bucket == "auto" else bucket
     paged_attention_triton(*step.args(), out, scale=D ** -0.5, causal=causal, num_tokens=step.num_tokens,
-                           policy=policy, bucket=b, _mode=mode)
+                           policy=policy, bucket=b, _mode=mode, _tiling=tiling)
     return out
 
 
@@ -155,7 +155,8 @@ def test_bitwise_repeatable_100_runs(mode):
 
 def test_bits_equal_across_policies_and_modes():
     step = _llama_mixed_step(6)
-    outs = [_run(step, policy=p, mode=m) for p in POLICIES for m in ("fold", "split", None)]
+    outs = [_run(step, policy=p, mode=m, tiling=t) for p in POLICIES for t in ("request", "token")
+            for m in ("fold", "split", None)]
     for o in outs[1:]:
         assert torch.equal(bits(outs[0]), bits(o))
 

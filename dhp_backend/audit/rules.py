@@ -57,7 +57,7 @@ class KernelSpec:
     scenarios: tuple
 
 
-_SPLIT_BOUNDS = frozenset({"pid", "arg:spp", "arg:n_split_grid", "arg:write_partials", "arg:l_scalar"})
+_SPLIT_BOUNDS = frozenset({"pid", "arg:spp", "arg:n_split_grid", "arg:l_scalar"})
 
 ATTENTION = KernelSpec(
     kernel="attention_kernel",
@@ -78,9 +78,6 @@ ATTENTION = KernelSpec(
         SourceRule("kv-loop", "attention_kernel", r"^for j in range\(j_lo, j_hi\):$", "loop", _SPLIT_BOUNDS,
                    "KV steps [s*TILES_PER_SPLIT, min(+TILES_PER_SPLIT, ceil(L / BLOCK_N))) of split s: the bucket L "
                    "and the split index only"),
-        SourceRule("write-partials-if", "attention_kernel", r"^if write_partials [!=]= 0:$", "if",
-                   frozenset({"arg:write_partials"}),
-                   "the split/fold mode flag, chosen on the host from public geometry (launch.plan)"),
     ),
     scenarios=(
         Scenario("strict/batch/request(int): l_mode=0", {"l_mode": 0}, True,
@@ -89,11 +86,11 @@ ATTENTION = KernelSpec(
                  "per-request buckets: which tile takes which request's bucket follows the query lengths "
                  "(query_start_loc); documented in docs/kernels.md section 5",
                  frozenset({"mem:bucket_ptr", "mem:qsl_ptr", "arg:bucket_ptr", "arg:qsl_ptr", "arg:num_reqs",
-                            "arg:search_trips", "arg:pad_l"})),
+                            "arg:search_trips", "arg:pad_l", "arg:token_tiles"})),
         Scenario("off: l_mode=2", {"l_mode": 2}, False,
                  "true lengths: not constant-time by contract (design.md section 2)",
                  frozenset({"mem:seq_ptr", "mem:qsl_ptr", "arg:seq_ptr", "arg:qsl_ptr", "arg:num_reqs",
-                            "arg:num_tokens", "arg:search_trips"})),
+                            "arg:num_tokens", "arg:search_trips", "arg:token_tiles"})),
     ),
 )
 

@@ -40,12 +40,13 @@ class Variant:
     block_size: int | None = None  # attention only
     causal: bool | None = None  # attention only
     nh16: bool = True  # num_heads % 16 == 0
+    split: bool = False  # attention only: WRITE_PARTIALS (split mode) binary
 
     @property
     def key(self) -> str:
         k = f"{self.kernel}:{DTYPES[self.dtype]}:h{self.head}:g{self.group}"
         if self.kernel == "attention_kernel":
-            k += f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
+            k += f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}:{'split' if self.split else 'fold'}"
         return k + (":nh16" if self.nh16 else ":nh")
 
     def as_dict(self) -> dict:
@@ -62,11 +63,12 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
                 for nh in (True, False):
                     for bs in block_sizes:
                         for c in (True, False):
-                            v = Variant("attention_kernel", dt, h, g, bs, c, nh)
-                            sig = compile_inputs(v)[1:]
-                            if repr(sig) not in seen:
-                                seen.add(repr(sig))
-                                out.append(v)
+                            for sp in (False, True):
+                                v = Variant("attention_kernel", dt, h, g, bs, c, nh, sp)
+                                sig = compile_inputs(v)[1:]
+                                if repr(sig) not in seen:
+                                    seen.add(repr(sig))
+                                    out.append(v)
                     v = Variant("merge_kernel", dt, h, g, nh16=nh)
                     sig = compile_inputs(v)[1:]
                     if repr(sig) not in seen:
@@ -81,10 +83,11 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
 # 256 and fp32 head 256) and head padding (80, 96).
 CI_SUBSET = (
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, False),
     Variant("attention_kernel", "float16", 64, 1, 32, False, True),
     Variant("attention_kernel", "bfloat16", 80, 2, 64, True, False),
-    Variant("attention_kernel", "float16", 96, 8, 128, False, True),
+    Variant("attention_kernel", "float16", 96, 8, 128, False, True, True),
     Variant("attention_kernel", "bfloat16", 256, 8, 16, True, True),
     Variant("attention_kernel", "float32", 64, 4, 16, True, True),
     Variant("merge_kernel", "bfloat16", 128, 4, nh16=True),
@@ -109,7 +112,7 @@ def compile_inputs(v: Variant):
                      TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=v.block_size, HEAD=v.head,
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
-                     SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch)
+                     SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split))
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         floats = {"qk_scale"}
     else:

@@ -21,14 +21,15 @@ import tempfile
 _DT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def compile_attention(dtype="bf16", head=128, group=4, block_size=16, causal=True, nh16=True):
+def compile_attention(dtype="bf16", head=128, group=4, block_size=16, causal=True, nh16=True, split=False):
     """The attention kernel for sm_90 as the dispatcher would launch it (`audit.variants` compiles it).
 
     ``nh16``: whether num_heads is a multiple of 16 (Triton specialises on it; Llama-3-8B's 32 is).
+    ``split``: the split-mode binary (WRITE_PARTIALS) instead of the fold-mode one.
     """
     from dhp_backend.audit.variants import Variant, compile_variant
 
-    return compile_variant(Variant("attention_kernel", _DT[dtype], head, group, block_size, causal, nh16))
+    return compile_variant(Variant("attention_kernel", _DT[dtype], head, group, block_size, causal, nh16, split))
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -63,9 +64,10 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--split", action="store_true", help="the split-mode (WRITE_PARTIALS) binary")
     ap.add_argument("--dump", help="write the .sass and .ptx here")
     a = ap.parse_args(argv)
-    ck = compile_attention(a.dtype, a.head, a.group, a.block_size, not a.non_causal)
+    ck = compile_attention(a.dtype, a.head, a.group, a.block_size, not a.non_causal, split=a.split)
     s = summarize(ck)
     for k, v in s.items():
         if k != "branches":

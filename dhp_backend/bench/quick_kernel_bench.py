@@ -221,7 +221,9 @@ def variants():
         "noprefetch": v(prefetch=False),
         "stages3": v(num_stages=3),
         "bn128": v(block_n=128),
+        "bn32": v(block_n=32),
         "warps8": v(num_warps=8),
+        "m128w8": v(block_m=128, block_q=128 // base.group, num_warps=8),
         "split1024": v(split_kv=1024),
     }
 

@@ -9,8 +9,8 @@ Two kernels:
   tile holds BLOCK_Q tokens x GROUP query heads of one request (the heads that
   share the KV head), so K/V are read once per tile. The program walks the KV
   positions of its splits in BLOCK_N steps, each split with a fresh online-softmax
-  state. With ``write_partials == 0`` it folds each split into a running state
-  with `fold` and writes the normalised output; with ``write_partials == 1`` it
+  state. With ``WRITE_PARTIALS`` false it folds each split into a running state
+  with `fold` and writes the normalised output; with ``WRITE_PARTIALS`` true it
   stores each split's state to the workspace instead.
 - `merge_kernel`: folds the stored split states of one (token, head) row left to
   right with the same `fold`, then normalises with the same `finalize`.
@@ -75,7 +75,20 @@ def store_rows(ptrs, x, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic):
+def mod_barrett(x, n, magic):
+    """x mod n for uint32 x without branches: magic = floor((2**32 - 1) / n) from the
+    host, q = umulhi(x, magic) satisfies x/n - 3 < q <= x/n, so x - q*n is in
+    [0, 4n) and three selects finish it."""
+    q = tl.umulhi(x, tl.zeros_like(x) + magic)
+    y = x - q * n
+    y = tl.where(y >= n, y - n, y)
+    y = tl.where(y >= n, y - n, y)
+    y = tl.where(y >= n, y - n, y)
+    return y
+
+
+@triton.jit
+def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
     """A cache block id in [0, num_blocks) for request r's logical block lb.
 
     Read in place of the real block for padding positions (true length <= p < L),
@@ -85,58 +98,70 @@ def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic):
     requests, cache size); the same (r, lb) gives the same page in every tile and
     head of r, as a real block does.
 
-    Column-major: x = lb * (num_reqs + 1) + r (the + 1 is the padding
-    pseudo-request), then x mod num_blocks. Distinct (r, lb) get distinct pages
-    whenever (num_reqs + 1) * table_width <= num_blocks; otherwise a page repeats
-    only num_blocks values of x later, i.e. ~num_blocks / (num_reqs + 1) logical
-    blocks later in the walk, after the whole cache has been read in between, so
-    the repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
-    read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
+    Two bijections of [0, num_blocks):
+    1. column-major index x = (lb * (num_reqs + 1) + r) mod num_blocks (the + 1 is
+       the padding pseudo-request). Distinct (r, lb) get distinct x whenever
+       (num_reqs + 1) * table_width <= num_blocks; otherwise an x repeats only
+       num_blocks values later, i.e. ~num_blocks / (num_reqs + 1) logical blocks
+       later in the walk, after the whole cache has been read in between, so the
+       repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
+       read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
+    2. scatter: page = (x * decoy_mult) mod num_blocks, decoy_mult coprime with
+       num_blocks and large (launch.decoy_params). Without it, the decoys that all
+       requests read at one step were adjacent pages (x, x+1, ... for r = 0, 1, ...),
+       with a DRAM/TLB locality that scattered real pages lack: a padded step ran
+       1.3% faster than a real one on an H200 (G4, t = -154). Scattered, decoys sit
+       decoy_mult pages apart, as far apart as the pages of a fragmented cache.
 
-    The mod is a Barrett reduction without branches: decoy_magic =
-    floor((2**32 - 1) / num_blocks) from the host, q = umulhi(x, magic) satisfies
-    x/n - 3 < q <= x/n for x < 2**32, so x - q*n is in [0, 4n) and three
-    selects finish it.
+    Both mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
     """
     n = num_blocks.to(tl.uint32)
+    magic = decoy_magic.to(tl.uint32)
     x = lb.to(tl.uint32) * (num_reqs + 1).to(tl.uint32) + r.to(tl.uint32)
-    q = tl.umulhi(x, tl.zeros_like(x) + decoy_magic.to(tl.uint32))
-    y = x - q * n
-    y = tl.where(y >= n, y - n, y)
-    y = tl.where(y >= n, y - n, y)
-    y = tl.where(y >= n, y - n, y)
+    x = mod_barrett(x, n, magic)
+    y = mod_barrett(x * decoy_mult.to(tl.uint32), n, magic)
     return y.to(tl.int32)
 
 
 @triton.jit
-def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
+def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
            BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
-    """Map a query-tile index to (request, q-block) with a fixed-work search.
+    """Map a query-tile index to (request, first query row) with a fixed-work search.
 
-    Request r owns tile indices [key(r), key(r+1)) with key(r) = qsl[r] // BLOCK_Q + r,
-    which covers its ceil(q_len / BLOCK_Q) q-blocks plus at most one surplus tile.
+    Two tilings, chosen on the host from the public step geometry (launch.plan):
+    - request tiles (``token_tiles == 0``): request r owns tile indices
+      [key(r), key(r+1)) with key(r) = qsl[r] // BLOCK_Q + r, which covers its
+      ceil(q_len / BLOCK_Q) q-blocks of BLOCK_Q rows plus at most one surplus tile;
+    - token tiles (``token_tiles == 1``): tile t holds query token t alone
+      (key(r) = qsl[r]); fewer tiles when most requests have one query token
+      (a decode step: num_tokens tiles instead of num_tokens // BLOCK_Q + R + 1).
     Index num_reqs is the pseudo-request of padding rows [qsl[R], num_tokens).
     The search counts keys <= tile over all R requests in vector chunks: its trip
-    count is ceil(R / SEARCH_BLOCK) whatever the query lengths.
+    count is ceil(R / SEARCH_BLOCK) whatever the query lengths are; the tiling
+    flag only selects values.
+
+    Returns (r, is_pad, q_start, q_end, qi0, rows_q): the tile's rows are query
+    indices qi0 + [0, rows_q) of request r (rows_q = BLOCK_Q or 1).
     """
     cnt = 0
     for c in range(0, search_trips):
         idx = c * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK) + 1
         ok = idx <= num_reqs
         qs = tl.load(qsl_ptr + idx, mask=ok, other=0)
-        key = qs // BLOCK_Q + idx
+        key = tl.where(token_tiles != 0, qs, qs // BLOCK_Q + idx)
         cnt += tl.sum(tl.where(ok & (key <= tile), 1, 0), axis=0)
     r = cnt
     is_pad = r >= num_reqs
     q_start = tl.load(qsl_ptr + r)
     q_next = tl.load(qsl_ptr + tl.minimum(r + 1, num_reqs))
     q_end = tl.where(is_pad, num_tokens, q_next)
-    qb = tile - (q_start // BLOCK_Q + r)
-    return r, is_pad, q_start, q_end, qb
+    qi0 = tl.where(token_tiles != 0, tile - q_start, (tile - (q_start // BLOCK_Q + r)) * BLOCK_Q)
+    rows_q = tl.where(token_tiles != 0, 1, BLOCK_Q)
+    return r, is_pad, q_start, q_end, qi0, rows_q
 
 
 @triton.jit
-def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Physical block of each KV position of step j: the block-table entry for real
     positions (p < seq_len), a decoy page for padding positions.
@@ -148,17 +173,17 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic)).to(tl.int64)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
 
 
 @triton.jit
-def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                  TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """`tile_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic)).to(tl.int64)
+    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
 
 
 @triton.jit
@@ -217,7 +242,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
 @triton.jit(do_not_specialize=[
     "num_reqs", "num_tokens", "q_rows", "l_scalar", "l_mode", "pad_l", "search_trips",
-    "n_split_grid", "spp", "write_partials", "num_blocks", "max_blocks", "bt_stride", "decoy_magic",
+    "n_split_grid", "spp", "token_tiles", "num_blocks", "max_blocks", "bt_stride", "decoy_magic", "decoy_mult",
 ])
 def attention_kernel(
     q_ptr, sq_t, sq_h,
@@ -229,14 +254,14 @@ def attention_kernel(
     qk_scale,
     num_reqs, num_tokens, q_rows, num_heads,
     l_scalar, l_mode, pad_l, search_trips,
-    n_split_grid, spp, write_partials,
-    num_blocks, max_blocks, decoy_magic,
+    n_split_grid, spp, token_tiles,
+    num_blocks, max_blocks, decoy_magic, decoy_mult,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     FP32: tl.constexpr, UPCAST_DOT: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
 ):
     """See the module docstring. Runtime ints that follow the batch are not
     specialised, so every batch runs one and the same binary.
@@ -249,8 +274,8 @@ def attention_kernel(
     kvh = tl.program_id(1)
     chunk = tl.program_id(2)
 
-    r, is_pad, q_start, q_end, qb = locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
-                                           BLOCK_Q, SEARCH_BLOCK)
+    r, is_pad, q_start, q_end, qi0, rows_q = locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips,
+                                                    token_tiles, BLOCK_Q, SEARCH_BLOCK)
     # The padding pseudo-request has no block-table row of its own: it uses the
     # last real row (the host guarantees num_reqs >= 1) for its page walk only.
     r_row = tl.minimum(r, num_reqs - 1)
@@ -270,9 +295,9 @@ def attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     row_tok = offs_m // GROUP
-    qi = qb * BLOCK_Q + row_tok
+    qi = qi0 + row_tok
     head = kvh * GROUP + offs_m % GROUP
-    row_valid = (row_tok < BLOCK_Q) & (qi < q_len)
+    row_valid = (row_tok < rows_q) & (qi < q_len)
     tok = q_start + qi
     # Q rows are loaded for every row of the tile, valid or not, at an in-range
     # address (mod the public row count): the load count never follows q_len.
@@ -293,17 +318,20 @@ def attention_kernel(
     # The KV extent this tile walks: public under strict/batch/request.
     bkt = tl.load(bucket_ptr + r_row)
     if CAUSAL:
-        trimmed = tl.minimum(seq_len, seq_len - q_len + (qb + 1) * BLOCK_Q)
+        trimmed = tl.minimum(seq_len, seq_len - q_len + qi0 + rows_q)
     else:
         trimmed = seq_len
-    trimmed = tl.where(qb * BLOCK_Q < q_len, trimmed, 0)
+    trimmed = tl.where(qi0 < q_len, trimmed, 0)
     ext = tl.where(l_mode == 0, l_scalar,
                    tl.where(l_mode == 1, tl.where(is_pad, pad_l, bkt), trimmed))
     n_kv = (ext + BLOCK_N - 1) // BLOCK_N
     n_split = (n_kv + TILES_PER_SPLIT - 1) // TILES_PER_SPLIT
 
     s_lo = chunk * spp
-    s_hi = tl.where(write_partials != 0, tl.minimum(s_lo + spp, n_split_grid), n_split)
+    if WRITE_PARTIALS:
+        s_hi = tl.minimum(s_lo + spp, n_split_grid)
+    else:
+        s_hi = n_split
 
     m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
@@ -323,7 +351,7 @@ def attention_kernel(
     # fixed, public surplus read.
     rows_t = tl.arange(0, TILES_PER_SPLIT)
     if PREFETCH:
-        ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+        ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                                 TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
     # Public trip count: [s_lo, s_hi) comes from the program id and the host plan
     # (split mode) or from L = l_scalar (fold mode); audit rule "split-loop".
@@ -337,7 +365,7 @@ def attention_kernel(
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
         if PREFETCH:
             ids = ids_next
-            ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+            ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                                     TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
@@ -345,13 +373,14 @@ def attention_kernel(
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
                 bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
             else:
-                bid = tile_blocks(j, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                bid = tile_blocks(j, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                                   BLOCK_N, BLOCK_SIZE)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT)
-        # write_partials is the host's split-mode choice from public geometry ("write-partials-if").
-        if write_partials != 0:
+        # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
+        # constexpr so that the fold-mode running state costs no registers here.
+        if WRITE_PARTIALS:
             base = split_stride * s
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
                               sink_acc)
@@ -361,8 +390,8 @@ def attention_kernel(
         else:
             m_run, l_run, acc_run = fold(m_run, l_run, acc_run, m_i, l_i, acc)
 
-    # Same public flag: fold mode stores the result here, split mode leaves it to merge_kernel.
-    if write_partials == 0:
+    # Same constexpr: fold mode stores the result here, split mode leaves it to merge_kernel.
+    if not WRITE_PARTIALS:
         o = finalize(acc_run, l_run)
         o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
         o_ptrs = tl.where(row_valid[:, None], o_ptrs,

@@ -44,32 +44,71 @@ def _round_up(a: int, b: int) -> int:
 
 
 def decoy_magic(num_blocks: int) -> int:
-    """Barrett constant for the kernel's branch-free ``x mod num_blocks`` (kernels.decoy_block)."""
+    """Barrett constant for the kernel's branch-free ``x mod num_blocks`` (kernels.mod_barrett)."""
     if not 1 <= num_blocks < 2**31:
         raise ValueError(f"num_blocks={num_blocks}: the decoy map needs 1 <= num_blocks < 2**31")
     return (2**32 - 1) // num_blocks
 
 
-def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
-         cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None) -> dict:
-    """Grid and split mode for one launch, from public values only.
+@functools.lru_cache(maxsize=64)
+def decoy_mult(num_blocks: int) -> int:
+    """The decoy map's scatter multiplier (kernels.decoy_block): coprime with
+    ``num_blocks`` (so x -> x * mult mod num_blocks is a bijection), as large as a
+    32-bit product allows, and near num_blocks / golden ratio where that fits, so
+    that consecutive decoys land far apart in the cache (like the pages of a
+    fragmented cache) rather than on adjacent pages. A function of the cache size
+    only (public)."""
+    decoy_magic(num_blocks)  # range check
+    if num_blocks <= 2:
+        return 1
+    cap = min((2**32 - 1) // (num_blocks - 1), num_blocks - 1)  # x * mult < 2**32 for x < num_blocks
+    mult = max(1, min(cap, int(num_blocks * 0.6180339887)))
+    while mult > 1 and math.gcd(mult, num_blocks) != 1:
+        mult -= 1
+    return mult
 
-    ``num_tiles = num_tokens // BLOCK_Q + num_reqs + 1`` bounds the query tiles of
-    any split of ``num_tokens`` rows among the requests (plus the padding
-    pseudo-request), whatever the secret query lengths are. ``mode``: None picks
-    by occupancy; "fold" (all splits in one program) or "split" (one split state
-    per program written to the workspace, then merged) force one (tests). Both
-    give the same bits.
+
+# Programs of the attention kernel resident per SM (4 warps at ~255 registers: two
+# per SM); only used to shape split-mode grids into whole waves.
+PROGRAMS_PER_SM = 2
+
+
+def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
+         cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None,
+         tiling: str | None = None) -> dict:
+    """Grid, tiling and split mode for one launch, from public values only.
+
+    Tiling: request tiles bound the query tiles of any split of ``num_tokens``
+    rows among the requests, ``num_tokens // BLOCK_Q + num_reqs + 1`` (plus the
+    padding pseudo-request), whatever the secret query lengths are; token tiles
+    (one query token per tile) are ``num_tokens``. The smaller count wins (token
+    tiles for decode steps). ``tiling``: None picks; "request"/"token" force one
+    (tests). Both give the same bits: a row's arithmetic does not depend on its
+    tile-mates.
+
+    ``mode``: None picks by occupancy; "fold" (all splits in one program) or
+    "split" (split states written to the workspace, then merged) force one
+    (tests). Both give the same bits. In split mode the splits are dealt to
+    chunks so that the grid fills whole waves of resident programs (the time is
+    waves x splits per program).
     """
-    num_tiles = num_tokens // cfg.block_q + num_reqs + 1
+    request_tiles = num_tokens // cfg.block_q + num_reqs + 1
+    if tiling is None:
+        token = num_tokens < request_tiles
+    elif tiling in ("token", "request"):
+        token = tiling == "token"
+    else:
+        raise ValueError(f"tiling: {tiling!r}; accepted: None, 'token', 'request'")
+    num_tiles = num_tokens if token else request_tiles
     n_kv_grid = _cdiv(ext_grid, cfg.block_n)
     n_split_grid = max(1, _cdiv(n_kv_grid, cfg.tiles_per_split))
     programs = num_tiles * num_kv_heads
     rows = n_split_grid * num_tokens * num_heads
     ws_floats = _round_up(rows * head_size, 16) + _round_up(rows, 16) + rows
     fits = ws_floats <= wsp.SPLIT_FLOATS
+    slots = PROGRAMS_PER_SM * num_sms
     if mode is None:
-        split = n_split_grid > 1 and programs < 2 * num_sms and fits
+        split = n_split_grid > 1 and programs < slots and fits
     elif mode == "split":
         if not fits:
             raise ValueError(f"split mode needs {ws_floats} workspace floats > {wsp.SPLIT_FLOATS}")
@@ -79,12 +118,18 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     else:
         raise ValueError(f"mode: {mode!r}; accepted: None, 'fold', 'split'")
     if split:
-        chunks = min(n_split_grid, max(1, _cdiv(4 * num_sms, programs)))
-        spp = _cdiv(n_split_grid, chunks)
-        chunks = _cdiv(n_split_grid, spp)
+        # Fewest (waves x splits per program); ties go to fewer programs.
+        best = None
+        for spp in range(1, n_split_grid + 1):
+            chunks = _cdiv(n_split_grid, spp)
+            cost = _cdiv(programs * chunks, slots) * spp
+            if best is None or cost <= best[0]:
+                best = (cost, spp, chunks)
+        _, spp, chunks = best
     else:
         chunks, spp = 1, n_split_grid
-    return dict(num_tiles=num_tiles, n_split_grid=n_split_grid, split=split, chunks=chunks, spp=spp)
+    return dict(num_tiles=num_tiles, token_tiles=token, n_split_grid=n_split_grid, split=split, chunks=chunks,
+                spp=spp)
 
 
 def paged_attention_triton(
@@ -104,12 +149,15 @@ def paged_attention_triton(
     _mode: str | None = None,
     _split_kv: int | None = None,
     _config: kcfg.KernelConfig | None = None,
+    _tiling: str | None = None,
+    _decoy_mult: int | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated there).
 
-    ``_mode``/``_split_kv``/``_config`` are test and benchmark hooks (force the
-    split mode; a smaller split size so short sequences cross split boundaries
-    under the interpreter; another tile config to compare).
+    ``_mode``/``_split_kv``/``_config``/``_tiling``/``_decoy_mult`` are test and
+    benchmark hooks (force the split mode; a smaller split size so short sequences
+    cross split boundaries under the interpreter; another tile config to compare;
+    force the tiling; another decoy scatter, e.g. 1 = unscattered, to measure it).
     """
     policy = Policy.parse(policy)
     num_reqs = seq_lens.shape[0]
@@ -141,7 +189,8 @@ def paged_attention_triton(
 
     device = query.device
     p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
-             head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode)
+             head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
+             tiling=_tiling)
 
     ws, sink = wsp.reserve_workspace(device)
     if p["split"]:
@@ -152,7 +201,7 @@ def paged_attention_triton(
         m_end = a_end + _round_up(n, 16)
         ws_acc, ws_m, ws_l = ws[:a_end], ws[a_end:m_end], ws[m_end:m_end + n]
     else:
-        ws_acc = ws_m = ws_l = ws  # never dereferenced: write_partials == 0
+        ws_acc = ws_m = ws_l = ws  # never dereferenced: WRITE_PARTIALS is false
 
     grid = (p["num_tiles"], num_kv_heads, p["chunks"])
     kernels.attention_kernel[grid](
@@ -165,15 +214,16 @@ def paged_attention_triton(
         float(scale) * math.log2(math.e),
         num_reqs, num_tokens, q_rows, num_heads,
         l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
-        p["n_split_grid"], p["spp"], 1 if p["split"] else 0,
+        p["n_split_grid"], p["spp"], 1 if p["token_tiles"] else 0,
         num_blocks, block_table.shape[1], decoy_magic(num_blocks),
+        decoy_mult(num_blocks) if _decoy_mult is None else int(_decoy_mult),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size,
         HEAD=head_size, HEAD_PAD=cfg.head_pad, CAUSAL=bool(causal),
         FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
         SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(p["split"]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if p["split"]:

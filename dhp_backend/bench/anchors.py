@@ -1,0 +1,457 @@
+"""The implementations timed side by side: vLLM's attention backends' kernels, a dense ceiling, DHP.
+
+Each anchor is an object with
+
+- ``available()``: None, or why it cannot run at all in this process (import
+  error, no GPU); asked once;
+- ``prepare(case, sets)``: its native cache layout and any planning, outside the
+  timed region; raises `NotAvailable` (or anything) for a shape it does not take;
+- ``run(i)``: one launch on input set ``i``, returning its output;
+  ``packed(i, result)`` turns that into ``[num_tokens, Hq, d]`` for the check;
+- ``release()``: drops what ``prepare`` built (one anchor's copy of the cache at a time).
+
+The signatures follow the sources of vLLM 0.24 (``vllm/vllm_flash_attn/
+flash_attn_interface.py``, ``vllm/v1/attention/ops/triton_unified_attention.py``,
+``vllm/v1/attention/backends/{flash_attn,triton_attn,flashinfer}.py``) and
+FlashInfer 0.6.12 (``decode.py``, ``prefill.py``); each anchor is called as the
+vLLM backend that uses it calls it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+class NotAvailable(Exception):
+    """The anchor cannot run this case; the message says why (it becomes the row's status)."""
+
+
+def _cuda_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"needs a CUDA GPU (this run is on {device.type})"
+    return None
+
+
+def nhd_cache(kv: torch.Tensor, head_size: int) -> torch.Tensor:
+    """DHP's ``[blocks, Hkv, block, 2d]`` as vLLM's FLASH_ATTN/TRITON_ATTN cache
+    ``[blocks, 2, block, Hkv, d]`` (K = ``[:, 0]``, V = ``[:, 1]``), a copy."""
+    nb, hkv, bs, _ = kv.shape
+    return kv.view(nb, hkv, bs, 2, head_size).permute(0, 3, 2, 1, 4).contiguous()
+
+
+def hnd_cache(kv: torch.Tensor, head_size: int) -> torch.Tensor:
+    """DHP's cache as vLLM's FLASHINFER cache in HND order ``[blocks, 2, Hkv, block, d]``, a copy."""
+    nb, hkv, bs, _ = kv.shape
+    return kv.view(nb, hkv, bs, 2, head_size).permute(0, 3, 1, 2, 4).contiguous()
+
+
+class Anchor:
+    name = ""
+    label = ""
+    graphable = True  # may be captured in a CUDA graph for decode shapes
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.case = None
+        self.sets = None
+        self.outs = None
+        self.notes: list[str] = []
+
+    def available(self) -> str | None:
+        return _cuda_reason(self.device)
+
+    def prepare(self, case, sets) -> None:
+        self.case, self.sets = case, sets
+        self.notes = []
+        self.outs = [torch.empty_like(s.query) for s in sets]
+
+    def run(self, i: int):
+        raise NotImplementedError
+
+    def packed(self, i: int, result) -> torch.Tensor:
+        return result
+
+    def info(self) -> dict:
+        """Extra fields for the row (path, bucket...)."""
+        return {}
+
+    def release(self) -> None:
+        self.case = self.sets = self.outs = None
+
+    @property
+    def scale(self) -> float:
+        return self.case.head_size ** -0.5
+
+
+class FlashAttention3(Anchor):
+    name = "fa3"
+    label = "FlashAttention-3 (vllm.vllm_flash_attn, fa_version=3)"
+
+    def available(self) -> str | None:
+        why = _cuda_reason(self.device)
+        if why:
+            return why
+        try:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+            from vllm.vllm_flash_attn.flash_attn_interface import (
+                fa_version_unsupported_reason,
+            )
+        except Exception as exc:  # noqa: BLE001 - any import failure means "absent here"
+            return f"vllm.vllm_flash_attn does not import: {type(exc).__name__}: {exc}"
+        # The default version is FA2, which this vLLM build may lack; ask for FA3 explicitly.
+        why = fa_version_unsupported_reason(3)
+        if why:
+            return why
+        self.fn = flash_attn_varlen_func
+        return None
+
+    def prepare(self, case, sets) -> None:
+        super().prepare(case, sets)
+        self.caches = [nhd_cache(s.kv, case.head_size) for s in sets]
+
+    def run(self, i: int):
+        s, kv, c = self.sets[i], self.caches[i], self.case
+        # As vllm/v1/attention/backends/flash_attn.py calls it (kv_cache.unbind(1)).
+        return self.fn(q=s.query, k=kv[:, 0], v=kv[:, 1], out=self.outs[i], cu_seqlens_q=s.query_start_loc,
+                       max_seqlen_q=c.max_q_len, seqused_k=s.seq_lens, max_seqlen_k=c.max_seq_len,
+                       softmax_scale=self.scale, causal=c.causal, block_table=s.block_table, fa_version=3)
+
+    def release(self) -> None:
+        super().release()
+        self.caches = None
+
+
+class FlashInfer(Anchor):
+    """Paged decode wrapper (tensor cores, as vLLM) for decode steps, paged prefill wrapper otherwise."""
+
+    name = "flashinfer"
+    label = "FlashInfer (BatchDecode/BatchPrefillWithPagedKVCacheWrapper, HND)"
+    WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommendation (vLLM uses 394 MiB)
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.workspace = None
+        self.planned: set = set()
+
+    def available(self) -> str | None:
+        why = _cuda_reason(self.device)
+        if why:
+            return why
+        try:
+            import flashinfer
+        except Exception as exc:  # noqa: BLE001
+            return f"flashinfer does not import: {type(exc).__name__}: {exc}"
+        self.fi = flashinfer
+        self.version = getattr(flashinfer, "__version__", None)
+        return None
+
+    @staticmethod
+    def pages(case, s):
+        """(indptr on the host, page indices on the device, last-page lengths on the host)."""
+        bs = case.block_size
+        n = [-(-x // bs) for x in case.seq_lens]
+        indptr = torch.tensor([0] + n, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        need = torch.tensor(n, device=s.block_table.device).unsqueeze(1)
+        cols = torch.arange(s.block_table.shape[1], device=s.block_table.device).unsqueeze(0)
+        indices = s.block_table[cols < need].contiguous()  # row-major: request 0's pages, then 1's...
+        last = torch.tensor([(x - 1) % bs + 1 for x in case.seq_lens], dtype=torch.int32)
+        return indptr, indices, last
+
+    def prepare(self, case, sets) -> None:
+        super().prepare(case, sets)
+        c, fi = case, self.fi
+        dt = sets[0].query.dtype
+        if self.workspace is None:
+            self.workspace = torch.zeros(self.WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        decode = c.kind == "decode"
+        key = (decode, str(dt), c.head_size, c.num_heads // c.num_kv_heads, c.causal)
+        if key not in self.planned:
+            print(f"    flashinfer: first {'decode' if decode else 'prefill'} plan for {dt} head {c.head_size}: "
+                  "FlashInfer JIT-compiles its kernels on first use (cached on disk afterwards); "
+                  "this can take minutes ...", flush=True)
+        t = time.time()
+        self.caches = [hnd_cache(s.kv, c.head_size) for s in sets]
+        self.wrappers = []
+        common = {"num_qo_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "page_size": c.block_size,
+                  "q_data_type": dt, "kv_data_type": dt, "o_data_type": dt, "sm_scale": self.scale}
+        for s in sets:
+            indptr, indices, last = self.pages(c, s)
+            if decode:
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, kv_layout="HND", use_tensor_cores=True)
+                w.plan(indptr=indptr, indices=indices, last_page_len=last, head_dim=c.head_size, **common)
+            else:
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="HND")
+                w.plan(qo_indptr=s.query_start_loc.cpu(), paged_kv_indptr=indptr, paged_kv_indices=indices,
+                       paged_kv_last_page_len=last, head_dim_qk=c.head_size, causal=c.causal, **common)
+            self.wrappers.append(w)
+        if key not in self.planned:
+            self.planned.add(key)
+            print(f"    flashinfer: planned in {time.time() - t:.1f} s", flush=True)
+        self.notes.append("decode wrapper, use_tensor_cores=True" if decode else
+                          f"prefill wrapper, backend {getattr(self.wrappers[0], '_backend', '?')}")
+
+    def run(self, i: int):
+        kv = self.caches[i]
+        return self.wrappers[i].run(self.sets[i].query, (kv[:, 0], kv[:, 1]), out=self.outs[i])
+
+    def release(self) -> None:
+        super().release()
+        self.caches = self.wrappers = None
+
+
+class TritonUnified(Anchor):
+    """vLLM's TRITON_ATTN kernel, with the 3D (split) path for small decode batches as the backend sets it up."""
+
+    name = "triton_unified"
+    label = "vLLM Triton unified_attention"
+
+    def available(self) -> str | None:
+        why = _cuda_reason(self.device)
+        if why:
+            return why
+        try:
+            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        except Exception as exc:  # noqa: BLE001
+            return f"vllm.v1.attention.ops.triton_unified_attention does not import: {type(exc).__name__}: {exc}"
+        self.fn = unified_attention
+        try:
+            from vllm.v1.attention.backends.triton_attn import (
+                MIN_LAUNCH_GRID_SIZE_2D,
+                NUM_PAR_SOFTMAX_SEGMENTS,
+            )
+        except Exception:  # noqa: BLE001 - the values of vLLM 0.24
+            MIN_LAUNCH_GRID_SIZE_2D, NUM_PAR_SOFTMAX_SEGMENTS = 128, 16
+        self.min_grid, self.segments = MIN_LAUNCH_GRID_SIZE_2D, NUM_PAR_SOFTMAX_SEGMENTS
+        return None
+
+    def prepare(self, case, sets) -> None:
+        super().prepare(case, sets)
+        c = case
+        self.caches = [nhd_cache(s.kv, c.head_size) for s in sets]
+        # As TritonAttentionMetadataBuilder (eager: no capture sizes to snap to).
+        self.threshold = self.min_grid // c.num_kv_heads
+        hp = 1 << (c.head_size - 1).bit_length()
+        f32 = {"dtype": torch.float32, "device": self.device}
+        self.segm_out = torch.empty(self.threshold, c.num_heads, self.segments, hp, **f32)
+        self.segm_max = torch.empty(self.threshold, c.num_heads, self.segments, **f32)
+        self.segm_expsum = torch.empty(self.threshold, c.num_heads, self.segments, **f32)
+        # k/v descale as the backend passes them (layer._k_scale expanded); read only for fp8 caches.
+        self.descale = torch.ones(1, **f32).expand(c.num_reqs, c.num_kv_heads)
+        use_3d = c.kind == "decode" and c.num_reqs <= self.threshold
+        self.notes.append(f"{'3D (split softmax)' if use_3d else '2D'} kernel; seq_threshold_3D {self.threshold}")
+
+    def run(self, i: int):
+        s, kv, c = self.sets[i], self.caches[i], self.case
+        self.fn(q=s.query, k=kv[:, 0], v=kv[:, 1], out=self.outs[i], cu_seqlens_q=s.query_start_loc,
+                max_seqlen_q=c.max_q_len, seqused_k=s.seq_lens, max_seqlen_k=c.max_seq_len,
+                softmax_scale=self.scale, causal=c.causal, window_size=(-1, -1), block_table=s.block_table,
+                softcap=0, q_descale=None, k_descale=self.descale, v_descale=self.descale,
+                seq_threshold_3D=self.threshold, num_par_softmax_segments=self.segments,
+                softmax_segm_output=self.segm_out, softmax_segm_max=self.segm_max,
+                softmax_segm_expsum=self.segm_expsum)
+        return self.outs[i]
+
+    def release(self) -> None:
+        super().release()
+        self.caches = self.segm_out = self.segm_max = self.segm_expsum = self.descale = None
+
+
+class SdpaCudnn(Anchor):
+    """torch SDPA, cuDNN backend, on dense K/V gathered outside the timed region: a ceiling, not a paged kernel.
+
+    Requests with the same (query length, total length) form one dense batch.
+    Decode groups run as non-causal attention of the G query heads of each KV
+    head (no K/V expansion, exact for one query token); prefill groups use
+    ``enable_gqa`` where cuDNN takes it, else K/V with repeated heads; a chunk
+    with cached context gets an explicit bottom-right causal mask.
+    """
+
+    name = "sdpa_cudnn"
+    label = "torch SDPA, cuDNN backend, dense K/V"
+
+    def available(self) -> str | None:
+        why = _cuda_reason(self.device)
+        if why:
+            return why
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except Exception as exc:  # noqa: BLE001
+            return f"torch.nn.attention does not import: {type(exc).__name__}: {exc}"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available to torch"
+        self.backend, self.sdpa_kernel = SDPBackend.CUDNN_ATTENTION, sdpa_kernel
+        return None
+
+    @staticmethod
+    def groups(case) -> list[tuple[int, int, int, int]]:
+        """(first request, count, q_len, seq_len) for runs of equal shapes."""
+        out: list[list[int]] = []
+        for r, (q, s) in enumerate(zip(case.q_lens, case.seq_lens)):
+            if out and out[-1][2:] == [q, s]:
+                out[-1][1] += 1
+            else:
+                out.append([r, 1, q, s])
+        return [tuple(g) for g in out]
+
+    def _dense(self, c, s, group, expand: bool):
+        from dhp_backend.ops.reference import gather_request_kv
+
+        r0, n, q_len, seq_len = group
+        G = c.num_heads // c.num_kv_heads
+        # Filled request by request: a stack of gathered copies would hold the dense K/V twice.
+        k = s.query.new_empty(n, c.num_kv_heads, seq_len, c.head_size)
+        v = torch.empty_like(k)
+        for j, r in enumerate(range(r0, r0 + n)):
+            k[j] = gather_request_kv(s.key_cache, s.block_table[r], seq_len)
+            v[j] = gather_request_kv(s.value_cache, s.block_table[r], seq_len)
+        t0 = int(s.query_start_loc[r0])
+        q = s.query[t0:t0 + n * q_len].view(n, q_len, c.num_heads, c.head_size)
+        kw: dict = {}
+        if q_len == 1:
+            q = q.view(n, c.num_kv_heads, G, c.head_size).contiguous()
+        else:
+            q = q.transpose(1, 2).contiguous()  # [n, Hq, q_len, d]
+            if G > 1 and expand:
+                k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+            elif G > 1:
+                kw["enable_gqa"] = True
+            if c.causal and q_len == seq_len:
+                kw["is_causal"] = True
+            elif c.causal:
+                i = torch.arange(q_len, device=q.device).unsqueeze(1)
+                p = torch.arange(seq_len, device=q.device).unsqueeze(0)
+                kw["attn_mask"] = p <= (seq_len - q_len) + i
+        return q, k, v, kw
+
+    def prepare(self, case, sets) -> None:
+        super().prepare(case, sets)
+        self.outs = None
+        self.group_shapes = self.groups(case)
+        self.inputs = [[self._dense(case, s, g, False) for g in self.group_shapes] for s in sets]
+        gqa_prefill = case.num_heads != case.num_kv_heads and any(g[2] > 1 for g in self.group_shapes)
+        try:
+            self.run(0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        except RuntimeError as exc:
+            if not gqa_prefill:
+                raise
+            # cuDNN may refuse enable_gqa: repeat the K/V heads instead (more bytes read: noted).
+            self.inputs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.inputs = [[self._dense(case, s, g, True) for g in self.group_shapes] for s in sets]
+            self.notes.append(f"K/V heads repeated (enable_gqa refused: {str(exc).splitlines()[0][:120]})")
+        else:
+            if gqa_prefill:
+                self.notes.append("enable_gqa")
+
+    def run(self, i: int):
+        F = torch.nn.functional
+        with self.sdpa_kernel(self.backend):
+            return [F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kw) for q, k, v, kw in self.inputs[i]]
+
+    def packed(self, i: int, result) -> torch.Tensor:
+        c = self.case
+        parts = []
+        for (_, n, q_len, _), o in zip(self.group_shapes, result):
+            if q_len == 1:  # [n, Hkv, G, d]: query head h = kv_head * G + g
+                parts.append(o.reshape(n, c.num_heads, c.head_size))
+            else:  # [n, Hq, q_len, d]
+                parts.append(o.transpose(1, 2).reshape(n * q_len, c.num_heads, c.head_size))
+        return torch.cat(parts)
+
+    def release(self) -> None:
+        super().release()
+        self.inputs = None
+
+
+class DHP(Anchor):
+    """DHP through `ops.paged_attention` under one policy (the Triton path; the reference path on a CPU
+    without the interpreter)."""
+
+    def __init__(self, device, policy: str) -> None:
+        super().__init__(device)
+        self.policy = policy
+        self.name = f"dhp_{policy}"
+        self.label = f"DHP, policy {policy}"
+        # Under 'batch' the bucket is a host value that changes every step, so the
+        # engine runs it eagerly; a fixed benchmark step can still be captured.
+        self.graphable = True
+
+    def available(self) -> str | None:
+        try:
+            from dhp_backend.ops import paged_attention  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"dhp_backend.ops does not import: {type(exc).__name__}: {exc}"
+        return None
+
+    def prepare(self, case, sets) -> None:
+        from dhp_backend.ops import ProblemSpec, bucket_for_step
+        from dhp_backend.ops import triton as triton_pkg
+
+        super().prepare(case, sets)
+        c = case
+        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        spec = ProblemSpec(device_type=self.device.type, dtype=c.dtype, head_size=c.head_size,
+                           num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, block_size=c.block_size,
+                           causal=c.causal, device_capability=cap)
+        ok, why = triton_pkg.supports(spec)
+        if ok:
+            self.path = "triton"
+        elif self.device.type == "cpu":
+            # The Triton path runs on a CPU only under the interpreter (TRITON_INTERPRET=1
+            # set before triton is imported); the reference path keeps the pipeline honest.
+            self.path = "reference"
+            self.notes.append(f"reference path (not constant-time, host loop): {why}")
+        else:
+            raise NotAvailable(f"the Triton path does not cover this shape: {why}")
+        self.buckets = [bucket_for_step(self.policy, max_model_len=c.max_model_len, seq_lens=s.seq_lens)
+                        for s in sets]
+        self.check_values = True  # the first launch (the correctness check) validates the values too
+        if self.policy == "batch":
+            self.notes.append("engine runs 'batch' eagerly (host bucket per step)")
+
+    def run(self, i: int):
+        from dhp_backend.ops import paged_attention
+
+        s, c = self.sets[i], self.case
+        check, self.check_values = self.check_values, False
+        return paged_attention(s.query, s.key_cache, s.value_cache, s.block_table, s.query_start_loc, s.seq_lens,
+                               self.outs[i], scale=self.scale, causal=c.causal, policy=self.policy,
+                               bucket=self.buckets[i], max_model_len=c.max_model_len, num_tokens=c.num_tokens,
+                               path=self.path, allow_fallback=self.path == "reference", check_values=check)
+
+    def info(self) -> dict:
+        b = self.buckets[0] if self.buckets else None
+        if isinstance(b, torch.Tensor):
+            vals = sorted(set(b.tolist()))
+            b = vals[0] if len(vals) == 1 else vals
+        return {"path": self.path, "policy": self.policy, "bucket": b}
+
+    def release(self) -> None:
+        super().release()
+        self.buckets = None
+
+
+POLICIES = ("off", "strict", "batch", "request")
+ANCHOR_NAMES = ("fa3", "flashinfer", "triton_unified", "sdpa_cudnn") + tuple(f"dhp_{p}" for p in POLICIES)
+
+
+def make_anchors(device: torch.device, names=None) -> list[Anchor]:
+    """The anchors by name, in the table's order (default: all)."""
+    names = list(names or ANCHOR_NAMES)
+    unknown = [n for n in names if n not in ANCHOR_NAMES]
+    if unknown:
+        raise ValueError(f"unknown anchor(s) {unknown}; accepted: {', '.join(ANCHOR_NAMES)}")
+    ctor = {"fa3": FlashAttention3, "flashinfer": FlashInfer, "triton_unified": TritonUnified,
+            "sdpa_cudnn": SdpaCudnn}
+    out = []
+    for n in ANCHOR_NAMES:
+        if n in names:
+            out.append(DHP(device, n[4:]) if n.startswith("dhp_") else ctor[n](device))
+    return out

@@ -1,0 +1,248 @@
+"""The shapes `dhp-backend bench` times, and the work each one represents.
+
+A `Case` is one attention step: per request, its query length and its total
+length (cached context plus the new tokens, as ``seq_lens`` in
+`ops.paged_attention`). Families group the cases that the summary and the plots
+read together:
+
+- ``decode``: Llama-3-8B attention (32 query / 8 KV heads, head 128, block 16,
+  bf16), batches 1..256 at contexts 1K..32K, one new token per request.
+- ``prefill``: one request of S tokens (no cached context), causal and not.
+  A single request on purpose: the anchors' grids then come from the sequence
+  alone, not from how a batch happens to be split.
+- ``mixed``: a chunked-prefill step, 63 decodes at 4K plus one 2048-token chunk
+  on 4K of cached context (vLLM orders decodes first).
+- ``head64``: head size 64, fp16, 16 query = 16 KV heads, 16 requests of 2048 tokens, non-causal.
+- ``gqa``: decode B16 at 4K with one and with eight query heads per KV head.
+- ``strict``: decode and prefill at max_model_len 8K and 32K with the true
+  lengths well below it: DHP ``strict`` walks L = max_model_len, so its
+  executed (padded) work is counted apart from the useful work.
+
+Outside ``strict``, ``max_model_len`` is the smallest power of two that holds
+the longest sequence, so ``strict`` and ``batch`` walk the same L there.
+
+Work counts (per step; ``e`` = bytes per element):
+- useful bytes = K+V of the true lengths (each cached position read once) + Q + O;
+- useful FLOPs = 4 * Hq * d * (keys attended, summed over query rows); a causal
+  row ``i`` of a request with context ``c`` attends ``c + i + 1`` keys;
+- executed (DHP under ``strict``/``batch``/``request``): every query row walks
+  its request's bucket L (constant time, no causal skipping), so the K/V bytes
+  and the keys per row are L instead of the true length. Under ``off`` DHP
+  walks the true lengths: executed = useful.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dhp_backend.ops.buckets import next_pow2
+
+LLAMA = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16"}
+TINY = {"num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16, "dtype": "bfloat16"}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+DECODE_BATCHES = (1, 4, 16, 64, 256)
+DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
+PREFILL_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+STRICT_MAX_MODEL_LENS = (8192, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    family: str  # decode | prefill | mixed | head64 | gqa | strict (see the module docstring)
+    q_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    causal: bool
+    max_model_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+    anchors: tuple[str, ...] | None = None  # None: every anchor
+    note: str = ""
+
+    @property
+    def kind(self) -> str:
+        """decode (one token per request), prefill (no cached context) or mixed."""
+        if all(q == 1 for q in self.q_lens):
+            return "decode"
+        if all(q == s for q, s in zip(self.q_lens, self.seq_lens)):
+            return "prefill"
+        return "mixed"
+
+    @property
+    def bound(self) -> str:
+        """What limits the step: decode reads K/V once per token (memory); the rest is compute."""
+        return "memory" if self.kind == "decode" else "compute"
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens)
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def describe(self) -> dict:
+        """The JSON form: every field plus the derived ones, the per-request lists compressed."""
+        d = dataclasses.asdict(self)
+        for key in ("q_lens", "seq_lens"):
+            vals = d[key]
+            d[key] = vals if len(set(vals)) > 1 and len(vals) <= 8 else _runs(vals)
+        d.update(kind=self.kind, bound=self.bound, num_reqs=self.num_reqs, num_tokens=self.num_tokens,
+                 max_seq_len=self.max_seq_len, useful=work(self, "off"))
+        return d
+
+
+def _runs(vals) -> list[list[int]]:
+    """[[value, count], ...] for consecutive equal values (256 equal lengths stay short in the JSON)."""
+    out: list[list[int]] = []
+    for v in vals:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def case(name, family, q_lens, seq_lens, *, causal=True, max_model_len=None, shape=None, **kw) -> Case:
+    shape = {**LLAMA, **(shape or {})}
+    q_lens, seq_lens = tuple(q_lens), tuple(seq_lens)
+    if len(q_lens) != len(seq_lens) or any(q > s or q < 1 for q, s in zip(q_lens, seq_lens)):
+        raise ValueError(f"case {name}: query lengths {q_lens} must be 1..seq_len for seq_lens {seq_lens}")
+    if max_model_len is None:
+        max_model_len = next_pow2(max(seq_lens))
+    return Case(name=name, family=family, q_lens=q_lens, seq_lens=seq_lens, causal=causal,
+                max_model_len=max_model_len, **shape, **kw)
+
+
+def decode(B, ctx, family="decode", name=None, **kw) -> Case:
+    return case(name or f"decode B{B} ctx{ctx}", family, [1] * B, [ctx] * B, **kw)
+
+
+def prefill(S, causal, family="prefill", name=None, batch=1, **kw) -> Case:
+    mask = "causal" if causal else "noncausal"
+    return case(name or f"prefill S{S} {mask}", family, [S] * batch, [S] * batch, causal=causal, **kw)
+
+
+def mixed(chunk=2048, chunk_context=4096, decodes=63, decode_ctx=4096) -> Case:
+    return case(f"mixed chunk{chunk}@ctx{chunk_context} + {decodes} decodes@{decode_ctx}", "mixed",
+                [1] * decodes + [chunk], [decode_ctx] * decodes + [chunk_context + chunk],
+                note="decodes first, then the chunk (vLLM's order)")
+
+
+# Anchors worth timing where only DHP strict differs (the other DHP policies repeat
+# the decode/prefill rows of the same shape).
+STRICT_ANCHORS = ("fa3", "flashinfer", "dhp_off", "dhp_strict")
+
+
+def strict(base: Case, max_model_len: int) -> Case:
+    return dataclasses.replace(base, name=f"strict {base.name} M{max_model_len}", family="strict",
+                               max_model_len=max_model_len, anchors=STRICT_ANCHORS,
+                               note=f"max_model_len {max_model_len}: DHP strict walks L={max_model_len}")
+
+
+def gpu_cases(quick: bool = False) -> list[Case]:
+    """The GPU shape list (``quick``: a subset for a fast pass)."""
+    batches, contexts, lengths = DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_LENGTHS
+    if quick:
+        batches, contexts, lengths = (1, 16, 64), (4096, 32768), (4096,)
+    cases = [decode(B, ctx) for ctx in contexts for B in batches]
+    cases += [prefill(S, causal) for causal in (True, False) for S in lengths]
+    cases.append(mixed())
+    if not quick:
+        cases.append(prefill(2048, False, family="head64", batch=16,
+                             name="head64 fp16 B16 H16 S2048 noncausal",
+                             shape={"num_heads": 16, "num_kv_heads": 16, "head_size": 64, "dtype": "float16"},
+                             note="16 requests of 2048 tokens"))
+        cases += [decode(16, 4096, family="gqa", name=f"gqa{32 // kv} decode B16 ctx4096 (Hq32 Hkv{kv})",
+                         shape={"num_kv_heads": kv}) for kv in (32, 4)]
+    strict_bases = [decode(16, 4096), prefill(4096, True)] + ([] if quick else [decode(1, 4096)])
+    cases += [strict(b, m) for b in strict_bases for m in STRICT_MAX_MODEL_LENS
+              if not (quick and m != max(STRICT_MAX_MODEL_LENS))]
+    return cases
+
+
+def cpu_cases() -> list[Case]:
+    """Tiny shapes for a CPU run (Triton interpreter or the reference path): the pipeline, not speed."""
+    return [
+        decode(2, 64, shape=TINY),
+        prefill(32, True, shape=TINY),
+        strict(decode(2, 64, shape=TINY), 128),
+    ]
+
+
+def select(cases: list[Case], patterns: str | None) -> list[Case]:
+    """Cases whose name or family contains any of the comma-separated ``patterns``."""
+    if not patterns:
+        return cases
+    pats = [p.strip().lower() for p in patterns.split(",") if p.strip()]
+    return [c for c in cases if any(p in c.name.lower() or p == c.family for p in pats)]
+
+
+# ------------------------------------------------------------------ work counts
+
+def buckets(c: Case, policy: str) -> list[int] | None:
+    """Per-request bucket L that DHP walks under ``policy`` (None under ``off``: true lengths)."""
+    if policy == "off":
+        return None
+    if policy == "strict":
+        return [c.max_model_len] * c.num_reqs
+    if policy == "batch":
+        return [min(next_pow2(c.max_seq_len), c.max_model_len)] * c.num_reqs
+    if policy == "request":
+        return [min(next_pow2(s), c.max_model_len) for s in c.seq_lens]
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def work(c: Case, policy: str = "off") -> dict:
+    """Bytes and FLOPs of one step: useful (``off``) or executed under a DHP ``policy``."""
+    e = c.elem_bytes
+    kv_row = 2 * c.num_kv_heads * c.head_size * e  # K and V of one position
+    qo = 2 * c.num_tokens * c.num_heads * c.head_size * e
+    per_key = 4 * c.num_heads * c.head_size
+    Ls = buckets(c, policy)
+    kv_bytes = keys = 0
+    for r, (q, s) in enumerate(zip(c.q_lens, c.seq_lens)):
+        if Ls is None:
+            kv_bytes += s * kv_row
+            ctx = s - q
+            keys += (q * ctx + q * (q + 1) // 2) if c.causal else q * s
+        else:
+            kv_bytes += Ls[r] * kv_row
+            keys += q * Ls[r]
+    return {"bytes": kv_bytes + qo, "flops": per_key * keys}
+
+
+def cache_blocks(c: Case) -> int:
+    """Blocks of one input set's cache: the real blocks plus room for DHP's decoy pages.
+
+    DHP reads a decoy page for every padding position, spread over the whole cache
+    so that (num_reqs + 1) * L / block_size distinct pages exist before one repeats
+    (`kernels.decoy_block`); a cache that small would let padding hit L2 and look
+    cheaper than in an engine, whose cache is large.
+    """
+    real = sum(-(-s // c.block_size) for s in c.seq_lens)
+    return max(real + 1, (c.num_reqs + 1) * -(-c.max_model_len // c.block_size))
+
+
+def set_bytes(c: Case) -> int:
+    """Device bytes of one input set (cache, query, block table)."""
+    cache = cache_blocks(c) * 2 * c.num_kv_heads * c.block_size * c.head_size * c.elem_bytes
+    query = c.num_tokens * c.num_heads * c.head_size * c.elem_bytes
+    table = c.num_reqs * -(-c.max_model_len // c.block_size) * 4
+    return cache + query + table

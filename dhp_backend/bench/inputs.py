@@ -1,0 +1,139 @@
+"""Input sets of a case (a paged cache in DHP's layout, random data) and the float32 reference.
+
+Every anchor reads the same sets: the same K/V/Q values, each converted to the
+anchor's native layout outside the timed region. A case has several sets when
+one is smaller than twice the L2 cache, so that rotating among them makes every
+launch read from DRAM, as a step of a real engine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from dhp_backend.bench import cases as C
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclasses.dataclass
+class InputSet:
+    """One step's tensors. ``kv`` is vLLM's DHP cache ``[num_blocks, Hkv, block, 2*d]``;
+    ``key_cache``/``value_cache`` are its K and V halves, the views DHP reads."""
+
+    query: torch.Tensor  # [T, Hq, d]
+    kv: torch.Tensor
+    key_cache: torch.Tensor  # [num_blocks, Hkv, block, d] (strided view)
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # int32 [R, ceil(max_model_len / block)]
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    seq_lens: torch.Tensor  # int32 [R]
+
+
+def build_set(c: C.Case, gen: torch.Generator, device: torch.device) -> InputSet:
+    """Random data (never zeros) with each request's blocks at random places in the cache."""
+    dt = TORCH_DTYPES[c.dtype]
+    nb = C.cache_blocks(c)
+    D, bs = c.head_size, c.block_size
+    kv = torch.empty(nb, c.num_kv_heads, bs, 2 * D, dtype=dt, device=device).normal_(generator=gen)
+    query = torch.empty(c.num_tokens, c.num_heads, D, dtype=dt, device=device).normal_(generator=gen)
+    width = -(-c.max_model_len // bs)
+    need = [-(-s // bs) for s in c.seq_lens]
+    perm = torch.randperm(nb, generator=gen, device=device)[: sum(need)].to(torch.int32)
+    # Columns past a request's last block are never read for data (DHP reads decoy
+    # pages there, the others stop at seq_len); they still hold valid block ids.
+    table = torch.randint(0, nb, (c.num_reqs, width), generator=gen, device=device, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[start:start + n]
+        start += n
+    qsl = [0]
+    for q in c.q_lens:
+        qsl.append(qsl[-1] + q)
+    return InputSet(
+        query=query, kv=kv, key_cache=kv[..., :D], value_cache=kv[..., D:], block_table=table,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(c.seq_lens, dtype=torch.int32, device=device),
+    )
+
+
+def rotation(c: C.Case, l2_bytes: int, max_sets: int) -> int:
+    """How many sets to rotate: enough that their useful bytes exceed twice the L2 cache."""
+    useful = C.work(c)["bytes"]
+    return max(1, min(max_sets, math.ceil(2 * l2_bytes / max(useful, 1))))
+
+
+def plan_memory(c: C.Case, wanted_sets: int, free_bytes: int | None) -> tuple[int, str | None]:
+    """(sets to build, None) or (0, why the case does not fit).
+
+    The peak is the sets plus one anchor's copy of them in its native layout (the
+    anchors are prepared one at a time and freed), plus headroom for the
+    reference and the anchors' workspaces.
+    """
+    if free_bytes is None:
+        return wanted_sets, None
+    one = C.set_bytes(c)
+    headroom = 2 * 2**30 + 2 * C.work(c)["bytes"]
+    budget = 0.9 * free_bytes - headroom
+    fits = int(budget // (2 * one))
+    if fits < 1:
+        return 0, (f"does not fit: one input set is {one / 2**30:.1f} GiB, and an anchor's copy doubles it "
+                   f"(+{headroom / 2**30:.1f} GiB headroom); {free_bytes / 2**30:.1f} GiB free")
+    return min(wanted_sets, fits), None
+
+
+def reference(c: C.Case, s: InputSet, *, max_scores: int = 2**27) -> torch.Tensor:
+    """`ops.paged_attention` in float32 on the same data, chunked over query rows.
+
+    Same semantics as `ops.reference` (which it reuses for the gather), but the
+    scores of a long prefill are computed a chunk of rows at a time
+    (``max_scores`` floats at most) instead of all at once.
+    """
+    from dhp_backend.ops.reference import gather_request_kv
+
+    Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_size
+    G = Hq // Hkv
+    scale = D ** -0.5
+    out = torch.empty(c.num_tokens, Hq, D, dtype=torch.float32, device=s.query.device)
+    with _fp32_matmul():
+        q0 = 0
+        for r, (q_len, seq_len) in enumerate(zip(c.q_lens, c.seq_lens)):
+            k = gather_request_kv(s.key_cache, s.block_table[r], seq_len).float().unsqueeze(1)  # [Hkv,1,S,D]
+            v = gather_request_kv(s.value_cache, s.block_table[r], seq_len).float().unsqueeze(1)
+            ctx = seq_len - q_len
+            rows = max(1, max_scores // (Hq * seq_len))
+            for a in range(0, q_len, rows):
+                b = min(q_len, a + rows)
+                q = s.query[q0 + a:q0 + b].float().view(b - a, Hkv, G, D).permute(1, 2, 0, 3)
+                scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G, rows, S]
+                if c.causal:
+                    i = torch.arange(a, b, device=q.device).unsqueeze(1)
+                    p = torch.arange(seq_len, device=q.device).unsqueeze(0)
+                    scores.masked_fill_(p > ctx + i, float("-inf"))
+                o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, G, rows, D]
+                out[q0 + a:q0 + b] = o.permute(2, 0, 1, 3).reshape(b - a, Hq, D)
+            q0 += q_len
+    return out
+
+
+class _fp32_matmul:
+    """True float32 matmuls for the reference (no TF32), restored afterwards."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over the step's rows; inf for a wrong shape or non-finite output."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return math.inf
+    o = out.float()
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    return float((o - ref).norm() / ref.norm())
