@@ -4,6 +4,7 @@
 # named in $@ (each logs to $OUT/<step>.log):
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
+#   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   padloc    short vs long padding timing per decoy map and page layout (bench/padding_locality.py)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
@@ -31,6 +32,8 @@ for step in "$@"; do
     kernels) DHP_REPORT_DIR=$OUT python3 -m pytest -q -s -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/kernels.log" | grep -v "^\s*$" | tail -25 ;;
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
+               python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
     padloc)  python3 -m dhp_backend.bench.padding_locality --out "$OUT/padding_locality.json" 2>&1 | tee "$OUT/padloc.log" | tail -9 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;

@@ -167,8 +167,9 @@ def test_enumeration_counts_distinct_binaries():
 
     vs = variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))
     att = [v for v in vs if v.kernel == "attention_kernel"]
-    # 4 block sizes x causal x num_heads divisibility x split/fold mode; merge: num_heads divisibility only.
-    assert len(att) == 32 and len(vs) - len(att) == 2
+    # 4 block sizes x causal x num_heads divisibility x split/fold mode x 3 step kinds;
+    # merge: num_heads divisibility only.
+    assert len(att) == 96 and len(vs) - len(att) == 2
     assert len({v.key for v in vs}) == len(vs)
 
 

@@ -176,7 +176,6 @@ class MathSdpa(A.SdpaCudnn):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         self.backend, self.sdpa_kernel = SDPBackend.MATH, sdpa_kernel
-        return None
 
 
 @pytest.mark.parametrize("c", [

@@ -57,14 +57,14 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def _run(step, *, policy, causal=True, mode=None, bucket="auto", tiling=None):
+def _run(step, *, policy, causal=True, mode=None, bucket="auto", tiling=None, config=None):
     from dhp_backend.ops.triton import paged_attention_triton
 
     D = step.query.shape[2]
     out = poisoned_out(step)
     b = step.bucket(policy) if bucket == "auto" else bucket
     paged_attention_triton(*step.args(), out, scale=D ** -0.5, causal=causal, num_tokens=step.num_tokens,
-                           policy=policy, bucket=b, _mode=mode, _tiling=tiling)
+                           policy=policy, bucket=b, _mode=mode, _tiling=tiling, _config=config)
     return out
 
 
@@ -159,6 +159,25 @@ def test_bits_equal_across_policies_and_modes():
             for m in ("fold", "split", None)]
     for o in outs[1:]:
         assert torch.equal(bits(outs[0]), bits(o))
+
+
+def test_bits_equal_across_step_kinds():
+    """The decode (3 stages), mixed and prefill (128-row tile, 8 warps) configs,
+    picked from the step geometry, compute every row with the same bits, in both
+    tilings and split modes, on a step with decodes, a prompt and a chunk."""
+    from dhp_backend.ops.triton import config as kcfg
+
+    step = _llama_mixed_step(13)
+    outs = []
+    for kind in kcfg.STEP_KINDS:
+        cfg = kcfg.kernel_config(128, 4, "bfloat16", kind=kind)
+        for tiling in ("request", "token"):
+            for mode in ("fold", "split"):
+                out = _run(step, policy="strict", mode=mode, tiling=tiling, config=cfg)
+                check_written(step, out)
+                outs.append(((kind, tiling, mode), bits(out).clone()))
+    for key, o in outs[1:]:
+        assert torch.equal(outs[0][1], o), f"{key} differs from {outs[0][0]}"
 
 
 @pytest.mark.parametrize("target_lens", [(7, 1800), (1, 1333)], ids=["chunk", "decode"])

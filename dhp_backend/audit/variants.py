@@ -41,12 +41,14 @@ class Variant:
     causal: bool | None = None  # attention only
     nh16: bool = True  # num_heads % 16 == 0
     split: bool = False  # attention only: WRITE_PARTIALS (split mode) binary
+    kind: str = "mixed"  # attention only: the step kind's tile config (config.STEP_KINDS)
 
     @property
     def key(self) -> str:
         k = f"{self.kernel}:{DTYPES[self.dtype]}:h{self.head}:g{self.group}"
         if self.kernel == "attention_kernel":
-            k += f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}:{'split' if self.split else 'fold'}"
+            k += (f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
+                  f":{'split' if self.split else 'fold'}:{self.kind}")
         return k + (":nh16" if self.nh16 else ":nh")
 
     def as_dict(self) -> dict:
@@ -64,11 +66,12 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
                     for bs in block_sizes:
                         for c in (True, False):
                             for sp in (False, True):
-                                v = Variant("attention_kernel", dt, h, g, bs, c, nh, sp)
-                                sig = compile_inputs(v)[1:]
-                                if repr(sig) not in seen:
-                                    seen.add(repr(sig))
-                                    out.append(v)
+                                for kind in kcfg.STEP_KINDS:
+                                    v = Variant("attention_kernel", dt, h, g, bs, c, nh, sp, kind)
+                                    sig = compile_inputs(v)[1:]
+                                    if repr(sig) not in seen:
+                                        seen.add(repr(sig))
+                                        out.append(v)
                     v = Variant("merge_kernel", dt, h, g, nh16=nh)
                     sig = compile_inputs(v)[1:]
                     if repr(sig) not in seen:
@@ -84,6 +87,8 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
 CI_SUBSET = (
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode"),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill"),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, False),
     Variant("attention_kernel", "float16", 64, 1, 32, False, True),
     Variant("attention_kernel", "bfloat16", 80, 2, 64, True, False),
@@ -101,7 +106,7 @@ def compile_inputs(v: Variant):
     from dhp_backend.ops.triton import kernels
     from dhp_backend.ops.triton import workspace as wsp
 
-    cfg = kcfg.kernel_config(v.head, v.group, v.dtype)
+    cfg = kcfg.kernel_config(v.head, v.group, v.dtype, kind=v.kind if v.kernel == "attention_kernel" else "mixed")
     dt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[v.dtype]
     if v.kernel == "attention_kernel":
         fn = kernels.attention_kernel

@@ -130,7 +130,7 @@ class FlashInfer(Anchor):
 
     name = "flashinfer"
     label = "FlashInfer (BatchDecode/BatchPrefillWithPagedKVCacheWrapper, HND)"
-    WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommendation (vLLM uses 394 MiB)
+    WORKSPACE_BYTES = 394 * 2**20  # vLLM 0.24's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default
 
     def __init__(self, device) -> None:
         super().__init__(device)

@@ -129,7 +129,7 @@ def measure_anchor(anchor, c, sets, ref, *, timer, device, graphs: bool, toleran
 
     row = base_row(c, anchor)
     row["sets"] = len(sets)
-    captured = None
+    fns = replays = captured = None
     try:
         anchor.prepare(c, sets)
         row.update(anchor.info())
@@ -149,10 +149,12 @@ def measure_anchor(anchor, c, sets, ref, *, timer, device, graphs: bool, toleran
                 replays[0]()
                 torch.cuda.synchronize()
                 g_err = rel_err(anchor.packed(0, outs[0]), ref)
+                del outs
                 if g_err < tolerance:
                     fns, row["mode"] = replays, "graph"
                 else:
                     row["notes"].append(f"graph replay gave rel err {g_err:.2e}: timed eager")
+                    replays = captured = None
             except Exception as exc:  # noqa: BLE001 - eager timing is still a result
                 row["notes"].append(f"graph capture failed ({_short(exc)}): timed eager")
                 captured = None
@@ -176,12 +178,24 @@ def measure_anchor(anchor, c, sets, ref, *, timer, device, graphs: bool, toleran
             row["status"] = f"not available: out of memory ({_short(exc)[:160]})"
     finally:
         row["notes"] = [n for n in row["notes"] + list(anchor.notes) if n]
-        del captured
+        del fns, replays, captured  # the graphs hold their memory pool until dropped
         anchor.release()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        _free_device_memory(device, row)
     return row
+
+
+def _free_device_memory(device, row: dict | None = None) -> None:
+    """Sync and return cached blocks; a device error here (a sticky one from a kernel) is noted, not raised."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - the rows already say what failed
+        if row is not None:
+            row["notes"].append(f"device error after this row: {_short(exc)}")
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -224,9 +238,21 @@ def run_cases(cases, anchors, *, device, timer, l2_bytes, max_sets=32, graphs=Tr
             rows += case_rows
             continue
         t0 = time.time()
-        gen = torch.Generator(device=device).manual_seed(seed)
-        sets = [inputs.build_set(c, gen, device) for _ in range(n_sets)]
-        ref = inputs.reference(c, sets[0])
+        sets = ref = None
+        try:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            sets = [inputs.build_set(c, gen, device) for _ in range(n_sets)]
+            ref = inputs.reference(c, sets[0])
+        except Exception as exc:  # noqa: BLE001 - the case's rows say so; the run goes on
+            sets = ref = None
+            _free_device_memory(device)
+            for a in case_anchors:
+                row = base_row(c, a)
+                row["status"] = f"not available: building the inputs failed: {_short(exc)}"
+                case_rows.append(row)
+                progress.row(c.name, a.name, row["status"])
+            rows += case_rows
+            continue
         print(f"  {c.name}: {n_sets} input set(s), reference in {time.time() - t0:.1f} s", flush=True)
         tol = TOLERANCE[sets[0].query.dtype]
         for a in case_anchors:
@@ -240,8 +266,7 @@ def run_cases(cases, anchors, *, device, timer, l2_bytes, max_sets=32, graphs=Tr
         add_ratios(case_rows)
         rows += case_rows
         del sets, ref
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _free_device_memory(device)
     return rows
 
 
@@ -291,13 +316,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ceiling {k}: " + (f"{v['GBps']:.0f} GB/s" if "GBps" in v else
                                     f"{v['TFLOPs']:.1f} TFLOP/s" if "TFLOPs" in v else v["status"]), flush=True)
     l2 = head["device"].get("l2_bytes") or 50 * 2**20
+    t0 = time.time()
     rows = run_cases(cases, anchors, device=device, timer=timer, l2_bytes=l2, max_sets=args.max_sets,
                      graphs=not args.no_graph, seed=args.seed)
+    head["seconds"] = round(time.time() - t0, 1)
     doc = report.build(head, ceil, cases, rows, e2e_path=args.e2e_json)
     paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)
     print()
     print(report.summary_text(doc))
-    print("written: " + ", ".join(paths))
+    print(f"{len(rows)} rows in {head['seconds']:.0f} s; written: " + ", ".join(paths))
     if gpu:
         from dhp_backend.audit.provenance import device_slug
 

@@ -69,13 +69,15 @@ def plan_memory(c: C.Case, wanted_sets: int, free_bytes: int | None) -> tuple[in
     """(sets to build, None) or (0, why the case does not fit).
 
     The peak is the sets plus one anchor's copy of them in its native layout (the
-    anchors are prepared one at a time and freed), plus headroom for the
-    reference and the anchors' workspaces.
+    anchors are prepared one at a time and freed; SDPA's dense K/V is at most
+    that), plus headroom: 2 GiB for workspaces (FlashInfer's 394 MiB, DHP's
+    64 MiB), the reference's per-request float32 K/V and score chunk, and a few
+    float32 copies of the output.
     """
     if free_bytes is None:
         return wanted_sets, None
     one = C.set_bytes(c)
-    headroom = 2 * 2**30 + 2 * C.work(c)["bytes"]
+    headroom = 2 * 2**30 + 8 * c.num_tokens * c.num_heads * c.head_size * 4
     budget = 0.9 * free_bytes - headroom
     fits = int(budget // (2 * one))
     if fits < 1:

@@ -8,8 +8,10 @@ behind a fix. A padded request reads decoy pages where a long one reads its own:
 if the decoys have another DRAM/TLB locality than the real pages, the two run
 at different speeds. Compared, interleaved launch by launch in random order:
 
-- decoy map: the kernel's scatter (``launch.decoy_mult``) and the unscattered
-  column-major map (multiplier 1, the map before the fix);
+- decoy map: the kernel's scatter (``launch.decoy_mult``), the unscattered
+  column-major map (multiplier 1, the map before the fix), and, as a diagnostic,
+  the table's own entries (multiplier 0: short and long read the very same
+  pages, so what remains is the data: masked scores and zeroed V rows);
 - page layout (public, the block table): a random permutation (a fragmented
   cache) and consecutive pages (a freshly filled one).
 
@@ -89,11 +91,11 @@ def main(argv=None):
     num_blocks = shape.batch * -(-shape.bucket // shape.block_size) + 16
     rows = []
     for layout in ("random", "consecutive"):
-        for mult in (tlaunch.decoy_mult(num_blocks), 1):
+        for mult in (tlaunch.decoy_mult(num_blocks), 1, 0):
             rows.append(measure(shape, layout, mult, a.rounds))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\npadding locality, {shape.key}, {a.rounds} rounds per class (negative: padded runs faster)")
-    print("| page layout | decoy multiplier | short us | long us | short vs long | Welch t |")
+    print("| page layout | decoy multiplier (0: the table's pages) | short us | long us | short vs long | Welch t |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['layout']} | {r['decoy_mult']} | {r['us_short']} | {r['us_long']} | "

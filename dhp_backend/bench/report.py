@@ -206,7 +206,7 @@ def _ratio(x) -> str:
 
 COLUMNS = ("case", "anchor", "status", "mode", "median ms (p10-p90)", "useful GB/s", "useful TFLOP/s",
            "executed GB/s", "executed TFLOP/s", "vs FA3", "vs FlashInfer", "rel err")
-FAMILY_TITLES = {"decode": "Decode", "prefill": "Prefill (one request of S tokens)",
+FAMILY_TITLES = {"decode": "Decode", "prefill": "Prefill, one request of S tokens",
                  "mixed": "Mixed chunked-prefill step", "head64": "Head size 64", "gqa": "GQA ratios",
                  "strict": "Strict policy at max_model_len above the true lengths"}
 

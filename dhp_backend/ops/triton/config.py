@@ -55,26 +55,57 @@ class KernelConfig:
     def tiles_per_split(self) -> int:
         return self.split_kv // self.block_n
 
+    @property
+    def programs_per_sm(self) -> int:
+        """Resident programs per SM (~255 registers per thread: two 4-warp programs
+        or one 8-warp program); shapes split-mode grids into whole waves."""
+        return max(1, 8 // self.num_warps)
 
-def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | None = None) -> KernelConfig:
-    """The config for a (head size, group, dtype) problem.
+
+# Step kinds (launch.step_kind, from the public step geometry): which tile
+# config runs. All kinds compute every row with the same instructions in the same
+# order (the same BLOCK_N, SPLIT_KV, wgmma shapes per warpgroup, reductions), so
+# a row's bits do not depend on the kind; tests/test_triton_gpu.py checks it.
+STEP_KINDS = ("decode", "mixed", "prefill")
+# Mean query tokens per request from which a step counts as "prefill".
+PREFILL_TOKENS_PER_REQUEST = 16
+
+
+def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | None = None,
+                  kind: str = "mixed") -> KernelConfig:
+    """The config for a (head size, group, dtype) problem and a step kind.
 
     ``split_kv`` overrides the split size (tests use small splits so that short
     sequences cross split boundaries under the interpreter); production uses the
     constant `SPLIT_KV`.
+
+    ``kind`` (public, launch.step_kind): ``decode`` steps (one query token per
+    tile) run the 64-row tile with three pipeline stages, ``mixed`` steps the
+    64-row tile with two, ``prefill`` steps (many query tokens per request) a
+    128-row tile on 8 warps (two warpgroups of 64 rows, each row computed as in
+    the 64-row tile). Measured on an H200 (docs/perf-notes.md): 3 stages are
+    4-8 % faster on decode and 5 % slower on prefill; the 128-row tile is 18 %
+    faster on a 4K prefill and 1.6x slower on decode.
     """
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind={kind!r}; accepted: {', '.join(STEP_KINDS)}")
     head_pad = next_pow2(head_size)
     block_m = max(64, next_pow2(group))
     fp32 = dtype == "float32"
     # Two fp32 accumulators stay live (running state + current split), so the
-    # register file sets the shape. Measured on an H200 (docs/kernels.md): at
-    # head <= 128 and 64-row tiles, 4 warps (255 registers, a few spills, two
-    # programs per SM) beat 8 warps (~250 registers, no spills, one program per
-    # SM, and the QK^T/softmax work duplicated across the two warpgroups) by
-    # 1.2x on decode and 1.5x on prefill. Head 256 halves the KV step and keeps
-    # 8 warps; it spills (correct, slower).
+    # register file sets the shape. At head <= 128 and 64-row tiles, 4 warps
+    # (255 registers, a few spills, two programs per SM) beat 8 warps (one
+    # program per SM, the QK^T/softmax work duplicated across the two
+    # warpgroups) by 1.2x on decode and 1.5x on prefill. Head 256 halves the KV
+    # step and keeps 8 warps; it spills (correct, slower).
     block_n = 64 if head_pad <= 128 else 32
     num_warps = 4 if head_pad <= 128 and block_m <= 64 else 8
+    num_stages = 2
+    if head_pad <= 128 and not fp32 and block_m == 64:
+        if kind == "decode":
+            num_stages = 3
+        elif kind == "prefill":
+            block_m, num_warps = 128, 8
     split = SPLIT_KV if split_kv is None else int(split_kv)
     if split <= 0 or split % block_n:
         raise ValueError(f"split_kv={split} must be a positive multiple of block_n={block_n}")
@@ -87,6 +118,6 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
         block_n=block_n,
         split_kv=split,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
         fp32=fp32,
     )

@@ -173,7 +173,11 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
+    # reads the table's own entries, so short and long requests read the very same
+    # pages (valid only when the whole table is). Public either way.
+    real = (pos < seq_len) | (decoy_mult == 0)
+    return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
 
 
 @triton.jit
@@ -183,7 +187,11 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     lb = pos // BLOCK_SIZE
     entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    return tl.where(pos < seq_len, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
+    # reads the table's own entries, so short and long requests read the very same
+    # pages (valid only when the whole table is). Public either way.
+    real = (pos < seq_len) | (decoy_mult == 0)
+    return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
 
 
 @triton.jit

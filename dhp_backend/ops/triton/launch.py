@@ -68,9 +68,11 @@ def decoy_mult(num_blocks: int) -> int:
     return mult
 
 
-# Programs of the attention kernel resident per SM (4 warps at ~255 registers: two
-# per SM); only used to shape split-mode grids into whole waves.
-PROGRAMS_PER_SM = 2
+def step_kind(num_tokens: int, num_reqs: int) -> str:
+    """"prefill" when the step has many query tokens per request, else "mixed"
+    (the plan turns a "mixed" step into "decode" when it picks token tiles). From
+    the public step geometry only; the kinds give the same bits (config.STEP_KINDS)."""
+    return "prefill" if num_tokens >= kcfg.PREFILL_TOKENS_PER_REQUEST * max(1, num_reqs) else "mixed"
 
 
 def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
@@ -106,7 +108,7 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     rows = n_split_grid * num_tokens * num_heads
     ws_floats = _round_up(rows * head_size, 16) + _round_up(rows, 16) + rows
     fits = ws_floats <= wsp.SPLIT_FLOATS
-    slots = PROGRAMS_PER_SM * num_sms
+    slots = cfg.programs_per_sm * num_sms
     if mode is None:
         split = n_split_grid > 1 and programs < slots and fits
     elif mode == "split":
@@ -171,7 +173,9 @@ def paged_attention_triton(
     q_rows, num_heads, head_size = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    cfg = _config or kcfg.kernel_config(head_size, group, _DTYPE_NAMES[query.dtype], split_kv=_split_kv)
+    dtype_name = _DTYPE_NAMES[query.dtype]
+    cfg = _config or kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv,
+                                        kind=step_kind(num_tokens, num_reqs))
     capacity = block_table.shape[1] * block_size
 
     if policy is Policy.OFF:
@@ -191,6 +195,10 @@ def paged_attention_triton(
     p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
              head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
              tiling=_tiling)
+    if p["token_tiles"] and _config is None:
+        # A decode step: the decode config has the same tile rows, KV step and
+        # split size, so the plan above stands; only the pipelining differs.
+        cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode")
 
     ws, sink = wsp.reserve_workspace(device)
     if p["split"]:

@@ -1,0 +1,274 @@
+"""`integration/e2e_throughput.py`: the end-to-end throughput script.
+
+The speed comparison itself runs on the GPU machine; here the script runs in
+CPU mode (vLLM's CPU engine, the tiny dummy-weight Llama, a handful of requests)
+to check its plumbing: one process per configuration, the JSON and markdown
+report, the output-length check, the DHP trace, the error for an unknown
+configuration. No assertion on speed. The ratio, target and grouping logic is
+checked on synthetic rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from integration import e2e_throughput as et  # noqa: E402
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+# As in test_e2e_cpu_engine: the engine takes the path a user's CPU engine takes.
+ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DHP_POLICY", "DHP_PATH",
+                                                         "DHP_ALLOW_FALLBACK", "DHP_OVERRIDE_CPU_ATTN",
+                                                         "VLLM_BATCH_INVARIANT")}
+ENV.update({"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            "TOKENIZERS_PARALLELISM": "false"})
+
+NUM_REQUESTS, OUTPUT_LEN = 4, 8
+
+
+def run_script(*args, timeout=600):
+    """The script in its own session, output to a file; whatever is left of the session is ended."""
+    cmd = [sys.executable, "-m", "integration.e2e_throughput", *args]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(1)
+        log.seek(0)
+        return code, log.read()
+
+
+# --------------------------------------------------------------------------- CPU engine, end to end
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory):
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed")
+    out = tmp_path_factory.mktemp("e2e-throughput") / "report.json"
+    # --eager: no torch.compile (saves ~15 s per engine on 2 cores; the GPU run compiles)
+    code, text = run_script("--device", "cpu", "--model-config", "tiny", "--configs", "cpu-attn,dhp-off",
+                            "--num-requests", str(NUM_REQUESTS), "--min-prompt", "16", "--max-prompt", "48",
+                            "--output-len", str(OUTPUT_LEN), "--max-model-len", "256", "--eager",
+                            "--out", str(out))
+    assert code == 0, text[-4000:]
+    return out, json.loads(out.read_text()), text
+
+
+@pytest.mark.e2e
+def test_cpu_run_schema_and_rows(cpu_report):
+    out, report, text = cpu_report
+    h = report["header"]
+    for key in ("date", "device", "device_name", "vllm_version", "torch_version", "git_commit", "workload"):
+        assert key in h, key
+    assert h["device"] == "cpu" and h["device_name"] == "cpu"
+    w = h["workload"]
+    assert (w["model_config"], w["num_requests"], w["output_len"], w["max_model_len"], w["dtype"]) == (
+        "tiny", NUM_REQUESTS, OUTPUT_LEN, 256, "float32")
+    assert "max_model_len = 256" in " ".join(h["notes"])  # the strict bucket is stated
+
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["cpu-attn", "dhp-off"]
+    for r in rows.values():
+        assert set(et.ROW_KEYS) <= set(r), sorted(set(et.ROW_KEYS) - set(r))
+        assert r["status"] == "ok", (r["status"], r.get("log"))
+        assert r["batch_invariant"] is False
+        assert r["output_tok_per_s"] > 0 and r["total_tok_per_s"] > r["output_tok_per_s"]
+        assert r["elapsed_s"] > 0 and r["init_s"] > 0
+        assert r["num_requests"] == NUM_REQUESTS
+        # every request got exactly the requested number of tokens
+        assert r["requests_wrong_length"] == 0
+        assert r["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+        assert isinstance(r["tokens_hash"], str) and len(r["tokens_hash"]) == 16
+        assert r["max_model_len"] == 256
+    assert (rows["cpu-attn"]["backend"], rows["cpu-attn"]["policy"]) == ("CPU_ATTN", None)
+    assert (rows["dhp-off"]["backend"], rows["dhp-off"]["policy"]) == ("DHP", "off")
+    assert rows["cpu-attn"]["dhp_path"] is None  # the baseline really is vLLM's own backend
+    assert rows["dhp-off"]["dhp_path"] == "reference"  # DHP ran in the engine (its trace says so)
+    # the same prompts for every configuration
+    assert rows["cpu-attn"]["prompts_hash"] == rows["dhp-off"]["prompts_hash"]
+    assert rows["cpu-attn"]["prompt_tokens"] == rows["dhp-off"]["prompt_tokens"]
+
+    ratios = report["ratios"]
+    assert ratios["cpu-attn"] == {"baseline": "cpu-attn", "ratio": 1.0}
+    assert ratios["dhp-off"]["baseline"] == "cpu-attn" and ratios["dhp-off"]["ratio"] > 0
+    assert sorted(c for g in report["hash_groups"] for c in g) == ["cpu-attn", "dhp-off"]
+
+    md = out.with_suffix(".md").read_text()
+    assert "| cpu-attn | CPU_ATTN |" in md and "| dhp-off | DHP | off |" in md
+    assert "[1/2] cpu-attn: ok" in text and "[2/2] dhp-off: ok" in text
+
+
+def test_unknown_config_is_refused_with_the_accepted_names(tmp_path):
+    out = tmp_path / "r.json"
+    code, text = run_script("--device", "cpu", "--model-config", "tiny", "--configs", "cpu-attn,bogus",
+                            "--out", str(out), timeout=120)
+    assert code != 0
+    assert "unknown config 'bogus'" in text, text
+    for name in ("cpu-attn", "dhp-off", "dhp-strict", "dhp-batch", "dhp-request", "dhp-strict-bi"):
+        assert name in text.split("accepted:", 1)[1], text
+    assert not out.exists()  # refused before any engine started
+    code, text = run_script("--device", "cuda", "--configs", "fa3,fa4", "--out", str(out), timeout=120)
+    assert code != 0 and "unknown config 'fa4'" in text
+    assert all(n in text for n in ("fa3", "flashinfer", "triton", "dhp-strict-bi", "fa3-bi")), text
+
+
+# --------------------------------------------------------------------------- pure logic
+
+def _row(config, tok_s, status="ok"):
+    spec = et.parse_config(config, "cuda")
+    return {**spec, "status": status, "output_tok_per_s": tok_s if status == "ok" else None}
+
+
+def test_compute_ratios_on_synthetic_rows():
+    rows = [_row("fa3", 100.0), _row("dhp-off", 97.0), _row("dhp-strict", None, "failed: x"),
+            _row("triton", 88.5), _row("fa3-bi", 80.0), _row("dhp-strict-bi", 100.0),
+            _row("dhp-off-bi", 96.0, "wrong output length: 1 of 256 requests not 256 tokens")]
+    r = et.compute_ratios(rows, "fa3")
+    assert r["fa3"] == {"baseline": "fa3", "ratio": 1.0}
+    assert r["dhp-off"] == {"baseline": "fa3", "ratio": 0.97}
+    assert r["triton"]["ratio"] == 0.885
+    assert r["dhp-strict"] == {"baseline": "fa3", "ratio": None}  # failed row: no ratio
+    # -bi rows against fa3-bi, and also against plain fa3
+    assert r["fa3-bi"] == {"baseline": "fa3-bi", "ratio": 1.0, "vs_fa3": 0.8}
+    assert r["dhp-strict-bi"] == {"baseline": "fa3-bi", "ratio": 1.25, "vs_fa3": 1.0}
+    assert r["dhp-off-bi"]["ratio"] is None  # not ok (wrong length): never compared
+
+    targets = {t["config"]: t for t in et.check_targets(r)}
+    assert targets["dhp-off"]["met"] is True  # 0.97 >= 0.97
+    assert targets["dhp-strict-bi"]["met"] is True and targets["dhp-strict-bi"]["target"] == 1.15
+    assert targets["dhp-off-bi"]["met"] is None
+    assert "fa3-bi" not in targets and "triton" not in targets
+
+
+def test_ratios_without_baseline_row_are_none():
+    r = et.compute_ratios([_row("dhp-off", 50.0), _row("dhp-strict-bi", 40.0)], "fa3")
+    assert r["dhp-off"]["ratio"] is None
+    assert r["dhp-strict-bi"] == {"baseline": "fa3-bi", "ratio": None, "vs_fa3": None}
+    cpu = et.compute_ratios([{**et.parse_config("cpu-attn", "cpu"), "status": "ok", "output_tok_per_s": 10.0},
+                             {**et.parse_config("dhp-off", "cpu"), "status": "ok", "output_tok_per_s": 5.0}],
+                            "cpu-attn")
+    assert cpu["dhp-off"] == {"baseline": "cpu-attn", "ratio": 0.5}
+
+
+def test_hash_groups():
+    rows = [dict(_row("dhp-off-bi", 1.0), tokens_hash="a"), dict(_row("dhp-strict-bi", 1.0), tokens_hash="a"),
+            dict(_row("fa3-bi", 1.0), tokens_hash="b"), dict(_row("dhp-batch-bi", None, "failed"), tokens_hash="a")]
+    assert et.hash_groups(rows) == [["dhp-off-bi", "dhp-strict-bi"], ["fa3-bi"]]
+
+
+def test_parse_configs():
+    assert et.parse_config("dhp-strict-bi", "cuda") == {"config": "dhp-strict-bi", "backend": "DHP",
+                                                         "policy": "strict", "batch_invariant": True}
+    assert et.parse_config("flashinfer", "cuda")["backend"] == "FLASHINFER"
+    assert et.parse_config("cpu-attn", "cpu")["backend"] == "CPU_ATTN"
+    with pytest.raises(et.ConfigError, match="accepted: cpu-attn"):
+        et.parse_config("fa3", "cpu")
+    with pytest.raises(et.ConfigError, match="named twice"):
+        et.parse_configs("fa3,fa3", "cuda")
+
+
+def test_workload_is_seeded_and_in_range():
+    a = et.make_prompts(256, 256, 2048, 128256, seed=0)
+    assert a == et.make_prompts(256, 256, 2048, 128256, seed=0)
+    assert a != et.make_prompts(256, 256, 2048, 128256, seed=1)
+    assert all(256 <= len(p) <= 2048 for p in a) and len(a) == 256
+    assert all(10 <= t < 128256 for p in a for t in p)
+    assert et.warmup_lengths(8, 256, 2048)[0] == 256 and et.warmup_lengths(8, 256, 2048)[-1] == 2048
+
+
+def test_child_env(monkeypatch, tmp_path):
+    site = tmp_path / "site-flashinfer"
+    site.mkdir()
+    monkeypatch.setenv("GPU_STACK_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}/root/gpu-stack/site")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("DHP_POLICY", "batch")
+    fi = et.child_env(et.parse_config("flashinfer", "cuda"), "cuda", "/tmp/t")
+    assert fi["PYTHONPATH"].split(os.pathsep)[:2] == [str(site), str(ROOT)]
+    assert "VLLM_BATCH_INVARIANT" not in fi and "DHP_POLICY" not in fi  # nothing leaks from the caller
+    fa = et.child_env(et.parse_config("fa3-bi", "cuda"), "cuda", "/tmp/t", multiprocessing=0)
+    assert str(site) not in fa["PYTHONPATH"].split(os.pathsep)  # FlashInfer for its own child only
+    assert fa["VLLM_BATCH_INVARIANT"] == "1" and fa["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "DHP_OVERRIDE_CPU_ATTN" not in fa
+    dhp_cpu = et.child_env(et.parse_config("dhp-off", "cpu"), "cpu", "/tmp/t")
+    assert dhp_cpu["DHP_OVERRIDE_CPU_ATTN"] == "1" and dhp_cpu["DHP_TRACE_FILE"] == "/tmp/t"
+    assert "DHP_OVERRIDE_CPU_ATTN" not in et.child_env(et.parse_config("cpu-attn", "cpu"), "cpu", "/tmp/t")
+
+
+def test_root_cause_skips_vllm_wrappers():
+    log = "\n".join([
+        "(MainProcess pid=1) WARNING 11-21 11:51:43 [base.py:380] ValueError: Tokenizer not available",
+        "(Worker pid=3) ERROR 11-21 11:51:11 [multiproc_executor.py:953]     raise FallbackRefused(",
+        "(Worker pid=3) ERROR 11-21 11:51:11 [multiproc_executor.py:953] "
+        "dhp_backend.ops.dispatch.FallbackRefused: DHP policy 'strict' promises constant-time attention",
+        "(EngineCore pid=2) ERROR 11-21 11:51:13 [core.py:1510] Exception: WorkerProc initialization failed "
+        "due to an exception in a background process. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert et.root_cause(log).startswith("dhp_backend.ops.dispatch.FallbackRefused: DHP policy 'strict'")
+    assert et.last_error_line(log).startswith("RuntimeError: Engine core initialization failed")
+    assert et.root_cause("just a line\nlast words") == "last words"
+
+
+def test_model_config_is_llama3_8b_shaped(tmp_path):
+    cfg = json.loads((et.write_model("llama3-8b", "bfloat16", tmp_path) / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"], cfg["rope_theta"],
+            cfg["max_position_embeddings"], cfg["torch_dtype"]) == (
+        4096, 32, 32, 8, 128, 14336, 128256, 500000.0, 8192, "bfloat16")
+
+
+def test_root_cause_reads_main_process_lines_without_prefix():
+    log = ("INFO 11-21 11:51:13 [core.py:1] ok\n"
+           "ERROR 11-21 11:51:13 [core.py:2] ValueError: VLLM_BATCH_INVARIANT is not supported by FLASHINFER\n"
+           "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert et.root_cause(log) == "ValueError: VLLM_BATCH_INVARIANT is not supported by FLASHINFER"
+
+
+def _args(*argv):
+    return et.resolve_defaults(et.parser().parse_args(["--device", "cuda", *argv]))
+
+
+def test_merge_takes_rows_of_the_same_workload_only(tmp_path):
+    args = _args("--configs", "dhp-strict,triton")
+    earlier = {"header": et.header(args, []), "results": [_row("fa3", 100.0), _row("triton", 1.0)]}
+    path = tmp_path / "first.json"
+    path.write_text(json.dumps(earlier))
+    rows = et.load_merged([str(path)], args, {"dhp-strict", "triton"})
+    assert [r["config"] for r in rows] == ["fa3"]  # triton runs again now: the new row wins
+    assert rows[0]["source"] == str(path)
+    assert et.compute_ratios(rows + [_row("dhp-strict", 80.0)], "fa3")["dhp-strict"]["ratio"] == 0.8
+    other = _args("--num-requests", "64")
+    with pytest.raises(et.ConfigError, match="num_requests"):
+        et.load_merged([str(path)], other, set())
+
+
+def test_defaults_fit_the_workload():
+    a = _args()
+    assert (a.num_requests, a.min_prompt, a.max_prompt, a.output_len, a.dtype) == (256, 256, 2048, 256, "bfloat16")
+    assert a.max_model_len == 2048 + 256  # the smallest that fits: the DHP strict bucket
+    assert a.configs.split(",")[:4] == ["fa3", "dhp-off", "fa3-bi", "dhp-strict-bi"]
+    assert a.configs.split(",")[-1] == "flashinfer"
+    with pytest.raises(et.ConfigError, match="exceeds"):
+        _args("--max-model-len", "1024")
