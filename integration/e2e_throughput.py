@@ -589,6 +589,8 @@ def hash_groups(rows: list[dict]) -> list[list[str]]:
 
 
 def git_commit() -> str | None:
+    if os.environ.get("DHP_COMMIT"):  # set by scripts/device_run.sh: the device copy's .git may be stale
+        return os.environ["DHP_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if out.returncode != 0:

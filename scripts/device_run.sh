@@ -5,6 +5,7 @@
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
+#   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   padloc    short vs long padding timing per decoy map and page layout (bench/padding_locality.py)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
@@ -14,6 +15,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The commit of the tree (write it before the call: git rev-parse --short HEAD > .dhp-commit,
+# and carry .dhp-commit); the device's copy may hold a stale .git.
+[ -f .dhp-commit ] && export DHP_COMMIT=$(cat .dhp-commit)
 if [ ! -f /root/gpu-stack/env.sh ]; then
   bash .gpu-stack/bin/stage.sh .gpu-stack/send/core .gpu-stack/send/flashinfer >"$OUT/stage.log" 2>&1 \
     && GPU_STACK_NO_CHECK=1 bash .gpu-stack/bin/install.sh >"$OUT/install.log" 2>&1 \
@@ -34,6 +38,8 @@ for step in "$@"; do
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
                python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
+    e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
+               --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
     padloc)  python3 -m dhp_backend.bench.padding_locality --out "$OUT/padding_locality.json" 2>&1 | tee "$OUT/padloc.log" | tail -9 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;

@@ -35,6 +35,14 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+def commit() -> str | None:
+    """The source commit: ``DHP_COMMIT`` when set (a device copy of the tree may
+    carry a stale .git; scripts/device_run.sh sets it from the carried
+    ``.dhp-commit`` file), else ``git rev-parse``."""
+    return os.environ.get("DHP_COMMIT") or _first_line(["git", "rev-parse", "--short", "HEAD"],
+                                                       os.path.dirname(os.path.abspath(__file__)))
+
+
 def versions(ncu: str | None = None) -> dict:
     """Versions of everything a gate's result depends on, plus commit and driver."""
     from dhp_backend import __version__
@@ -45,7 +53,7 @@ def versions(ncu: str | None = None) -> dict:
     torch = sys.modules.get("torch")  # already loaded by a GPU gate; not imported here
     if torch is not None:
         v["cuda"] = torch.version.cuda
-    v["commit"] = _first_line(["git", "rev-parse", "--short", "HEAD"], os.path.dirname(os.path.abspath(__file__)))
+    v["commit"] = commit()
     v["driver"] = _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     if ncu:
         out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
