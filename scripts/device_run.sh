@@ -45,7 +45,7 @@ for step in "$@"; do
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     audit)   python3 -m dhp_backend.cli audit sass --on-device --report-dir "$OUT/audit" 2>&1 | tee "$OUT/audit.log" | tail -20 ;;
     g1)      python3 -m dhp_backend.cli audit counters --report-dir "$OUT/audit" ${G1_ARGS:-} 2>&1 | tee "$OUT/g1.log" | tail -30 ;;
-    g3)      python3 -m dhp_backend.cli audit bits --report-dir "$OUT/audit" ${G3_ARGS:-} 2>&1 | tee "$OUT/g3.log" | tail -20 ;;
+    g3)      python3 -m dhp_backend.cli audit bits --report-dir "$OUT/audit" ${G3_ARGS:---parts gpu,reference} 2>&1 | tee "$OUT/g3.log" | tail -20 ;;
     g4)      python3 -m dhp_backend.cli audit timing --report-dir "$OUT/audit" ${G4_ARGS:-} 2>&1 | tee "$OUT/g4.log" | tail -30 ;;
     ncu)     # G1 spot check: per shape "B,L", every true length 1 vs L (same public parameters)
              for shape in ${NCU_SHAPES:-16,4096}; do
