@@ -22,6 +22,7 @@ path; the GPU anchors give "not available" rows.
 from __future__ import annotations
 
 import argparse
+import json
 import datetime
 import functools
 import os
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graph", action="store_true", help="time decode eagerly too (no CUDA graph replay)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resummarize", metavar="BENCH_JSON",
+                   help="no timing: reload a bench JSON, recompute its summary (with --e2e-json) and rewrite "
+                        "the outputs to --out (and --latest); for joining a GPU run with a later end-to-end run")
 
 
 def _device(choice: str):
@@ -278,12 +282,27 @@ def _progress_text(row: dict) -> str:
             f"{row['useful_GBps']:.3g} GB/s, {row['useful_TFLOPs']:.3g} TFLOP/s)")
 
 
+def _resummarize(args: argparse.Namespace, report) -> int:
+    with open(args.resummarize) as f:
+        doc = json.load(f)
+    e2e_rows, why = report.load_e2e(args.e2e_json)
+    doc["header"]["e2e_json"] = args.e2e_json
+    doc["summary"] = report.summarize(doc["rows"], e2e_rows=e2e_rows, e2e_why=why,
+                                      device=doc["header"]["device"]["name"], commit=doc["header"].get("commit"))
+    paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)
+    print("summary:", json.dumps({k: doc["summary"][k] for k in report.SUMMARY_KEYS}))
+    print("written:", ", ".join(paths))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from dhp_backend.bench import anchors as A
     from dhp_backend.bench import cases as C
     from dhp_backend.bench import ceilings, report
     from dhp_backend.bench.timer import CudaTimer, HostTimer
 
+    if getattr(args, "resummarize", None):
+        return _resummarize(args, report)
     if not hasattr(args, "command_line"):
         args.command_line = None
     device = _device(args.device)
