@@ -290,6 +290,24 @@ def error_result(spec: PairSpec, mode: str, why: str) -> dict:
 
 # ---------------------------------------------------------------- GPU measurement
 
+
+def gpu_sleep_cycles_per_ms(torch, cycles: int = 2_000_000) -> float | None:
+    """GPU clock cycles per millisecond of `torch.cuda._sleep` (None where torch lacks it).
+
+    The spin pads a timed chunk so that the host has queued it before it runs
+    (shared with bench/timer.py)."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return None
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = 0.0
+    for _ in range(3):  # the first call loads the kernel
+        e0.record()
+        torch.cuda._sleep(cycles)
+        e1.record()
+        e1.synchronize()
+        ms = e0.elapsed_time(e1)
+    return cycles / ms if ms > 0 else None
+
 class Timer:
     """Times pairs of classes on the current CUDA device (construct only when CUDA is available)."""
 
@@ -305,19 +323,7 @@ class Timer:
         self.cycles_per_ms = self._calibrate_sleep()
 
     def _calibrate_sleep(self) -> float | None:
-        """GPU clock cycles per millisecond of `torch.cuda._sleep` (None where torch lacks it)."""
-        torch = self.torch
-        if not hasattr(torch.cuda, "_sleep"):
-            return None
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles, ms = 2_000_000, 0.0
-        for _ in range(3):  # the first call loads the kernel
-            e0.record()
-            torch.cuda._sleep(cycles)
-            e1.record()
-            e1.synchronize()
-            ms = e0.elapsed_time(e1)
-        return cycles / ms if ms > 0 else None
+        return gpu_sleep_cycles_per_ms(self.torch)
 
     def _pad(self, ms: float) -> None:
         if self.cycles_per_ms and ms > 0:

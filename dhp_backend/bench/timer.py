@@ -84,18 +84,9 @@ class CudaTimer:
         self.torch.cuda.synchronize()
 
     def _calibrate_sleep(self) -> float | None:
-        torch = self.torch
-        if not hasattr(torch.cuda, "_sleep"):
-            return None
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles, ms = 1_000_000, 0.0
-        for _ in range(3):  # the first call loads the kernel
-            e0.record()
-            torch.cuda._sleep(cycles)
-            e1.record()
-            e1.synchronize()
-            ms = e0.elapsed_time(e1)
-        return cycles / ms if ms > 0 else None
+        from dhp_backend.audit.timing import gpu_sleep_cycles_per_ms
+
+        return gpu_sleep_cycles_per_ms(self.torch, cycles=1_000_000)
 
     def _pad(self, ms: float) -> None:
         if self.cycles_per_ms and ms > 0:
