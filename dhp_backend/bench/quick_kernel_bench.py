@@ -68,11 +68,11 @@ def dense_kv(s, B, S):
     return k, v
 
 
-def run_ours(s, out, **hooks):
+def run_ours(s, out, policy="strict", **hooks):
     from dhp_backend.ops.triton import paged_attention_triton
 
     paged_attention_triton(s["q"], s["kc"], s["vc"], s["table"], s["qsl"], s["sl"], out,
-                           scale=D ** -0.5, causal=True, num_tokens=s["T"], policy="strict", bucket=s["L"],
+                           scale=D ** -0.5, causal=True, num_tokens=s["T"], policy=policy, bucket=s["L"],
                            **hooks)
     return out
 
@@ -206,49 +206,86 @@ def padding_rows(gen):
 
 
 def variants():
-    """Named tile/pipeline variants (to choose the public constants; bits differ between them)."""
+    """Named tile/pipeline variants (to choose the public constants; bits differ between some of them).
+
+    ``mixed``/``decode``/``prefill`` are the production configs of the three step
+    kinds (config.kernel_config); the others change one thing of one of them. In
+    `sweep_rows` a name may end in ``@off`` (policy off instead of strict; the sweep's
+    bucket equals the true length, so both walk the same positions).
+    """
     import dataclasses
 
     from dhp_backend.ops.triton import config as kcfg
 
-    base = kcfg.kernel_config(D, H // HKV, "bfloat16")
+    g = H // HKV
+    kinds = {k: kcfg.kernel_config(D, g, "bfloat16", kind=k) for k in kcfg.STEP_KINDS}
 
-    def v(**kw):
-        return dataclasses.replace(base, **kw)
+    def v(kind, **kw):
+        return dataclasses.replace(kinds[kind], **kw)
 
-    return {
-        "base": base,
-        "noprefetch": v(prefetch=False),
-        "stages3": v(num_stages=3),
-        "bn128": v(block_n=128),
-        "bn32": v(block_n=32),
-        "warps8": v(num_warps=8),
-        "m128w8": v(block_m=128, block_q=128 // base.group, num_warps=8),
-        "split1024": v(split_kv=1024),
-    }
+    out = dict(kinds)
+    out.update({
+        "decode_s1024": v("decode", split_kv=1024),
+        "decode_s2048": v("decode", split_kv=2048),
+        "decode_noprefetch": v("decode", prefetch=False),
+        "prefill_s2048": v("prefill", split_kv=2048),
+        "prefill_st3": v("prefill", num_stages=3),
+        "mixed_bn32": v("mixed", block_n=32),
+    })
+    return out
 
 
-SWEEP_SHAPES = (("decode", 1, 32768), ("decode", 16, 32768), ("decode", 64, 4096), ("prefill", 1, 4096))
+KINDS_ORDER = ("mixed", "decode", "prefill")
+SWEEP_SHAPES = (("decode", 1, 32768), ("decode", 16, 32768), ("decode", 64, 4096), ("decode", 16, 4096),
+                ("prefill", 1, 4096))
 
 
 def sweep_rows(gen, names=None):
+    """Each variant on each sweep shape, with FA3 timed alongside (ratio ``fa3_over``
+    = FA3 time / variant time, > 1 is faster than FA3). Every variant's output is
+    checked against SDPA before it is timed; a wrong or failing variant gets NaN."""
     rows = []
     vs = variants()
-    names = names or list(vs)
+    names = names or list(vs) + [f"{k}@off" for k in KINDS_ORDER]
     for kind, B, ctx in SWEEP_SHAPES:
         q_len = 1 if kind == "decode" else ctx
         sets = [make_set(B, q_len, ctx, ctx, gen) for _ in range(2)]
         outs = [torch.empty((s["T"], H, D), device="cuda", dtype=DTYPE) for s in sets]
+        d0 = dense_kv(sets[0], B, ctx)
+        ref = sdpa_decode(sets[0]["q"], *d0) if kind == "decode" else sdpa_prefill(sets[0]["q"], *d0)
+        del d0
+        fa3 = [fa3_callable(s, q_len, ctx) for s in sets]
+        t_fa3 = float("nan")
+        if all(f is not None for f in fa3) and rel(fa3[0](), ref) < 2e-2:
+            t_fa3 = bench(fa3)
+        del fa3
+        base_out = {}
         for name in names:
-            cfg = vs[name]
+            cfg_name, _, policy = name.partition("@")
+            cfg, policy = vs[cfg_name], policy or "strict"
+            t = err = float("nan")
+            same = None
             try:
-                t = bench([lambda s=s, o=o, c=cfg: run_ours(s, o, _config=c) for s, o in zip(sets, outs)])
+                outs[0].fill_(float("nan"))
+                o = run_ours(sets[0], outs[0], policy, _config=cfg)
+                err = rel(o, ref)
+                # Variants that change only pipelining/loop structure must give the bits of their kind.
+                root = cfg_name.split("_")[0]
+                if name in KINDS_ORDER:
+                    base_out[name] = o.clone()
+                elif root in base_out:
+                    same = bool(torch.equal(o.view(torch.int16), base_out[root].view(torch.int16)))
+                if err < 2e-2:
+                    t = bench([lambda s=s, o=o, c=cfg, p=policy: run_ours(s, o, p, _config=c)
+                               for s, o in zip(sets, outs)])
+                else:
+                    print(f"variant {name} WRONG on {kind} B={B} ctx={ctx}: rel err {err}", flush=True)
             except Exception as e:  # a variant that does not compile is a finding, not a crash
-                t = float("nan")
                 print(f"variant {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append(dict(variant=name, kind=kind, B=B, ctx=ctx, us=t))
+            rows.append(dict(variant=name, kind=kind, B=B, ctx=ctx, us=t, rel_err=err, us_fa3=t_fa3,
+                             fa3_over=t_fa3 / t, same_bits=same))
             print(json.dumps(rows[-1]), flush=True)
-        del sets, outs
+        del sets, outs, ref
         torch.cuda.empty_cache()
     return rows
 
@@ -337,11 +374,17 @@ def main(argv=None):
               f"{r['us_sdpa']:.1f} | {r['ratio']:.2f} | {r['kv_GBps_ours']:.0f} | {r['rel_err']:.1e} |")
     if res.get("sweep"):
         names = list(dict.fromkeys(r["variant"] for r in res["sweep"]))
-        print("\n| variant | " + " | ".join(f"{k} B={b} ctx={c}" for k, b, c in SWEEP_SHAPES) + " |")
+        print("\n| variant (us; FA3 time / ours) | " + " | ".join(f"{k} B={b} ctx={c}" for k, b, c in SWEEP_SHAPES) + " |")
         print("| --- |" + " --- |" * len(SWEEP_SHAPES))
+        fa3 = {(r["kind"], r["B"], r["ctx"]): r["us_fa3"] for r in res["sweep"]}
+        print("| FA3 | " + " | ".join(f"{fa3.get(sh, float('nan')):.1f}" for sh in SWEEP_SHAPES) + " |")
         for n in names:
-            t = {(r["kind"], r["B"], r["ctx"]): r["us"] for r in res["sweep"] if r["variant"] == n}
-            print(f"| {n} | " + " | ".join(f"{t.get(sh, float('nan')):.1f}" for sh in SWEEP_SHAPES) + " |")
+            t = {(r["kind"], r["B"], r["ctx"]): r for r in res["sweep"] if r["variant"] == n}
+            cells = []
+            for sh in SWEEP_SHAPES:
+                r = t.get(sh)
+                cells.append("-" if r is None else f"{r['us']:.1f} ({r['fa3_over']:.2f}){' ≠bits' if r.get('same_bits') is False else ''}")
+            print(f"| {n} | " + " | ".join(cells) + " |")
     for r in res["padding"]:
         print(f"padding B={r['B']} L={r['L']}: short {r['us_short']:.1f} us, long {r['us_long']:.1f} us, "
               f"ratio {r['short_over_long']:.3f}")
