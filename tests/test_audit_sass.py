@@ -140,8 +140,11 @@ def test_real_kernels_pass_on_ci_subset(tmp_path):
     s = report.summarize(results, 0.0, "CI subset")
     assert s["passed"], report.print_summary(s, results) or s["failures"]
     assert {r["kernel"] for r in results} == {"attention_kernel", "merge_kernel"}
+    # Each result audited the binary it names (split mode, step kind and policy-off
+    # binary included), not a default of them.
+    assert sorted(r["variant"]["key"] for r in results) == sorted(v.key for v in variants.CI_SUBSET)
     # Every attention variant has its three loops explained by source rules (the split/fold
-        # mode is a constexpr: one binary per mode, no branch).
+    # mode is a constexpr: one binary per mode, no branch).
     for r in results:
         rules_ = {b["rule"] for b in r["branches"]}
         if r["kernel"] == "attention_kernel":
@@ -167,9 +170,10 @@ def test_enumeration_counts_distinct_binaries():
 
     vs = variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))
     att = [v for v in vs if v.kernel == "attention_kernel"]
-    # 4 block sizes x causal x num_heads divisibility x split/fold mode x 3 step kinds;
-    # merge: num_heads divisibility only.
-    assert len(att) == 96 and len(vs) - len(att) == 2
+    # 4 block sizes x causal x num_heads divisibility x split/fold mode x 3 step kinds
+    # x constant-time/policy-off binary; merge: num_heads divisibility only.
+    assert len(att) == 192 and len(vs) - len(att) == 2
+    assert sum(not v.const_time for v in att) == 96
     assert len({v.key for v in vs}) == len(vs)
 
 

@@ -9,6 +9,8 @@ and ``.json``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import concurrent.futures as cf
 import json
 import multiprocessing as mp
@@ -22,7 +24,10 @@ from dhp_backend.audit import rules as R
 def _audit_one(vd: dict) -> dict:
     from dhp_backend.audit import gate, variants
 
-    v = variants.Variant(**{k: vd[k] for k in ("kernel", "dtype", "head", "group", "block_size", "causal", "nh16")})
+    # Every field of the variant (split mode, step kind, policy-off binary included):
+    # each one selects a different binary.
+    fields = {f.name for f in dataclasses.fields(variants.Variant)}
+    v = variants.Variant(**{k: vd[k] for k in fields if k in vd})
     t = time.time()
     try:
         ck = variants.compile_variant(v)

@@ -75,13 +75,9 @@ ATTENTION = KernelSpec(
                    "splits [chunk*spp, min(chunk*spp + spp, n_split_grid)) in split mode (program id, host plan "
                    "from public geometry), ceil(ceil(L / BLOCK_N) / TILES_PER_SPLIT) in fold mode with L = l_scalar, "
                    "the public bucket"),
-        SourceRule("kv-loop-open", "attention_kernel", r"^for j in range\(j_lo, j_mid\):$", "loop",
-                   _SPLIT_BOUNDS,
-                   "the unguarded KV steps, before a tile's last step, under policy off only: with one public "
-                   "bucket (l_mode 0) j_mid = j_lo and the loop has no trips"),
-        SourceRule("kv-loop", "attention_kernel", r"^for j in range\(j_mid, j_hi\):$", "loop", _SPLIT_BOUNDS,
+        SourceRule("kv-loop", "attention_kernel", r"^for j in range\(j_lo, j_hi\):$", "loop", _SPLIT_BOUNDS,
                    "KV steps [s*TILES_PER_SPLIT, min(+TILES_PER_SPLIT, ceil(L / BLOCK_N))) of split s: the bucket L "
-                   "and the split index only (j_mid = j_lo under one public bucket)"),
+                   "and the split index only"),
     ),
     scenarios=(
         Scenario("strict/batch/request(int): l_mode=0", {"l_mode": 0}, True,

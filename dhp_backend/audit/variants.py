@@ -42,13 +42,14 @@ class Variant:
     nh16: bool = True  # num_heads % 16 == 0
     split: bool = False  # attention only: WRITE_PARTIALS (split mode) binary
     kind: str = "mixed"  # attention only: the step kind's tile config (config.STEP_KINDS)
+    const_time: bool = True  # attention only: False = the policy-off binary (CONST_TIME constexpr)
 
     @property
     def key(self) -> str:
         k = f"{self.kernel}:{DTYPES[self.dtype]}:h{self.head}:g{self.group}"
         if self.kernel == "attention_kernel":
             k += (f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
-                  f":{'split' if self.split else 'fold'}:{self.kind}")
+                  f":{'split' if self.split else 'fold'}:{self.kind}{'' if self.const_time else ':off'}")
         return k + (":nh16" if self.nh16 else ":nh")
 
     def as_dict(self) -> dict:
@@ -67,11 +68,12 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
                         for c in (True, False):
                             for sp in (False, True):
                                 for kind in kcfg.STEP_KINDS:
-                                    v = Variant("attention_kernel", dt, h, g, bs, c, nh, sp, kind)
-                                    sig = compile_inputs(v)[1:]
-                                    if repr(sig) not in seen:
-                                        seen.add(repr(sig))
-                                        out.append(v)
+                                    for ct in (True, False):
+                                        v = Variant("attention_kernel", dt, h, g, bs, c, nh, sp, kind, ct)
+                                        sig = compile_inputs(v)[1:]
+                                        if repr(sig) not in seen:
+                                            seen.add(repr(sig))
+                                            out.append(v)
                     v = Variant("merge_kernel", dt, h, g, nh16=nh)
                     sig = compile_inputs(v)[1:]
                     if repr(sig) not in seen:
@@ -82,13 +84,15 @@ def enumerate_variants(groups=DEFAULT_GROUPS, dtypes=kcfg.SUPPORTED_DTYPES, head
 
 # The CI subset: the production shape (Llama-3-8B: bf16, head 128, G 4, block 16)
 # in both num_heads specializations, and variants that together touch every
-# dtype, head size, group, block size, causal flag, warp count (8 warps at head
+# dtype, head size, group, block size, causal flag, policy-off binary, warp count (8 warps at head
 # 256 and fp32 head 256) and head padding (80, 96).
 CI_SUBSET = (
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode"),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill"),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", False),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill", False),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, False),
     Variant("attention_kernel", "float16", 64, 1, 32, False, True),
     Variant("attention_kernel", "bfloat16", 80, 2, 64, True, False),
@@ -111,13 +115,14 @@ def compile_inputs(v: Variant):
     if v.kernel == "attention_kernel":
         fn = kernels.attention_kernel
         elem = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "out_ptr": dt, "sink_out_ptr": dt, "bt_ptr": "i32",
-                "qsl_ptr": "i32", "seq_ptr": "i32", "bucket_ptr": "i32", "ws_acc_ptr": "fp32",
+                "qsl_ptr": "i32", "seq_ptr": "i32", "bucket_ptr": "i32", "ws_acc_ptr": "fp32", "zero_ptr": dt,
                 "ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "sink_ptr": "fp32"}
         const = dict(GROUP=v.group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
                      TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=v.block_size, HEAD=v.head,
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
-                     SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split))
+                     SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
+                     CONST_TIME=bool(v.const_time))
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         floats = {"qk_scale"}
     else:

@@ -162,7 +162,7 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 @triton.jit
 def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """Physical block of each KV position of step j: the block-table entry for real
     positions (p < seq_len), a decoy page for padding positions.
 
@@ -177,12 +177,18 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
     # reads the table's own entries, so short and long requests read the very same
     # pages (valid only when the whole table is). Public either way.
     real = (pos < seq_len) | (decoy_mult == 0)
-    return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    if CONST_TIME:
+        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    else:
+        # Policy off: padding positions need no decoy (their cost may differ);
+        # block 0 is in range, its K scores are selected away, V is not read there.
+        return tl.where(real, entry, 0).to(tl.int64)
 
 
 @triton.jit
 def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                 TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 CONST_TIME: tl.constexpr):
     """`tile_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     lb = pos // BLOCK_SIZE
@@ -191,7 +197,12 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
     # reads the table's own entries, so short and long requests read the very same
     # pages (valid only when the whole table is). Public either way.
     real = (pos < seq_len) | (decoy_mult == 0)
-    return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    if CONST_TIME:
+        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    else:
+        # Policy off: padding positions need no decoy (their cost may differ);
+        # block 0 is in range, its K scores are selected away, V is not read there.
+        return tl.where(real, entry, 0).to(tl.int64)
 
 
 @triton.jit
@@ -199,18 +210,22 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
-            GUARD_V: tl.constexpr):
+            CONST_TIME: tl.constexpr, zero_ptr):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
     reading K/V from blocks ``bid`` (see `tile_blocks`).
 
     Always the same loads and arithmetic; what must not count is removed by
-    selection: scores -> -inf, and with ``GUARD_V`` V rows past seq_len -> 0, so
-    stale NaN/inf in reused blocks or decoy pages never reaches the output through
-    0 * NaN. The V select costs a shared-memory round trip of the V tile (Triton
-    reads the cp.async tile into registers, selects, and writes it back for the
-    wgmma): 14-23 % of a decode step on an H200. A step without positions past
-    seq_len needs no guard (p = 0 only multiplies real, causally masked rows),
-    and gives the same bits without it (0 * finite = 0 adds nothing).
+    selection: scores -> -inf, V rows past seq_len -> 0, so stale NaN/inf in
+    reused blocks or decoy pages never reaches the output through 0 * NaN.
+
+    ``CONST_TIME`` (the constant-time policies): V is read from the block for every
+    position and the rows past seq_len are selected to 0. That select costs a
+    shared-memory round trip of the V tile (Triton reads the cp.async tile into
+    registers, selects, writes it back for the wgmma): 14-23 % of a decode step
+    on an H200. Policy off (not constant-time by contract) instead points the V
+    rows past seq_len at a row of zeros (``zero_ptr``, never written), so the tile
+    arrives already clean and goes to the wgmma untouched. Same bits: those rows
+    are 0 either way.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -220,6 +235,8 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
     k_ptrs = k_ptr + bid[None, :] * sk_b + kvh * sk_h + slot[None, :] * sk_s + offs_d[:, None]
     v_ptrs = v_ptr + bid[:, None] * sv_b + kvh * sv_h + slot[:, None] * sv_s + offs_d[None, :]
+    if not CONST_TIME:
+        v_ptrs = tl.where(real[:, None], v_ptrs, zero_ptr + offs_d[None, :])
     if HEAD == HEAD_PAD:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -243,7 +260,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
     alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_new))
     p = tl.exp2(s - m_new[:, None])
     l_new = tl.fma(l_i, alpha, tl.sum(p, axis=1))
-    if GUARD_V:
+    if CONST_TIME:
         v = tl.where(real[:, None], v, tl.zeros_like(v))
     acc = acc * tl.broadcast_to(alpha[:, None], acc.shape)
     if FP32:
@@ -265,7 +282,7 @@ def attention_kernel(
     v_ptr, sv_b, sv_h, sv_s,
     out_ptr, so_t, so_h,
     bt_ptr, bt_stride, qsl_ptr, seq_ptr, bucket_ptr,
-    ws_acc_ptr, ws_m_ptr, ws_l_ptr, sink_ptr, sink_out_ptr,
+    ws_acc_ptr, ws_m_ptr, ws_l_ptr, sink_ptr, sink_out_ptr, zero_ptr,
     qk_scale,
     num_reqs, num_tokens, q_rows, num_heads,
     l_scalar, l_mode, pad_l, search_trips,
@@ -276,7 +293,7 @@ def attention_kernel(
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     FP32: tl.constexpr, UPCAST_DOT: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
-    PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
+    PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr, CONST_TIME: tl.constexpr,
 ):
     """See the module docstring. Runtime ints that follow the batch are not
     specialised, so every batch runs one and the same binary.
@@ -367,7 +384,7 @@ def attention_kernel(
     rows_t = tl.arange(0, TILES_PER_SPLIT)
     if PREFETCH:
         ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                                TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
+                                TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
     # Public trip count: [s_lo, s_hi) comes from the program id and the host plan
     # (split mode) or from L = l_scalar (fold mode); audit rule "split-loop".
     for s in range(s_lo, s_hi):
@@ -381,33 +398,18 @@ def attention_kernel(
         if PREFETCH:
             ids = ids_next
             ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                                    TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE)
-        # Under policy off (l_mode 2, true lengths: not constant-time by contract)
-        # positions past seq_len occur only in the tile's last step n_kv - 1, so
-        # the steps before it run without the V guard. Constant-time policies
-        # guard every step (which steps hold padding is secret): j_mid = j_lo.
-        j_mid = tl.where(l_mode == 2, tl.maximum(j_lo, tl.minimum(j_hi, n_kv - 1)), j_lo)
-        # Public trip count: no trips under one public bucket (j_mid = j_lo); audit rule "kv-loop-open".
-        for j in range(j_lo, j_mid):
+                                    TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+        # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
+        for j in range(j_lo, j_hi):
             if PREFETCH:
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
                 bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
             else:
                 bid = tile_blocks(j, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
-                                  decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE)
+                                  decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE, CONST_TIME)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
-                                    BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, False)
-        # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
-        for j in range(j_mid, j_hi):
-            if PREFETCH:
-                bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
-            else:
-                bid = tile_blocks(j, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
-                                  decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE)
-            m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
-                                    k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
-                                    BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, True)
+                                    BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME, zero_ptr)
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:

@@ -200,7 +200,7 @@ def paged_attention_triton(
         # split size, so the plan above stands; only the pipelining differs.
         cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode")
 
-    ws, sink = wsp.reserve_workspace(device)
+    ws, sink, zero = wsp.reserve_workspace(device)
     if p["split"]:
         n = p["n_split_grid"] * num_tokens * num_heads
         # Slices start on 64-byte boundaries so that pointer-alignment
@@ -218,7 +218,7 @@ def paged_attention_triton(
         value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out, out.stride(0), out.stride(1),
         block_table, block_table.stride(0), query_start_loc, seq_lens, bucket_t,
-        ws_acc, ws_m, ws_l, sink, sink.view(out.dtype),
+        ws_acc, ws_m, ws_l, sink, sink.view(out.dtype), zero.view(value_cache.dtype),
         float(scale) * math.log2(math.e),
         num_reqs, num_tokens, q_rows, num_heads,
         l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
@@ -231,7 +231,7 @@ def paged_attention_triton(
         FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
         SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
-        PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(p["split"]),
+        PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(p["split"]), CONST_TIME=policy is not Policy.OFF,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if p["split"]:

@@ -26,7 +26,11 @@ SINK_SLOTS = 16
 SINK_ROWS = SINK_SLOTS * 128  # 128 = the tallest tile (config.MAX_GROUP)
 SINK_WIDTH = 256  # the widest padded head
 SINK_FLOATS = SINK_ROWS * SINK_WIDTH + SINK_ROWS
-SPLIT_FLOATS = WORKSPACE_BYTES // 4 - SINK_FLOATS
+# The last ZERO_FLOATS floats are zeros that nothing ever writes: the row that
+# policy off's kernels read as V for positions past a request's true length (one
+# row of the widest head in any dtype).
+ZERO_FLOATS = SINK_WIDTH
+SPLIT_FLOATS = WORKSPACE_BYTES // 4 - SINK_FLOATS - ZERO_FLOATS
 
 _lock = threading.Lock()
 _buffers: dict[torch.device, torch.Tensor] = {}
@@ -37,8 +41,8 @@ def workspace_bytes() -> int:
     return WORKSPACE_BYTES
 
 
-def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate (once) the device's workspace; return (split area, sink), flat float32.
+def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate (once) the device's workspace; return (split area, sink, zero row), flat float32.
 
     Call this at start-up, before memory profiling and CUDA-graph capture: an
     allocation during capture would fail.
@@ -50,5 +54,6 @@ def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.T
         buf = _buffers.get(device)
         if buf is None:
             buf = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device)
+            buf[-ZERO_FLOATS:].zero_()
             _buffers[device] = buf
-        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS:]
+        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS:-ZERO_FLOATS], buf[-ZERO_FLOATS:]
