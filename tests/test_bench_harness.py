@@ -122,6 +122,49 @@ def test_summary_reads_the_e2e_json(tmp_path):
     assert rows is None and "cannot read" in why
 
 
+def test_summary_takes_each_e2e_key_from_the_first_complete_run(tmp_path):
+    # Newest run first: it has FLASH_ATTN and DHP off only; the older one has every row.
+    newer = tmp_path / "new.json"
+    newer.write_text(json.dumps({"results": [dict(E2E_ROWS[0]),
+                                             {**E2E_ROWS[2], "output_tok_per_s": 970.0}]}))
+    older = _e2e_file(tmp_path, E2E_ROWS)
+    runs = [(str(newer), *report.load_e2e(str(newer))), (older, *report.load_e2e(older))]
+    s = report.summarize([], e2e_runs=runs)
+    assert s["e2e_off_vs_flash_attn"] == pytest.approx(0.97)  # the newer run, both rows from it
+    assert s["detail"]["e2e_off_vs_flash_attn"]["source"] == str(newer)
+    assert s["e2e_vs_flash_attn_batch_invariant"] == pytest.approx(920 / 800)  # only the older run has it
+    assert s["detail"]["e2e_vs_flash_attn_batch_invariant"]["source"] == older
+    # A key that no run completes says what each run lacked.
+    runs = [(str(newer), *report.load_e2e(str(newer))), ("absent.json", *report.load_e2e("absent.json"))]
+    d = report.summarize([], e2e_runs=runs)["detail"]["e2e_vs_flash_attn_batch_invariant"]
+    assert d["value"] is None and d["source"] is None
+    assert any(m.startswith(str(newer)) for m in d["missing"]) and any("cannot read" in m for m in d["missing"])
+
+
+def test_resummarize_joins_a_bench_json_with_e2e_runs(tmp_path):
+    """`bench --resummarize`: no timing, the kernel keys recomputed from the rows, the e2e keys from the runs."""
+    from dhp_backend.bench import harness
+
+    # A real GPU run: the published latest.json (every header field, every row).
+    with open(os.path.join(ROOT, "docs", "bench", "latest.json")) as f:
+        doc = json.load(f)
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(doc))
+    e2e = _e2e_file(tmp_path, E2E_ROWS)
+    out, latest = tmp_path / "out", tmp_path / "latest.json"
+    rc = harness.main(["--resummarize", str(src), "--e2e-json", e2e, "--out", str(out), "--latest", str(latest),
+                       "--no-plots"])
+    assert rc == 0
+    new = json.loads(latest.read_text())
+    assert new["header"]["e2e_json"] == [e2e] and new["rows"] == doc["rows"]
+    s = new["summary"]
+    assert s["e2e_off_vs_flash_attn"] == pytest.approx(0.95)
+    assert s["commit"] == doc["header"]["commit"] and s["device"] == doc["header"]["device"]["name"]
+    for k in ("decode_off_vs_fa3", "prefill_off_vs_fa3", "strict_efficiency_vs_fa3"):
+        assert s[k] == pytest.approx(doc["summary"][k]), k
+    assert (out / "bench.md").exists()
+
+
 # ------------------------------------------------------------------ work counts, layouts
 
 def test_work_counts_follow_the_policy():

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a subset of the shapes and fewer repetitions")
     p.add_argument("--out", default="bench-out", help="output folder (default ./bench-out)")
     p.add_argument("--latest", metavar="PATH", help="also write a copy of the JSON here (e.g. docs/bench/latest.json)")
-    p.add_argument("--e2e-json", metavar="PATH",
-                   help="end-to-end throughput JSON (integration/e2e_throughput.py) for the summary's e2e keys")
+    p.add_argument("--e2e-json", metavar="PATH", action="append",
+                   help="end-to-end throughput JSON (integration/e2e_throughput.py) for the summary's e2e keys; "
+                        "repeatable (newest first): each key comes from the first run that has both of its rows")
     p.add_argument("--cases", metavar="PATTERNS",
                    help="comma-separated substrings of case names or family names (decode, prefill, mixed, "
                         "head64, gqa, strict)")
@@ -285,9 +286,10 @@ def _progress_text(row: dict) -> str:
 def _resummarize(args: argparse.Namespace, report) -> int:
     with open(args.resummarize) as f:
         doc = json.load(f)
-    e2e_rows, why = report.load_e2e(args.e2e_json)
-    doc["header"]["e2e_json"] = args.e2e_json
-    doc["summary"] = report.summarize(doc["rows"], e2e_rows=e2e_rows, e2e_why=why,
+    paths_e2e = args.e2e_json or []
+    doc["header"]["e2e_json"] = paths_e2e
+    doc["summary"] = report.summarize(doc["rows"], e2e_runs=[(p, *report.load_e2e(p)) for p in paths_e2e] or None,
+                                      e2e_why="no --e2e-json given",
                                       device=doc["header"]["device"]["name"], commit=doc["header"].get("commit"))
     paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)
     print("summary:", json.dumps({k: doc["summary"][k] for k in report.SUMMARY_KEYS}))
@@ -339,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     rows = run_cases(cases, anchors, device=device, timer=timer, l2_bytes=l2, max_sets=args.max_sets,
                      graphs=not args.no_graph, seed=args.seed)
     head["seconds"] = round(time.time() - t0, 1)
-    doc = report.build(head, ceil, cases, rows, e2e_path=args.e2e_json)
+    doc = report.build(head, ceil, cases, rows, e2e_paths=args.e2e_json or [])
     paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)
     print()
     print(report.summary_text(doc))

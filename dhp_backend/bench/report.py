@@ -141,9 +141,31 @@ def _e2e_keys(rows: list | None, why: str | None) -> dict:
     }
 
 
-def summarize(rows: list[dict], *, e2e_rows=None, e2e_why: str | None = None, device=None, commit=None) -> dict:
-    """The top-level ``summary`` object (see the module docstring)."""
-    detail = {**_kernel_keys(rows), **_e2e_keys(e2e_rows, e2e_why)}
+def _e2e_keys_first_complete(runs: list[tuple[str | None, list | None, str | None]]) -> dict:
+    """Each e2e key from the first run (in the order given, newest first) that has
+    both sides of its pair, so a ratio always comes from one run; ``source`` names
+    the run's file. Keys no run completes say what each run lacked."""
+    out: dict = {}
+    per_run = [(path, _e2e_keys(rows, why)) for path, rows, why in runs] or [(None, _e2e_keys(None, "no run"))]
+    for key in per_run[0][1]:
+        done = next(((p, d[key]) for p, d in per_run if d[key]["complete"]), None)
+        if done:
+            out[key] = {**done[1], "source": done[0]}
+        else:
+            missing = [f"{p}: {m}" if p and len(per_run) > 1 else m for p, d in per_run for m in d[key]["missing"]]
+            out[key] = {**per_run[0][1][key], "missing": missing, "source": None}
+    return out
+
+
+def summarize(rows: list[dict], *, e2e_rows=None, e2e_why: str | None = None, device=None, commit=None,
+              e2e_runs: list | None = None) -> dict:
+    """The top-level ``summary`` object (see the module docstring).
+
+    ``e2e_runs``: [(path, rows, why)] of several end-to-end runs (see
+    `_e2e_keys_first_complete`); else the single run ``e2e_rows``/``e2e_why``.
+    """
+    e2e = _e2e_keys_first_complete(e2e_runs) if e2e_runs is not None else _e2e_keys(e2e_rows, e2e_why)
+    detail = {**_kernel_keys(rows), **e2e}
     out: dict = {k: detail[k]["value"] for k in SUMMARY_KEYS}
     out.update(device=device, commit=commit, worst_shape={k: detail[k]["worst_shape"] for k in SUMMARY_KEYS},
                detail=detail)
@@ -152,16 +174,16 @@ def summarize(rows: list[dict], *, e2e_rows=None, e2e_why: str | None = None, de
 
 # ------------------------------------------------------------------ document
 
-def build(header: dict, ceilings: dict, cases, rows: list[dict], *, e2e_path: str | None = None) -> dict:
+def build(header: dict, ceilings: dict, cases, rows: list[dict], *, e2e_paths: list | None = None) -> dict:
     copy_bw = ceilings.get("copy", {}).get("GBps")
     mm = ceilings.get("matmul", {}).get("TFLOPs")
     for r in rows:
         r["frac_copy_bw"] = r["useful_GBps"] / copy_bw if r.get("useful_GBps") and copy_bw else None
         r["frac_matmul"] = r["useful_TFLOPs"] / mm if r.get("useful_TFLOPs") and mm else None
-    e2e_rows, why = load_e2e(e2e_path)
-    summary = summarize(rows, e2e_rows=e2e_rows, e2e_why=why, device=header["device"]["name"],
+    runs = [(p, *load_e2e(p)) for p in e2e_paths or []]
+    summary = summarize(rows, e2e_runs=runs or None, e2e_why="no --e2e-json given", device=header["device"]["name"],
                         commit=header.get("commit"))
-    return {"header": {**header, "e2e_json": e2e_path}, "ceilings": ceilings,
+    return {"header": {**header, "e2e_json": list(e2e_paths or [])}, "ceilings": ceilings,
             "cases": [c.describe() for c in cases], "rows": rows, "summary": summary}
 
 
@@ -175,9 +197,22 @@ def _jsonable(x):
     return x
 
 
+def dumps(doc: dict) -> str:
+    """The document as JSON: indented, except that each row is one line (the rows
+    are most of the bytes, and the repository travels to the GPU machine)."""
+    doc = _jsonable(doc)
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        return json.dumps(doc, indent=1)
+    mark = "@@ROWS@@"
+    text = json.dumps({**doc, "rows": mark}, indent=1)
+    body = ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in rows)
+    return text.replace(json.dumps(mark), "[\n" + body + "\n ]" if rows else "[]")
+
+
 def write(doc: dict, out_dir: str, *, latest: str | None = None, plots: bool = True) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    text = json.dumps(_jsonable(doc), indent=1)
+    text = dumps(doc)
     paths = [os.path.join(out_dir, JSON_NAME), os.path.join(out_dir, MD_NAME)]
     with open(paths[0], "w") as f:
         f.write(text + "\n")
