@@ -223,3 +223,21 @@ def test_slice_proves_a_hoisted_loop_guard_public():
 def test_slice_refuses_what_it_cannot_prove(lines, labels, needle):
     ok, why = _slice(lines, labels)
     assert not ok and needle in why, why
+
+
+def test_line_info_from_another_checkout_resolves_here():
+    """Triton's cache is keyed by kernel source, so a binary may carry the path of
+    the checkout that first compiled it (a CI clone, a removed worktree): the gate
+    reads this package's copy of a dhp_backend file, and leaves other paths alone
+    (it then fails closed: no rule matches a line it cannot read)."""
+    from dhp_backend.audit import gate
+    from dhp_backend.ops.triton import kernels
+
+    here = os.path.abspath(kernels.__file__)
+    assert gate.resolve_source("/gone/checkout/dhp_backend/ops/triton/kernels.py") == here
+    assert gate.resolve_source(here) == here
+    assert gate.resolve_source("/gone/elsewhere/kernels.py") == "/gone/elsewhere/kernels.py"
+    line = next(i for i, t in enumerate(open(here), 1) if t.strip() == "for j in range(j_lo, j_hi):")
+    fn, text = gate.source_line("/gone/checkout/dhp_backend/ops/triton/kernels.py", line)
+    assert (fn, text) == ("attention_kernel", "for j in range(j_lo, j_hi):")
+    assert gate.source_line("/gone/elsewhere/kernels.py", line) == (None, "")

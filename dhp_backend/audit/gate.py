@@ -52,10 +52,33 @@ def _functions(path: str) -> tuple:
     return tuple(sorted(out))
 
 
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resolve_source(path: str | None) -> str | None:
+    """The file a line-info path names, in this checkout.
+
+    Triton's on-disk cache is keyed by the kernel source, not by where the file
+    was: a binary compiled from another checkout (a CI clone, a removed worktree)
+    carries that checkout's path. A path that no longer exists but lies inside a
+    ``dhp_backend/`` tree is read from this package's copy; the cache key
+    guarantees the same kernel source. Anything else stays unresolved, and the
+    gate fails closed on it."""
+    if not path or os.path.exists(path):
+        return path
+    parts = path.replace("\\", "/").split("/")
+    if "dhp_backend" in parts:
+        local = os.path.join(_PACKAGE_PARENT, *parts[len(parts) - 1 - parts[::-1].index("dhp_backend"):])
+        if os.path.exists(local):
+            return local
+    return path
+
+
 def source_line(path: str | None, line: int | None) -> tuple[str | None, str]:
     """(enclosing function, stripped text) of a source line."""
     if not path or not line:
         return None, ""
+    path = resolve_source(path)
     text = linecache.getline(path, line).strip()
     fn = None
     for a, b, name in _functions(path):
