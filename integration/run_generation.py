@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -56,7 +57,9 @@ def on_cpu() -> bool:
 
 def run(args: argparse.Namespace) -> dict:
     cpu = on_cpu()
-    trace_file = args.trace_file or tempfile.mktemp(prefix="dhp-trace-", suffix=".jsonl")
+    # A private directory (not mktemp's guessable, racy name); removed below when ours.
+    own_dir = None if args.trace_file else tempfile.mkdtemp(prefix="dhp-trace-")
+    trace_file = args.trace_file or os.path.join(own_dir, "trace.jsonl")
     os.environ["DHP_TRACE_FILE"] = trace_file
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
     if cpu:
@@ -107,6 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     if os.path.exists(trace_file):
         with open(trace_file) as f:
             trace = [json.loads(line) for line in f if line.strip()]
+    if own_dir:
+        shutil.rmtree(own_dir, ignore_errors=True)
     import vllm
 
     return {"backend": args.backend, "policy": args.policy if args.backend == "DHP" else None,
