@@ -161,10 +161,25 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 
 @triton.jit
+def real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult,
+                          CONST_TIME: tl.constexpr):
+    """The table entry where ``real``, else the page a padding position reads: a
+    decoy (`decoy_block`) under the constant-time policies; block 0 under policy
+    off (not constant-time: padding need not cost what real positions cost; block
+    0 is in range, its K scores are selected away and V is not read there, see
+    `kv_step`)."""
+    if CONST_TIME:
+        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+    else:
+        return tl.where(real, entry, 0).to(tl.int64)
+
+
+@triton.jit
 def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """Physical block of each KV position of step j: the block-table entry for real
-    positions (p < seq_len), a decoy page for padding positions.
+    positions (p < seq_len), a decoy page for padding positions (block 0 under
+    policy off, `real_or_padding_block`).
 
     The table is read for every position of the step whatever seq_len is (only the
     public table width masks the read); entries past the request's last block may
@@ -177,12 +192,7 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
     # reads the table's own entries, so short and long requests read the very same
     # pages (valid only when the whole table is). Public either way.
     real = (pos < seq_len) | (decoy_mult == 0)
-    if CONST_TIME:
-        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
-    else:
-        # Policy off: padding positions need no decoy (their cost may differ);
-        # block 0 is in range, its K scores are selected away, V is not read there.
-        return tl.where(real, entry, 0).to(tl.int64)
+    return real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult, CONST_TIME)
 
 
 @triton.jit
@@ -197,12 +207,7 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
     # reads the table's own entries, so short and long requests read the very same
     # pages (valid only when the whole table is). Public either way.
     real = (pos < seq_len) | (decoy_mult == 0)
-    if CONST_TIME:
-        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
-    else:
-        # Policy off: padding positions need no decoy (their cost may differ);
-        # block 0 is in range, its K scores are selected away, V is not read there.
-        return tl.where(real, entry, 0).to(tl.int64)
+    return real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult, CONST_TIME)
 
 
 @triton.jit
