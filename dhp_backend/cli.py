@@ -6,7 +6,7 @@
 `info` prints versions, platform and GPU, the effective DHP configuration (from
 ``--additional-config`` and the environment, as the backend would read them),
 and for the given model shape which path each kind of step would take and why.
-    dhp-backend audit sass [--all] [--groups 1,2,4,8] [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
+    dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...] [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
 
 `audit sass` is gate G2 (design.md section 3): compiles every kernel variant for
 sm_90 on this machine (no GPU needed), classifies every control instruction of
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")
     g2.add_argument("--all", action="store_true", help="every variant (default: the CI subset)")
     g2.add_argument("--groups", default="1,2,4,8", help="GQA group sizes for --all (comma-separated)")
+    g2.add_argument("--dtypes", default="bf16,fp16,fp32", help="dtypes for --all (comma-separated: bf16, fp16, fp32)")
+    g2.add_argument("--heads", default=None,
+                    help="head sizes for --all (comma-separated; default: every supported head size)")
     g2.add_argument("--json", action="store_true", help="print the summary as JSON")
     g2.add_argument("--report-dir", help="write <date>-sass-cpu-triton<version>.md/.json here (e.g. docs/audit)")
     g2.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
@@ -263,13 +266,27 @@ def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     from dhp_backend.audit import report, variants
 
+    from dhp_backend.ops.triton import config as kcfg
+
     try:
         groups = tuple(int(x) for x in args.groups.split(",") if x.strip())
     except ValueError:
         ap.error(f"--groups: comma-separated integers, got {args.groups!r}")
+    names = {short: full for full, short in variants.DTYPES.items()}
+    dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
+    if not dtypes or any(d not in names for d in dtypes):
+        ap.error(f"--dtypes: comma-separated, from {', '.join(names)}; got {args.dtypes!r}")
+    try:
+        heads = (kcfg.SUPPORTED_HEAD_SIZES if args.heads is None
+                 else tuple(int(x) for x in args.heads.split(",") if x.strip()))
+    except ValueError:
+        ap.error(f"--heads: comma-separated integers, got {args.heads!r}")
+    if not heads or any(h not in kcfg.SUPPORTED_HEAD_SIZES for h in heads):
+        ap.error(f"--heads: from {', '.join(map(str, kcfg.SUPPORTED_HEAD_SIZES))}; got {args.heads!r}")
     if args.all:
-        vs = variants.enumerate_variants(groups=groups)
-        scope = f"all variants, groups {','.join(map(str, groups))}"
+        vs = variants.enumerate_variants(groups=groups, dtypes=tuple(names[d] for d in dtypes), heads=heads)
+        scope = (f"all variants, groups {','.join(map(str, groups))}, dtypes {','.join(dtypes)}, "
+                 f"heads {','.join(map(str, heads))}")
     else:
         vs = list(variants.CI_SUBSET)
         scope = "CI subset"

@@ -241,3 +241,28 @@ def test_line_info_from_another_checkout_resolves_here():
     fn, text = gate.source_line("/gone/checkout/dhp_backend/ops/triton/kernels.py", line)
     assert (fn, text) == ("attention_kernel", "for j in range(j_lo, j_hi):")
     assert gate.source_line("/gone/elsewhere/kernels.py", line) == (None, "")
+
+
+def test_cli_audit_sass_all_slices_by_dtype_head_and_group(monkeypatch, capsys):
+    """`--all --dtypes/--heads/--groups` audits exactly that slice; bad values are refused by name."""
+    from dhp_backend import cli
+    from dhp_backend.audit import report, variants
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(vs, **kw):
+        seen["vs"] = list(vs)
+        raise Stop
+
+    monkeypatch.setattr(report, "run", fake_run)
+    with pytest.raises(Stop):
+        cli.main(["audit", "sass", "--all", "--dtypes", "bf16", "--heads", "128", "--groups", "4"])
+    assert seen["vs"] == variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))
+    for bad, word in ((["--dtypes", "bf8"], "--dtypes"), (["--heads", "100"], "--heads"),
+                      (["--heads", "x"], "--heads"), (["--groups", "a"], "--groups")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["audit", "sass", "--all", *bad])
+        assert e.value.code == 2 and word in capsys.readouterr().err
