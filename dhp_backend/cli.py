@@ -6,7 +6,8 @@
 `info` prints versions, platform and GPU, the effective DHP configuration (from
 ``--additional-config`` and the environment, as the backend would read them),
 and for the given model shape which path each kind of step would take and why.
-    dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...] [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
+    dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...]
+                           [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
 
 `audit sass` is gate G2 (design.md section 3): compiles every kernel variant for
 sm_90 on this machine (no GPU needed), classifies every control instruction of

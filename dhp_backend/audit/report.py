@@ -36,7 +36,8 @@ def _audit_one(vd: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - a variant that does not compile fails the gate, with the reason
         res = {"kernel": v.kernel, "variant": v.as_dict(), "branches": [], "slow_paths": [], "documented_leaks": [],
                "passed": False, "failures": [{"kernel": v.kernel, "index": None, "instr": "", "source": "",
-                                              "source_text": "", "why": f"compile/audit error: {type(e).__name__}: {e}"}]}
+                                              "source_text": "",
+                                              "why": f"compile/audit error: {type(e).__name__}: {e}"}]}
     res["seconds"] = round(time.time() - t, 2)
     return res
 
@@ -144,7 +145,8 @@ def write_reports(report_dir: str, s: dict, results: list[dict], where: str = "c
           "What the SASS comes from: this machine's Triton. The GPU machine runs another Triton version; run "
           "`gate.audit_compiled` on `variants.from_device_caches()` there to judge what executes.", ""]
     if s["failures"]:
-        md += ["## Failures", "", "| kernel | instr # | instruction | source | why |", "| --- | --- | --- | --- | --- |"]
+        md += ["## Failures", "", "| kernel | instr # | instruction | source | why |",
+               "| --- | --- | --- | --- | --- |"]
         for f_ in s["failures"]:
             md.append(f"| {f_['kernel']} | {f_['index']} | `{f_['instr'][:60].replace('`', '')}` | {f_['source']} "
                       f"`{f_['source_text'][:50]}` | {f_['why']} |")

@@ -270,7 +270,8 @@ def analyse(ttir: str, assume: dict[str, int] | None = None, kernel: str | None 
                 continue
             if n == "tt.load":
                 ptr_labels = union(op.operands)
-                mem = frozenset(f"mem:{lab[4:]}" for lab in ptr_labels if lab.startswith("arg:") and lab[4:] in ptr_args)
+                mem = frozenset(f"mem:{lab[4:]}" for lab in ptr_labels
+                                if lab.startswith("arg:") and lab[4:] in ptr_args)
                 for r in op.results:
                     changed |= add(r, ptr_labels | mem | (frozenset() if mem else frozenset({"mem:?"})))
                 continue

@@ -47,7 +47,8 @@ def resource_usage(cubin: bytes) -> str:
 def summarize(ck) -> dict:
     sass, ptx = ck.asm["sass"], ck.asm["ptx"]
     lines = sass.splitlines()
-    branches = [(i, ln.split("\t")[-1].strip()) for i, ln in enumerate(lines) if re.search(r"\b(BRA|EXIT|BRX|JMP)\b", ln)]
+    branches = [(i, ln.split("\t")[-1].strip()) for i, ln in enumerate(lines)
+                if re.search(r"\b(BRA|EXIT|BRX|JMP)\b", ln)]
     return dict(
         resources=resource_usage(ck.asm["cubin"]), shared=ck.metadata.shared, num_warps=ck.metadata.num_warps,
         hgmma=len(re.findall(r"\bHGMMA\b", sass)), hmma=len(re.findall(r"\bHMMA\b", sass)),

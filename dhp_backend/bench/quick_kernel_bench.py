@@ -178,7 +178,8 @@ def shape_rows(args, gen):
         kv_bytes = 2 * B * ctx * HKV * D * 2
         flops = 4 * B * q_len * ctx * H * D  # full L for ours (constant time: no causal skip)
         rows.append(dict(kind=kind, B=B, ctx=ctx, rel_err=err, us_ours=t_ours, us_sdpa=t_sdpa,
-                         ratio=t_ours / t_sdpa, us_fa3=t_fa3, rel_err_fa3=err_fa3, ours_over_fa3=t_ours / t_fa3, kv_GBps_ours=kv_bytes / t_ours / 1e3,
+                         ratio=t_ours / t_sdpa, us_fa3=t_fa3, rel_err_fa3=err_fa3, ours_over_fa3=t_ours / t_fa3,
+                         kv_GBps_ours=kv_bytes / t_ours / 1e3,
                          kv_GBps_sdpa=kv_bytes / t_sdpa / 1e3, tflops_ours=flops / t_ours / 1e6))
         print(json.dumps(rows[-1]), flush=True)
         del sets, outs, dense
@@ -374,7 +375,8 @@ def main(argv=None):
               f"{r['us_sdpa']:.1f} | {r['ratio']:.2f} | {r['kv_GBps_ours']:.0f} | {r['rel_err']:.1e} |")
     if res.get("sweep"):
         names = list(dict.fromkeys(r["variant"] for r in res["sweep"]))
-        print("\n| variant (us; FA3 time / ours) | " + " | ".join(f"{k} B={b} ctx={c}" for k, b, c in SWEEP_SHAPES) + " |")
+        heads = " | ".join(f"{k} B={b} ctx={c}" for k, b, c in SWEEP_SHAPES)
+        print("\n| variant (us; FA3 time / ours) | " + heads + " |")
         print("| --- |" + " --- |" * len(SWEEP_SHAPES))
         fa3 = {(r["kind"], r["B"], r["ctx"]): r["us_fa3"] for r in res["sweep"]}
         print("| FA3 | " + " | ".join(f"{fa3.get(sh, float('nan')):.1f}" for sh in SWEEP_SHAPES) + " |")
@@ -383,7 +385,8 @@ def main(argv=None):
             cells = []
             for sh in SWEEP_SHAPES:
                 r = t.get(sh)
-                cells.append("-" if r is None else f"{r['us']:.1f} ({r['fa3_over']:.2f}){' ≠bits' if r.get('same_bits') is False else ''}")
+                differs = " ≠bits" if r is not None and r.get("same_bits") is False else ""
+                cells.append("-" if r is None else f"{r['us']:.1f} ({r['fa3_over']:.2f}){differs}")
             print(f"| {n} | " + " | ".join(cells) + " |")
     for r in res["padding"]:
         print(f"padding B={r['B']} L={r['L']}: short {r['us_short']:.1f} us, long {r['us_long']:.1f} us, "

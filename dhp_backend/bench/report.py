@@ -268,7 +268,8 @@ def table(rows: list[dict]) -> list[str]:
 
 def summary_text(doc: dict) -> str:
     s = doc["summary"]
-    lines = ["| summary key | value | worst shape | shapes counted | lacking an input |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| summary key | value | worst shape | shapes counted | lacking an input |",
+             "| --- | --- | --- | --- | --- |"]
     for k in SUMMARY_KEYS:
         d = s["detail"][k]
         lines.append(f"| {k} | {_f(s[k], '.3f', 'null')} | {d['worst_shape'] or '-'} | {d['counted']} | "

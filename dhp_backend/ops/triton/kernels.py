@@ -388,8 +388,8 @@ def attention_kernel(
     # fixed, public surplus read.
     rows_t = tl.arange(0, TILES_PER_SPLIT)
     if PREFETCH:
-        ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                                TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+        ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
+                                decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
     # Public trip count: [s_lo, s_hi) comes from the program id and the host plan
     # (split mode) or from L = l_scalar (fold mode); audit rule "split-loop".
     for s in range(s_lo, s_hi):
@@ -402,8 +402,9 @@ def attention_kernel(
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
         if PREFETCH:
             ids = ids_next
-            ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                                    TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+            ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs,
+                                    num_blocks, decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE,
+                                    CONST_TIME)
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
