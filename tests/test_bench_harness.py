@@ -357,3 +357,14 @@ def test_cpu_run_end_to_end_under_the_interpreter(tmp_path):
     md = (out / "bench.md").read_text()
     assert "| vs FA3 | vs FlashInfer |" in md and "## Summary" in md
     assert "[20/20] strict decode B2 ctx64 M128 dhp_strict ..." in proc.stdout
+
+
+def test_anchor_imports_say_why_they_are_absent():
+    from dhp_backend.bench import anchors
+
+    (fn,), why = anchors._imported("dhp_backend.ops", "paged_attention")
+    assert why is None and callable(fn)
+    mod, why = anchors._imported("no_such_package_dhp")
+    assert mod is None and why.startswith("no_such_package_dhp does not import: ModuleNotFoundError")
+    mod, why = anchors._imported("json", "dumps", "no_such_function")
+    assert mod is None and why == "json has no no_such_function (another version?)"

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 
-from dhp_backend.audit.provenance import device_slug, report_stem, versions
+from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 
 MARK = "DHP_BITS_RESULT "
 PARTS = ("gpu", "interpret", "reference")
@@ -435,8 +435,6 @@ def print_summary(s: dict, out=print) -> None:
 
 def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
     stem, date = report_stem(report_dir, "bits", device_slug(s["device"]))
-    with open(stem + ".json", "w") as f:
-        json.dump({"date": date, **s}, f, indent=1, default=str)
     v = s["versions"]
     md = [f"# G3 bits gate — {date}, {s['device']}", "",
           f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — parts {s['scope']}, {s['seconds']} s.", "",
@@ -454,9 +452,7 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
             md.append(f"| {c['check']} | {c['scope']} | {c['compared']} | {'pass' if c['passed'] else '**FAIL**'} | "
                       f"{'; '.join(c['failures'][:3])} |")
         md.append("")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
-    return stem + ".md", stem + ".json"
+    return write_report_files(stem, {"date": date, **s}, md)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 
-from dhp_backend.audit.provenance import device_slug, report_stem, versions
+from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 
 METRICS = (
     "smsp__inst_executed.sum",
@@ -429,8 +429,6 @@ def print_summary(s: dict, out=print) -> None:
 
 def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
     stem, date = report_stem(report_dir, "counters", device_slug(s["device"]))
-    with open(stem + ".json", "w") as f:
-        json.dump({"date": date, **s}, f, indent=1, default=str)
     v = s["versions"]
     md = [f"# G1 counters gate — {date}, {s['device']}", "",
           f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — {s['scope']}; {s['gating_failed']} gating pair(s) "
@@ -466,9 +464,7 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
         child = p.get("child") or {}
         md.append(f"| {key} | {p.get('seconds')} | {p.get('profiled_kernels', '-')} | {child.get('path', '-')} | "
                   f"{(p.get('error') or p.get('warning') or '')[:200]} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
-    return stem + ".md", stem + ".json"
+    return write_report_files(stem, {"date": date, **s}, md)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

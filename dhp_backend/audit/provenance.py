@@ -9,6 +9,7 @@ name them.
 from __future__ import annotations
 
 import datetime
+import json
 import importlib.metadata as md
 import os
 import platform
@@ -71,3 +72,13 @@ def report_stem(report_dir: str, gate: str, where: str, date: str | None = None)
     date = date or datetime.date.today().isoformat()
     os.makedirs(report_dir, exist_ok=True)
     return os.path.join(report_dir, f"{date}-{gate}-{where}"), date
+
+
+def write_report_files(stem: str, data, md_lines: list[str]) -> tuple[str, str]:
+    """Write a gate's report pair: ``<stem>.json`` (every number; values JSON cannot
+    hold become strings) and ``<stem>.md`` (the lines). Returns (md path, json path)."""
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(md_lines) + "\n")
+    return stem + ".md", stem + ".json"

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import concurrent.futures as cf
-import json
 import multiprocessing as mp
 import os
 import time
 
-from dhp_backend.audit.provenance import report_stem, versions
+from dhp_backend.audit.provenance import report_stem, versions, write_report_files
 from dhp_backend.audit import rules as R
 
 
@@ -133,8 +132,6 @@ def write_reports(report_dir: str, s: dict, results: list[dict], where: str = "c
     vers = {**versions(), "target": "sm_90 (compiled on the CPU with Triton's bundled ptxas)" if where == "cpu"
             else "the binaries this GPU's Triton compiled and ran"}
     stem, date = report_stem(report_dir, "sass", f"{where}-triton{vers['triton']}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"date": date, "versions": vers, "summary": s, "results": results}, f, indent=1, default=str)
     md = [f"# G2 SASS gate — {date}, {'CPU (compiled for sm_90)' if where == 'cpu' else where}, "
           f"Triton {vers['triton']}", "",
           f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — {s['variants']} variants ({s['scope']}), "
@@ -176,6 +173,4 @@ def write_reports(report_dir: str, s: dict, results: list[dict], where: str = "c
             md.append(f"| {b['index']} | `{b['instr'].replace('`', '')}` | {b['source']} `{b['source_text'][:60]}` | "
                       f"`{b['ptx'][:50]}` | {b['rule'] or 'UNEXPLAINED: ' + b['detail']} |")
         md.append("")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
-    return stem + ".md", stem + ".json"
+    return write_report_files(stem, {"date": date, "versions": vers, "summary": s, "results": results}, md)

@@ -71,7 +71,7 @@ import re
 import sys
 import time
 
-from dhp_backend.audit.provenance import device_slug, report_stem, versions
+from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 import zlib
 
 import numpy as np
@@ -606,11 +606,7 @@ def write_reports(report_dir: str, s: dict, results: list[dict], meta: dict, *, 
             for r in results if r.get("_samples") is not None for i, c in enumerate(("a", "b"))})
     doc = {"gate": "G4 timing", "date": date, "device": meta["device"], "versions": meta["versions"],
            "settings": meta["settings"], "renderer": rend, "summary": s, "results": results}
-    with open(stem + ".json", "w") as f:
-        json.dump(_jsonable(doc), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(_markdown(doc, stem)) + "\n")
-    return stem + ".md", stem + ".json"
+    return write_report_files(stem, _jsonable(doc), _markdown(doc, stem))
 
 
 def _markdown(doc: dict, stem: str) -> list[str]:

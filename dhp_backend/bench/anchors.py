@@ -19,6 +19,7 @@ vLLM backend that uses it calls it.
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
@@ -28,6 +29,21 @@ TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 class NotAvailable(Exception):
     """The anchor cannot run this case; the message says why (it becomes the row's status)."""
+
+
+def _imported(module: str, *names: str):
+    """(the module's attributes ``names``, or the module; None), or (None, why it is absent here).
+
+    Any failure counts as "absent" (a missing package, a CUDA build mismatch, a
+    renamed function): the anchor's row says why instead of the run crashing."""
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{module} does not import: {type(exc).__name__}: {exc}"
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        return None, f"{module} has no {', '.join(missing)} (another version?)"
+    return (tuple(getattr(mod, n) for n in names) if names else mod), None
 
 
 def _cuda_reason(device: torch.device) -> str | None:
@@ -95,18 +111,15 @@ class FlashAttention3(Anchor):
         why = _cuda_reason(self.device)
         if why:
             return why
-        try:
-            from vllm.vllm_flash_attn import flash_attn_varlen_func
-            from vllm.vllm_flash_attn.flash_attn_interface import (
-                fa_version_unsupported_reason,
-            )
-        except Exception as exc:  # noqa: BLE001 - any import failure means "absent here"
-            return f"vllm.vllm_flash_attn does not import: {type(exc).__name__}: {exc}"
+        fns, why = _imported("vllm.vllm_flash_attn", "flash_attn_varlen_func")
+        unsupported, why2 = _imported("vllm.vllm_flash_attn.flash_attn_interface", "fa_version_unsupported_reason")
+        if why or why2:
+            return why or why2
         # The default version is FA2, which this vLLM build may lack; ask for FA3 explicitly.
-        why = fa_version_unsupported_reason(3)
+        why = unsupported[0](3)
         if why:
             return why
-        self.fn = flash_attn_varlen_func
+        self.fn = fns[0]
         return None
 
     def prepare(self, case, sets) -> None:
@@ -141,12 +154,10 @@ class FlashInfer(Anchor):
         why = _cuda_reason(self.device)
         if why:
             return why
-        try:
-            import flashinfer
-        except Exception as exc:  # noqa: BLE001
-            return f"flashinfer does not import: {type(exc).__name__}: {exc}"
-        self.fi = flashinfer
-        self.version = getattr(flashinfer, "__version__", None)
+        self.fi, why = _imported("flashinfer")
+        if why:
+            return why
+        self.version = getattr(self.fi, "__version__", None)
         return None
 
     @staticmethod
@@ -213,11 +224,10 @@ class TritonUnified(Anchor):
         why = _cuda_reason(self.device)
         if why:
             return why
-        try:
-            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-        except Exception as exc:  # noqa: BLE001
-            return f"vllm.v1.attention.ops.triton_unified_attention does not import: {type(exc).__name__}: {exc}"
-        self.fn = unified_attention
+        fns, why = _imported("vllm.v1.attention.ops.triton_unified_attention", "unified_attention")
+        if why:
+            return why
+        self.fn = fns[0]
         try:
             from vllm.v1.attention.backends.triton_attn import (
                 MIN_LAUNCH_GRID_SIZE_2D,
@@ -277,13 +287,12 @@ class SdpaCudnn(Anchor):
         why = _cuda_reason(self.device)
         if why:
             return why
-        try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-        except Exception as exc:  # noqa: BLE001
-            return f"torch.nn.attention does not import: {type(exc).__name__}: {exc}"
+        fns, why = _imported("torch.nn.attention", "SDPBackend", "sdpa_kernel")
+        if why:
+            return why
         if not torch.backends.cudnn.is_available():
             return "cuDNN is not available to torch"
-        self.backend, self.sdpa_kernel = SDPBackend.CUDNN_ATTENTION, sdpa_kernel
+        self.backend, self.sdpa_kernel = fns[0].CUDNN_ATTENTION, fns[1]
         return None
 
     @staticmethod
@@ -384,11 +393,7 @@ class DHP(Anchor):
         self.graphable = True
 
     def available(self) -> str | None:
-        try:
-            from dhp_backend.ops import paged_attention  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"dhp_backend.ops does not import: {type(exc).__name__}: {exc}"
-        return None
+        return _imported("dhp_backend.ops", "paged_attention")[1]
 
     def prepare(self, case, sets) -> None:
         from dhp_backend.ops import ProblemSpec, bucket_for_step

@@ -230,17 +230,21 @@ def run_cases(cases, anchors, *, device, timer, l2_bytes, max_sets=32, graphs=Tr
         if why:
             print(f"  {name}: not available: {why}", flush=True)
     rows: list[dict] = []
+
+    def whole_case(c, case_anchors, status):
+        """One row per anchor of a case that cannot run at all, each saying why."""
+        for a in case_anchors:
+            row = base_row(c, a)
+            row["status"] = status
+            rows.append(row)
+            progress.row(c.name, a.name, status)
+
     for c, case_anchors in plan:
         case_rows = []
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         n_sets, why = inputs.plan_memory(c, inputs.rotation(c, l2_bytes, max_sets), free)
         if why:
-            for a in case_anchors:
-                row = base_row(c, a)
-                row["status"] = f"skipped: {why}"
-                case_rows.append(row)
-                progress.row(c.name, a.name, row["status"])
-            rows += case_rows
+            whole_case(c, case_anchors, f"skipped: {why}")
             continue
         t0 = time.time()
         sets = ref = None
@@ -251,12 +255,7 @@ def run_cases(cases, anchors, *, device, timer, l2_bytes, max_sets=32, graphs=Tr
         except Exception as exc:  # noqa: BLE001 - the case's rows say so; the run goes on
             sets = ref = None
             _free_device_memory(device)
-            for a in case_anchors:
-                row = base_row(c, a)
-                row["status"] = f"not available: building the inputs failed: {_short(exc)}"
-                case_rows.append(row)
-                progress.row(c.name, a.name, row["status"])
-            rows += case_rows
+            whole_case(c, case_anchors, f"not available: building the inputs failed: {_short(exc)}")
             continue
         print(f"  {c.name}: {n_sets} input set(s), reference in {time.time() - t0:.1f} s", flush=True)
         tol = TOLERANCE[sets[0].query.dtype]

@@ -240,6 +240,8 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
     k_ptrs = k_ptr + bid[None, :] * sk_b + kvh * sk_h + slot[None, :] * sk_s + offs_d[:, None]
     v_ptrs = v_ptr + bid[:, None] * sv_b + kvh * sv_h + slot[:, None] * sv_s + offs_d[None, :]
+    # Constexpr (one binary per policy class, no branch). Policy off only: V
+    # addresses then follow the true length, as its trip counts already do.
     if not CONST_TIME:
         v_ptrs = tl.where(real[:, None], v_ptrs, zero_ptr + offs_d[None, :])
     if HEAD == HEAD_PAD:
