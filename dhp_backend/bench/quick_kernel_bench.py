@@ -232,6 +232,15 @@ def variants():
         "prefill_s2048": v("prefill", split_kv=2048),
         "prefill_st3": v("prefill", num_stages=3),
         "mixed_bn32": v("mixed", block_n=32),
+        # 16-row decode tiles (mma.sync instead of wgmma): same bits as the 64-row tile?
+        "decode_m16w4": v("decode", block_m=16, block_q=16 // g, num_warps=4, resident=2),
+        "decode_m16w4s2": v("decode", block_m=16, block_q=16 // g, num_warps=4, num_stages=2, resident=3),
+        "decode_m16w2": v("decode", block_m=16, block_q=16 // g, num_warps=2, resident=2),
+        "decode_m16w1": v("decode", block_m=16, block_q=16 // g, num_warps=1, resident=2),
+        # A 128-position KV step (different bits by design: every kind would change together).
+        "decode_bn128m16": v("decode", block_m=16, block_q=16 // g, block_n=128, num_stages=2, resident=1),
+        "mixed_bn128": v("mixed", block_n=128),
+        "prefill_bn128": v("prefill", block_n=128),
     })
     return out
 
@@ -264,6 +273,8 @@ def sweep_rows(gen, names=None):
         for name in names:
             cfg_name, _, policy = name.partition("@")
             cfg, policy = vs[cfg_name], policy or "strict"
+            if kind == "prefill" and cfg.block_m < 64:
+                continue  # decode-only tiles: a prefill on mma.sync tiles is not a candidate
             t = err = float("nan")
             same = None
             try:
@@ -299,8 +310,9 @@ def profile_one(name, gen, B=64, ctx=4096, seq_len=None, launches=3):
     """
     s = make_set(B, 1, ctx if seq_len is None else seq_len, ctx, gen)
     out = torch.empty((s["T"], H, D), device="cuda", dtype=DTYPE)
+    cfg_name, _, policy = name.partition("@")
     for _ in range(launches):
-        run_ours(s, out, _config=variants()[name])
+        run_ours(s, out, policy or "strict", _config=variants()[cfg_name])
     torch.cuda.synchronize()
 
 
@@ -334,7 +346,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
     ap.add_argument("--skip-shapes", action="store_true")
     ap.add_argument("--variants", help="comma-separated variant names for --sweep (default: all)")
-    ap.add_argument("--profile", metavar="VARIANT", help="only launch VARIANT a few times (for ncu)")
+    ap.add_argument("--profile", metavar="VARIANT", help="only launch VARIANT (NAME[@POLICY]) a few times (for ncu)")
     ap.add_argument("--profile-shape", default="64,4096,4096", help="B,bucket,true length for --profile")
     ap.add_argument("--skip-padding", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT"))

@@ -50,6 +50,8 @@ class KernelConfig:
     num_stages: int
     fp32: bool
     prefetch: bool = True  # block ids two KV steps ahead (kernels.attention_kernel)
+    # Resident programs per SM when known (0: from the warp count, see programs_per_sm).
+    resident: int = 0
 
     @property
     def tiles_per_split(self) -> int:
@@ -58,8 +60,9 @@ class KernelConfig:
     @property
     def programs_per_sm(self) -> int:
         """Resident programs per SM (~255 registers per thread: two 4-warp programs
-        or one 8-warp program); shapes split-mode grids into whole waves."""
-        return max(1, 8 // self.num_warps)
+        or one 8-warp program) unless ``resident`` says otherwise; shapes split-mode
+        grids into whole waves."""
+        return self.resident or max(1, 8 // self.num_warps)
 
 
 # Step kinds (launch.step_kind, from the public step geometry): which tile
