@@ -62,7 +62,7 @@ for step in "$@"; do
              for shape in ${PROF_SHAPES:-16,32768}; do
                ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
                  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-                 --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+                 --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
                  python3 -m dhp_backend.bench.quick_kernel_bench --profile ${PROF_VARIANT:-base} --profile-shape ${shape},${shape#*,} \
                  > "$OUT/prof-${shape/,/-}.txt" 2>&1
                grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Stall|L2 Hit|Local" "$OUT/prof-${shape/,/-}.txt" | head -30

@@ -161,16 +161,32 @@ def test_bits_equal_across_policies_and_modes():
         assert torch.equal(bits(outs[0]), bits(o))
 
 
-def test_bits_equal_across_step_kinds():
-    """The decode (3 stages), mixed and prefill (128-row tile, 8 warps) configs,
-    picked from the step geometry, compute every row with the same bits, in both
-    tilings and split modes, on a step with decodes, a prompt and a chunk."""
+def _tile_configs(H, Hkv, D, dtype_name):
+    """The production config of each step kind, plus the 64-row wgmma decode tile
+    and 16-row tiles on 2 and 1 warps (the layouts a 16-row mma.sync tile can take)."""
+    import dataclasses
+
     from dhp_backend.ops.triton import config as kcfg
 
+    g = H // Hkv
+    cfgs = {k: kcfg.kernel_config(D, g, dtype_name, kind=k) for k in kcfg.STEP_KINDS}
+    mixed = cfgs["mixed"]
+    if mixed.block_m == 64:
+        cfgs["decode-m64"] = dataclasses.replace(mixed, num_stages=3)
+        m16 = dataclasses.replace(mixed, block_m=16, block_q=16 // g, num_stages=3)
+        cfgs["m16-w2"] = dataclasses.replace(m16, num_warps=2)
+        cfgs["m16-w1"] = dataclasses.replace(m16, num_warps=1)
+    return cfgs
+
+
+def test_bits_equal_across_step_kinds():
+    """The decode (16-row mma.sync tile, 3 stages), mixed and prefill (128-row
+    tile, 8 warps) configs, picked from the step geometry, and the 64-row decode
+    tile compute every row with the same bits, in both tilings and split modes,
+    on a step with decodes, a prompt and a chunk."""
     step = _llama_mixed_step(13)
     outs = []
-    for kind in kcfg.STEP_KINDS:
-        cfg = kcfg.kernel_config(128, 4, "bfloat16", kind=kind)
+    for kind, cfg in _tile_configs(32, 8, 128, "bfloat16").items():
         for tiling in ("request", "token"):
             for mode in ("fold", "split"):
                 out = _run(step, policy="strict", mode=mode, tiling=tiling, config=cfg)
@@ -178,6 +194,44 @@ def test_bits_equal_across_step_kinds():
                 outs.append(((kind, tiling, mode), bits(out).clone()))
     for key, o in outs[1:]:
         assert torch.equal(outs[0][1], o), f"{key} differs from {outs[0][0]}"
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float16),
+                                   (16, 2, 64, torch.bfloat16), (16, 16, 128, torch.float16)],
+                         ids=["g4-d128-bf16", "g4-d128-fp16", "g8-d64-bf16", "g1-d128-fp16"])
+def test_split_states_bits_equal_across_tile_configs(shape):
+    """Stronger than comparing bf16 outputs (which hide fp32 differences of an
+    ulp or two): in split mode every config stores each split's fp32 state
+    (acc, m, l) to the workspace; those must be bit-identical across tile configs
+    (wgmma 64/128-row tiles, mma.sync 16-row tiles on 1, 2 or 4 warps), i.e.
+    the same products, the same k16 accumulation order and the same row sums."""
+    from dhp_backend.ops.triton import workspace as wsp
+
+    H, Hkv, D, dtype = shape
+    g = _gen(21)
+    lens = [(1, 2000), (1, 4095), (1, 17), (9, 1200), (1, 3000), (1, 1), (3, 700)]
+    reqs = [make_request(q, s, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=g) for q, s in lens]
+    step = assemble(reqs, block_size=16, pad_tokens=1, gen=g)
+    bucket = step.bucket("strict")
+    ws, _, _ = wsp.reserve_workspace(step.query.device)
+    dtype_name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    cfgs = _tile_configs(H, Hkv, D, dtype_name)
+    first = None
+    for kind, cfg in cfgs.items():
+        n_split = cdiv(cdiv(bucket, cfg.block_n), cfg.tiles_per_split)
+        n = n_split * step.num_tokens * H
+        used = cdiv(n * D, 16) * 16 + cdiv(n, 16) * 16 + n
+        for tiling in ("request", "token"):
+            ws[:used].fill_(float("nan"))
+            out = _run(step, policy="strict", mode="split", tiling=tiling, config=cfg)
+            check_written(step, out)
+            state = ws[:used].view(torch.int32).clone()
+            assert not torch.isnan(ws[:D]).any(), "split 0 of token 0, head 0 was not written"
+            if first is None:
+                first = ((kind, tiling), state, bits(out).clone())
+                continue
+            assert torch.equal(first[1], state), f"split states of {kind}/{tiling} differ from {first[0]}"
+            assert torch.equal(first[2], bits(out)), f"output of {kind}/{tiling} differs from {first[0]}"
 
 
 @pytest.mark.parametrize("target_lens", [(7, 1800), (1, 1333)], ids=["chunk", "decode"])

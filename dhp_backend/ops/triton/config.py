@@ -83,7 +83,8 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
     constant `SPLIT_KV`.
 
     ``kind`` (public, launch.step_kind): ``decode`` steps (one query token per
-    tile) run the 64-row tile with three pipeline stages, ``mixed`` steps the
+    tile) run a 16-row tile (GQA group <= 16; else the 64-row tile) with three
+    pipeline stages, ``mixed`` steps the
     64-row tile with two, ``prefill`` steps (many query tokens per request) a
     128-row tile on 8 warps (two warpgroups of 64 rows, each row computed as in
     the 64-row tile). Measured on an H200 (docs/perf-notes.md): 3 stages are
@@ -104,8 +105,18 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
     block_n = 64 if head_pad <= 128 else 32
     num_warps = 4 if head_pad <= 128 and block_m <= 64 else 8
     num_stages = 2
+    resident = 0
     if head_pad <= 128 and not fp32 and block_m == 64:
-        if kind == "decode":
+        if kind == "decode" and group <= 16:
+            # One query token per tile: GROUP of the 16 rows are real instead of
+            # GROUP of 64. Triton takes a 16-row tile to mma.sync (m16n8k16) instead
+            # of wgmma; same per-element products and k16 accumulation order, and
+            # `kernels.row_sum` fixes the row sums, so the bits equal the 64-row
+            # tile's (GPU test). Triton's mma.sync pipeline keeps num_stages - 1
+            # buffers: 3 stages = 2 K/V buffers in flight (~72-88 KB), ~200-224
+            # registers: two programs per SM.
+            block_m, num_stages, resident = 16, 3, 2
+        elif kind == "decode":
             num_stages = 3
         elif kind == "prefill":
             block_m, num_warps = 128, 8
@@ -123,4 +134,5 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
         num_warps=num_warps,
         num_stages=num_stages,
         fp32=fp32,
+        resident=resident,
     )

@@ -65,6 +65,36 @@ def finalize(acc, l):
 
 
 @triton.jit
+def halve(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """[BLOCK_M, WIDTH] -> [BLOCK_M, WIDTH // 2]: column pairs (2i, 2i + 1) added."""
+    a, b = tl.split(tl.reshape(x, [BLOCK_M, WIDTH // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def row_sum(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum of each row of p [BLOCK_M, BLOCK_N] in one fixed association, whatever the layout.
+
+    A plain `tl.sum` adds a thread's own elements first, then across lanes, then
+    across warps, so its association follows the MMA layout: a 64-row wgmma tile
+    keeps a row in one warp, a 16-row mma.sync tile on 4 warps spreads it over the
+    warps. Here each 8-column group is summed first (in every MMA layout those are
+    two columns per thread on the same 4 lanes, so the same adds), then the
+    groups are added pairwise in an explicit tree (`tl.split`, data movement only).
+    So every tile config gives the same bits for l (tests/test_triton_gpu.py).
+    """
+    x = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // 8, 8]), axis=2)
+    if BLOCK_N >= 128:
+        x = halve(x, BLOCK_M, 16)
+    if BLOCK_N >= 64:
+        x = halve(x, BLOCK_M, 8)
+    if BLOCK_N >= 32:
+        x = halve(x, BLOCK_M, 4)
+    a, b = tl.split(x)
+    return a + b
+
+
+@triton.jit
 def store_rows(ptrs, x, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Store a [rows, HEAD_PAD] tile; only the constexpr head padding is masked."""
     if HEAD == HEAD_PAD:
@@ -213,7 +243,7 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
 @triton.jit
 def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
-            BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
             CONST_TIME: tl.constexpr, zero_ptr):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
@@ -266,7 +296,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
     # fully masked step is an exact no-op and policies give identical bits.
     alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_new))
     p = tl.exp2(s - m_new[:, None])
-    l_new = tl.fma(l_i, alpha, tl.sum(p, axis=1))
+    l_new = tl.fma(l_i, alpha, row_sum(p, BLOCK_M, BLOCK_N))
     if CONST_TIME:
         v = tl.where(real[:, None], v, tl.zeros_like(v))
     acc = acc * tl.broadcast_to(alpha[:, None], acc.shape)
@@ -417,7 +447,8 @@ def attention_kernel(
                                   decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE, CONST_TIME)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
-                                    BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME, zero_ptr)
+                                    BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
+                                    zero_ptr)
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:

@@ -196,9 +196,13 @@ def paged_attention_triton(
              head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
              tiling=_tiling)
     if p["token_tiles"] and _config is None:
-        # A decode step: the decode config has the same tile rows, KV step and
-        # split size, so the plan above stands; only the pipelining differs.
+        # A decode step (one query token per tile): the decode config's tile
+        # (16 rows, same KV step and split size, same bits) and its residency
+        # shape the grid, so plan again with it.
         cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode")
+        p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
+                 head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
+                 tiling="token")
 
     ws, sink, zero = wsp.reserve_workspace(device)
     if p["split"]:
