@@ -257,6 +257,7 @@ def variants():
 
 KINDS_ORDER = ("mixed", "decode", "prefill")
 SWEEP_SHAPES = (("decode", 1, 32768), ("decode", 16, 32768), ("decode", 64, 4096), ("decode", 16, 4096),
+                ("decode", 256, 1024),
                 ("prefill", 1, 4096))
 
 
