@@ -110,7 +110,8 @@ def compile_inputs(v: Variant):
     from dhp_backend.ops.triton import kernels
     from dhp_backend.ops.triton import workspace as wsp
 
-    cfg = kcfg.kernel_config(v.head, v.group, v.dtype, kind=v.kind if v.kernel == "attention_kernel" else "mixed")
+    cfg = kcfg.kernel_config(v.head, v.group, v.dtype, kind=v.kind if v.kernel == "attention_kernel" else "mixed",
+                             const_time=bool(v.const_time) if v.kernel == "attention_kernel" else True)
     dt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[v.dtype]
     if v.kernel == "attention_kernel":
         fn = kernels.attention_kernel

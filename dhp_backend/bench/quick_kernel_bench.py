@@ -265,6 +265,8 @@ def sweep_rows(gen, names=None):
     """Each variant on each sweep shape, with FA3 timed alongside (ratio ``fa3_over``
     = FA3 time / variant time, > 1 is faster than FA3). Every variant's output is
     checked against SDPA before it is timed; a wrong or failing variant gets NaN."""
+    from dhp_backend.ops.triton import config as kcfg
+
     rows = []
     vs = variants()
     names = names or list(vs) + [f"{k}@off" for k in KINDS_ORDER]
@@ -284,6 +286,9 @@ def sweep_rows(gen, names=None):
         for name in names:
             cfg_name, _, policy = name.partition("@")
             cfg, policy = vs[cfg_name], policy or "strict"
+            if policy == "off" and cfg_name in KINDS_ORDER:
+                # The production config of policy off's binary (config.kernel_config).
+                cfg = kcfg.kernel_config(D, H // HKV, "bfloat16", kind=cfg_name, const_time=False)
             if kind == "prefill" and cfg.block_m < 64:
                 continue  # decode-only tiles: a prefill on mma.sync tiles is not a candidate
             t = err = float("nan")

@@ -75,7 +75,7 @@ PREFILL_TOKENS_PER_REQUEST = 16
 
 
 def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | None = None,
-                  kind: str = "mixed") -> KernelConfig:
+                  kind: str = "mixed", const_time: bool = True) -> KernelConfig:
     """The config for a (head size, group, dtype) problem and a step kind.
 
     ``split_kv`` overrides the split size (tests use small splits so that short
@@ -90,6 +90,10 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
     the 64-row tile). Measured on an H200 (docs/perf-notes.md): 3 stages are
     4-8 % faster on decode and 5 % slower on prefill; the 128-row tile is 18 %
     faster on a 4K prefill and 1.6x slower on decode.
+
+    ``const_time``: False for policy off's binary (kernels.CONST_TIME), whose
+    decode tile takes one more pipeline stage (see below). Not a bits question:
+    stages only change when loads are issued.
     """
     if kind not in STEP_KINDS:
         raise ValueError(f"kind={kind!r}; accepted: {', '.join(STEP_KINDS)}")
@@ -113,9 +117,12 @@ def kernel_config(head_size: int, group: int, dtype: str, *, split_kv: int | Non
             # of wgmma; same per-element products and k16 accumulation order, and
             # `kernels.row_sum` fixes the row sums, so the bits equal the 64-row
             # tile's (GPU test). Triton's mma.sync pipeline keeps num_stages - 1
-            # buffers: 3 stages = 2 K/V buffers in flight (~72-88 KB), ~200-224
-            # registers: two programs per SM.
-            block_m, num_stages, resident = 16, 3, 2
+            # K/V buffers. Constant-time binaries: 3 stages, 199-224 registers,
+            # two programs per SM. The policy-off binary needs only 168 registers,
+            # so at 3 stages (72 KB) three programs fit per SM and a 512-program
+            # grid (B=64) ran 1.3 waves, 25 % slower than at 4 stages (104 KB, two
+            # per SM); 4 stages it is (docs/perf-notes.md, change 12).
+            block_m, num_stages, resident = 16, (3 if const_time else 4), 2
         elif kind == "decode":
             num_stages = 3
         elif kind == "prefill":

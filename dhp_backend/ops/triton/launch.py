@@ -174,8 +174,9 @@ def paged_attention_triton(
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
     dtype_name = _DTYPE_NAMES[query.dtype]
+    const_time = policy is not Policy.OFF
     cfg = _config or kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv,
-                                        kind=step_kind(num_tokens, num_reqs))
+                                        kind=step_kind(num_tokens, num_reqs), const_time=const_time)
     capacity = block_table.shape[1] * block_size
 
     if policy is Policy.OFF:
@@ -199,7 +200,8 @@ def paged_attention_triton(
         # A decode step (one query token per tile): the decode config's tile
         # (16 rows, same KV step and split size, same bits) and its residency
         # shape the grid, so plan again with it.
-        cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode")
+        cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode",
+                                 const_time=const_time)
         p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
                  head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
                  tiling="token")
@@ -235,7 +237,7 @@ def paged_attention_triton(
         FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
         SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
         SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
-        PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(p["split"]), CONST_TIME=policy is not Policy.OFF,
+        PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(p["split"]), CONST_TIME=const_time,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if p["split"]:

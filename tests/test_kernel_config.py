@@ -1,0 +1,64 @@
+"""The static tile configs and the launch plan (CPU only: no kernel runs here).
+
+What must hold for the bits to be batch-invariant: every step kind keeps the
+same KV step and split size, so that only the tile height, warps and pipelining
+follow the step geometry. The GPU tests check the bits themselves.
+"""
+
+import pytest
+
+from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops.triton.launch import plan, step_kind
+
+
+@pytest.mark.parametrize("head,group,dtype", [(128, 4, "bfloat16"), (64, 8, "float16"), (128, 1, "float16"),
+                                              (256, 8, "bfloat16"), (64, 4, "float32"), (128, 32, "bfloat16")])
+def test_kinds_share_kv_step_and_split(head, group, dtype):
+    cfgs = [kcfg.kernel_config(head, group, dtype, kind=k, const_time=ct)
+            for k in kcfg.STEP_KINDS for ct in (True, False)]
+    assert len({(c.block_n, c.split_kv, c.head_pad, c.fp32) for c in cfgs}) == 1
+    for c in cfgs:
+        assert c.block_m == c.block_q * group or (c.block_q == 1 and c.block_m >= group)
+        assert c.split_kv % c.block_n == 0
+
+
+def test_decode_tile_is_16_rows_for_small_groups():
+    dec = kcfg.kernel_config(128, 4, "bfloat16", kind="decode")
+    assert (dec.block_m, dec.block_q, dec.num_warps, dec.num_stages, dec.programs_per_sm) == (16, 4, 4, 3, 2)
+    off = kcfg.kernel_config(128, 4, "bfloat16", kind="decode", const_time=False)
+    assert (off.block_m, off.num_stages, off.programs_per_sm) == (16, 4, 2)
+    # Policy class changes only the pipelining, never a tile shape.
+    assert (off.block_m, off.block_n, off.num_warps) == (dec.block_m, dec.block_n, dec.num_warps)
+    # Groups that do not fit 16 rows, fp32 and head 256 keep the 64-row decode tile.
+    assert kcfg.kernel_config(128, 32, "bfloat16", kind="decode").block_m == 64
+    assert kcfg.kernel_config(64, 4, "float32", kind="decode").block_m == 64
+    assert kcfg.kernel_config(256, 4, "bfloat16", kind="decode").block_m == 64
+    # The other kinds are unchanged by the policy class.
+    for kind in ("mixed", "prefill"):
+        assert kcfg.kernel_config(128, 4, "bfloat16", kind=kind) == \
+            kcfg.kernel_config(128, 4, "bfloat16", kind=kind, const_time=False)
+
+
+def test_bad_kind_and_split_are_explained():
+    with pytest.raises(ValueError, match="accepted: decode, mixed, prefill"):
+        kcfg.kernel_config(128, 4, "bfloat16", kind="chunked")
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        kcfg.kernel_config(128, 4, "bfloat16", split_kv=100)
+
+
+def test_plan_decode_step_uses_token_tiles_and_whole_waves():
+    mixed = kcfg.kernel_config(128, 4, "bfloat16", kind=step_kind(16, 16))
+    assert step_kind(16, 16) == "mixed" and step_kind(4096, 1) == "prefill"
+    p = plan(num_tokens=16, num_reqs=16, num_kv_heads=8, num_heads=32, head_size=128, cfg=mixed,
+             ext_grid=32768, num_sms=132)
+    assert p["token_tiles"] and p["num_tiles"] == 16
+    dec = kcfg.kernel_config(128, 4, "bfloat16", kind="decode")
+    p = plan(num_tokens=16, num_reqs=16, num_kv_heads=8, num_heads=32, head_size=128, cfg=dec,
+             ext_grid=32768, num_sms=132, tiling="token")
+    slots = dec.programs_per_sm * 132
+    assert p["split"] and p["n_split_grid"] == 64
+    programs = p["num_tiles"] * 8 * p["chunks"]
+    # Whole waves: the chosen (waves x splits per program) is the least over all choices.
+    cost = -(-programs // slots) * p["spp"]
+    assert all(-(-16 * 8 * -(-64 // spp) // slots) * spp >= cost for spp in range(1, 65))
+    assert p["chunks"] * p["spp"] >= 64
