@@ -261,7 +261,7 @@ SWEEP_SHAPES = (("decode", 1, 32768), ("decode", 16, 32768), ("decode", 64, 4096
                 ("prefill", 1, 4096))
 
 
-def sweep_rows(gen, names=None):
+def sweep_rows(gen, names=None, kinds=None):
     """Each variant on each sweep shape, with FA3 timed alongside (ratio ``fa3_over``
     = FA3 time / variant time, > 1 is faster than FA3). Every variant's output is
     checked against SDPA before it is timed; a wrong or failing variant gets NaN."""
@@ -271,6 +271,8 @@ def sweep_rows(gen, names=None):
     vs = variants()
     names = names or list(vs) + [f"{k}@off" for k in KINDS_ORDER]
     for kind, B, ctx in SWEEP_SHAPES:
+        if kinds and kind not in kinds:
+            continue
         q_len = 1 if kind == "decode" else ctx
         sets = [make_set(B, q_len, ctx, ctx, gen) for _ in range(2)]
         outs = [torch.empty((s["T"], H, D), device="cuda", dtype=DTYPE) for s in sets]
@@ -362,6 +364,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
     ap.add_argument("--skip-shapes", action="store_true")
     ap.add_argument("--variants", help="comma-separated variant names for --sweep (default: all)")
+    ap.add_argument("--sweep-kinds", help="comma-separated shape kinds for --sweep: decode, prefill (default: both)")
     ap.add_argument("--profile", metavar="VARIANT", help="only launch VARIANT (NAME[@POLICY]) a few times (for ncu)")
     ap.add_argument("--profile-shape", default="64,4096,4096", help="B,bucket,true length for --profile")
     ap.add_argument("--skip-padding", action="store_true")
@@ -387,7 +390,8 @@ def main(argv=None):
         res["shapes"] = shape_rows(args, gen)
     res["padding"] = [] if args.skip_padding else padding_rows(gen)
     if args.sweep:
-        res["sweep"] = sweep_rows(gen, args.variants.split(",") if args.variants else None)
+        res["sweep"] = sweep_rows(gen, args.variants.split(",") if args.variants else None,
+                                  args.sweep_kinds.split(",") if args.sweep_kinds else None)
     try:
         res["binaries"] = inspect_binaries(args.out)
     except Exception as e:  # noqa: BLE001 - the timing table matters more
