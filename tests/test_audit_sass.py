@@ -240,6 +240,22 @@ def test_line_info_from_another_checkout_resolves_here():
     line = next(i for i, t in enumerate(open(here), 1) if t.strip() == "for j in range(j_lo, j_hi):")
     fn, text = gate.source_line("/gone/checkout/dhp_backend/ops/triton/kernels.py", line)
     assert (fn, text) == ("attention_kernel", "for j in range(j_lo, j_hi):")
+
+
+def test_line_info_from_an_edited_checkout_still_resolves_here(tmp_path):
+    """The other checkout may still exist and have changed since it compiled the
+    cached binary (a developer tree edited while a fresh-clone CI run audits):
+    its file must not be read; this package's copy is what the cache key matches."""
+    from dhp_backend.audit import gate
+    from dhp_backend.ops.triton import kernels
+
+    here = os.path.abspath(kernels.__file__)
+    other = tmp_path / "dev" / "dhp_backend" / "ops" / "triton" / "kernels.py"
+    other.parent.mkdir(parents=True)
+    other.write_text("\n" * 40 + open(here).read())  # the same kernels, 40 lines lower
+    assert gate.resolve_source(str(other)) == here
+    line = next(i for i, t in enumerate(open(here), 1) if t.strip() == "for s in range(s_lo, s_hi):")
+    assert gate.source_line(str(other), line) == ("attention_kernel", "for s in range(s_lo, s_hi):")
     assert gate.source_line("/gone/elsewhere/kernels.py", line) == (None, "")
 
 

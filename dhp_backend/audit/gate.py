@@ -58,13 +58,16 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 def resolve_source(path: str | None) -> str | None:
     """The file a line-info path names, in this checkout.
 
-    Triton's on-disk cache is keyed by the kernel source, not by where the file
-    was: a binary compiled from another checkout (a CI clone, a removed worktree)
-    carries that checkout's path. A path that no longer exists but lies inside a
-    ``dhp_backend/`` tree is read from this package's copy; the cache key
-    guarantees the same kernel source. Anything else stays unresolved, and the
-    gate fails closed on it."""
-    if not path or os.path.exists(path):
+    Triton's on-disk cache is keyed by the kernel source and its starting line
+    (and its callees'), not by where the file was: a binary compiled from another
+    checkout (a CI clone, a removed worktree, the developer's tree) carries that
+    checkout's path. A path inside a ``dhp_backend/`` tree is always read from
+    this package's copy, whether or not the other file still exists: the cache
+    key guarantees the same kernel source at the same lines here, while the other
+    checkout may since have changed (a fresh-clone CI run once read a developer
+    tree's edited file at the cached binary's path and failed). Anything else is
+    returned as is, and the gate fails closed on a line it cannot read."""
+    if not path:
         return path
     parts = path.replace("\\", "/").split("/")
     if "dhp_backend" in parts:

@@ -65,9 +65,9 @@ def finalize(acc, l):
 
 
 @triton.jit
-def halve(x, BLOCK_M: tl.constexpr, LANES: tl.constexpr, WIDTH: tl.constexpr):
-    """[BLOCK_M, LANES, WIDTH] -> [BLOCK_M, LANES, WIDTH // 2]: pairs (2i, 2i + 1) of the last axis added."""
-    a, b = tl.split(tl.reshape(x, [BLOCK_M, LANES, WIDTH // 2, 2]))
+def halve(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """[BLOCK_M, WIDTH] -> [BLOCK_M, WIDTH // 2]: column pairs (2i, 2i + 1) added."""
+    a, b = tl.split(tl.reshape(x, [BLOCK_M, WIDTH // 2, 2]))
     return a + b
 
 
@@ -78,24 +78,19 @@ def row_sum(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     A plain `tl.sum` adds a thread's own elements first, then across lanes, then
     across warps, so its association follows the MMA layout: a 64-row wgmma tile
     keeps a row in one warp, a 16-row mma.sync tile on 4 warps spreads it over the
-    warps. Here every add is explicit (`tl.split` halvings; the reshapes and
-    splits only move data): column c = 8 g + 2 t + e of the row is summed over e,
-    then over the groups g in a pairwise tree, then over t in a pairwise tree.
-    In a wgmma layout e and g are a thread's own registers and t its four lanes,
-    so this costs what `tl.sum` costs; other layouts pay data movement, not bits.
+    warps. Here each 8-column group is summed first (in every MMA layout those are
+    two columns per thread on the same 4 lanes, so the same adds), then the
+    groups are added pairwise in an explicit tree (`tl.split`, data movement only).
+    So every tile config gives the same bits for l (tests/test_triton_gpu.py).
     """
-    G: tl.constexpr = BLOCK_N // 8
-    a, b = tl.split(tl.reshape(p, [BLOCK_M, G, 4, 2]))
-    x = tl.permute(a + b, (0, 2, 1))  # [BLOCK_M, 4 (t), G]
-    if G >= 16:
-        x = halve(x, BLOCK_M, 4, 16)
-    if G >= 8:
-        x = halve(x, BLOCK_M, 4, 8)
-    if G >= 4:
-        x = halve(x, BLOCK_M, 4, 4)
-    a, b = tl.split(x)  # the last pair of groups: [BLOCK_M, 4]
-    a, b = tl.split(tl.reshape(a + b, [BLOCK_M, 2, 2]))
-    a, b = tl.split(a + b)
+    x = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // 8, 8]), axis=2)
+    if BLOCK_N >= 128:
+        x = halve(x, BLOCK_M, 16)
+    if BLOCK_N >= 64:
+        x = halve(x, BLOCK_M, 8)
+    if BLOCK_N >= 32:
+        x = halve(x, BLOCK_M, 4)
+    a, b = tl.split(x)
     return a + b
 
 
