@@ -75,6 +75,16 @@ def step_kind(num_tokens: int, num_reqs: int) -> str:
     return "prefill" if num_tokens >= kcfg.PREFILL_TOKENS_PER_REQUEST * max(1, num_reqs) else "mixed"
 
 
+def token_tiling(*, num_tokens: int, num_reqs: int, block_q: int, tiling: str | None = None) -> bool:
+    """Whether a step runs token tiles (see `plan`): the smaller tile count wins,
+    or ``tiling`` ("token"/"request") forces one."""
+    if tiling is None:
+        return num_tokens < num_tokens // block_q + num_reqs + 1
+    if tiling in ("token", "request"):
+        return tiling == "token"
+    raise ValueError(f"tiling: {tiling!r}; accepted: None, 'token', 'request'")
+
+
 def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
          cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None,
          tiling: str | None = None) -> dict:
@@ -94,14 +104,8 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     chunks so that the grid fills whole waves of resident programs (the time is
     waves x splits per program).
     """
-    request_tiles = num_tokens // cfg.block_q + num_reqs + 1
-    if tiling is None:
-        token = num_tokens < request_tiles
-    elif tiling in ("token", "request"):
-        token = tiling == "token"
-    else:
-        raise ValueError(f"tiling: {tiling!r}; accepted: None, 'token', 'request'")
-    num_tiles = num_tokens if token else request_tiles
+    token = token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q, tiling=tiling)
+    num_tiles = num_tokens if token else num_tokens // cfg.block_q + num_reqs + 1
     n_kv_grid = _cdiv(ext_grid, cfg.block_n)
     n_split_grid = max(1, _cdiv(n_kv_grid, cfg.tiles_per_split))
     programs = num_tiles * num_kv_heads
@@ -193,18 +197,17 @@ def paged_attention_triton(
     ext_grid = l_scalar if l_mode == 0 else capacity
 
     device = query.device
+    if _config is None and token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q,
+                                        tiling=_tiling):
+        # A decode step (one query token per tile): the decode config's tile
+        # (16 rows, same KV step and split size, same bits) runs it, and its
+        # residency shapes the grid.
+        cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode",
+                                 const_time=const_time)
+        _tiling = "token"
     p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
              head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
              tiling=_tiling)
-    if p["token_tiles"] and _config is None:
-        # A decode step (one query token per tile): the decode config's tile
-        # (16 rows, same KV step and split size, same bits) and its residency
-        # shape the grid, so plan again with it.
-        cfg = kcfg.kernel_config(head_size, group, dtype_name, split_kv=_split_kv, kind="decode",
-                                 const_time=const_time)
-        p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
-                 head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
-                 tiling="token")
 
     ws, sink, zero = wsp.reserve_workspace(device)
     if p["split"]:
