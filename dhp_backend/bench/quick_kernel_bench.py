@@ -240,6 +240,8 @@ def variants():
         "decode_s2048": v("decode", split_kv=2048),
         "decode_noprefetch": v("decode", prefetch=False),
         "prefill_s2048": v("prefill", split_kv=2048),
+        "prefill_noprefetch": v("prefill", prefetch=False),
+        "mixed_noprefetch": v("mixed", prefetch=False),
         "prefill_st3": v("prefill", num_stages=3),
         "mixed_bn32": v("mixed", block_n=32),
         # 16-row decode tiles (mma.sync instead of wgmma): same bits as the 64-row tile?
