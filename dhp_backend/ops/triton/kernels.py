@@ -72,38 +72,25 @@ def halve(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def pair_sums(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] -> [BLOCK_M, BLOCK_N // 2]: columns (2i, 2i + 1) added.
-
-    In every MMA accumulator layout (mma.sync and wgmma) a thread holds such a
-    pair in two adjacent registers, so this is one add per pair with no data
-    movement, and the same add in every tile config."""
-    return halve(p, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def row_sum(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Sum of each row of x [BLOCK_M, WIDTH] in one fixed association, whatever the layout.
+def row_sum(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum of each row of p [BLOCK_M, BLOCK_N] in one fixed association, whatever the layout.
 
     A plain `tl.sum` adds a thread's own elements first, then across lanes, then
-    across warps, so its association follows the layout: a 64-row wgmma tile
+    across warps, so its association follows the MMA layout: a 64-row wgmma tile
     keeps a row in one warp, a 16-row mma.sync tile on 4 warps spreads it over the
-    warps. Here every add is explicit: adjacent columns pairwise, then the pair
-    sums pairwise, and so on (`tl.split` moves data, it does not add). So every
-    tile config gives the same bits (tests/test_triton_gpu.py). Called once per
-    split (not per KV step), so the shuffles the tree needs cost little.
+    warps. Here each 8-column group is summed first (in every MMA layout those are
+    two columns per thread on the same 4 lanes, so the same adds), then the
+    groups are added pairwise in an explicit tree (`tl.split`, data movement only).
+    So every tile config gives the same bits for l (tests/test_triton_gpu.py).
     """
-    # Constexpr shape facts (WIDTH): resolved at compile time, no branch; the
+    x = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N // 8, 8]), axis=2)
+    # Constexpr shape facts (BLOCK_N): resolved at compile time, no branch; the
     # same adds for every row and every tile, whatever the data.
-    if WIDTH >= 64:
-        x = halve(x, BLOCK_M, 64)
-    if WIDTH >= 32:
-        x = halve(x, BLOCK_M, 32)
-    if WIDTH >= 16:
+    if BLOCK_N >= 128:
         x = halve(x, BLOCK_M, 16)
-    if WIDTH >= 8:
+    if BLOCK_N >= 64:
         x = halve(x, BLOCK_M, 8)
-    if WIDTH >= 4:
+    if BLOCK_N >= 32:
         x = halve(x, BLOCK_M, 4)
     a, b = tl.split(x)
     return a + b
@@ -305,20 +292,13 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
         qk = tl.dot(q.to(tl.float32), k.to(tl.float32))
     else:
         qk = tl.dot(q, k)
-    # Raw scores, masked; the scale enters in the max (qk_scale > 0, checked in
-    # ops.attention, so max(x) * scale == max(x * scale) exactly: rounding is
-    # monotone) and in one fma per score (exp2(qk * scale - m)). A masked score
-    # is -inf and stays -inf through the fma, so it adds exactly 0.
-    s = tl.where(pos[None, :] < limit[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    s = tl.where(pos[None, :] < limit[:, None], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Selected, not trusted: alpha is exactly 1 when the max did not move, so a
     # fully masked step is an exact no-op and policies give identical bits.
     alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_new))
-    p = tl.exp2(tl.fma(s, qk_scale, -tl.broadcast_to(m_new[:, None], s.shape)))
-    # l is kept per column pair ([BLOCK_M, BLOCK_N // 2]) and summed over the
-    # row once per split (`row_sum`): per step one add and one fma per pair, no
-    # cross-lane or cross-warp reduction, the same in every tile layout.
-    l_new = tl.fma(l_i, tl.broadcast_to(alpha[:, None], l_i.shape), pair_sums(p, BLOCK_M, BLOCK_N))
+    p = tl.exp2(s - m_new[:, None])
+    l_new = tl.fma(l_i, alpha, row_sum(p, BLOCK_M, BLOCK_N))
     if CONST_TIME:
         v = tl.where(real[:, None], v, tl.zeros_like(v))
     acc = acc * tl.broadcast_to(alpha[:, None], acc.shape)
@@ -450,7 +430,7 @@ def attention_kernel(
         # Every split starts from a fresh state, so its partial result is the same
         # whether it is folded here or stored and folded by merge_kernel.
         m_i = tl.full([BLOCK_M], M_INIT, tl.float32)
-        l_i = tl.zeros([BLOCK_M, BLOCK_N // 2], tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         j_lo = s * TILES_PER_SPLIT
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
@@ -471,7 +451,6 @@ def attention_kernel(
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
                                     zero_ptr)
-        l_i = row_sum(l_i, BLOCK_M, BLOCK_N // 2)
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:
