@@ -19,28 +19,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from engine_process import end_session, engine_env, run_in_session, start_in_session
 
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
-# The engine must take the path a user's CPU engine takes (the reference), not
-# the Triton interpreter that the kernel test modules enable for themselves.
-ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DHP_POLICY", "DHP_PATH",
-                                                         "DHP_ALLOW_FALLBACK", "DHP_OVERRIDE_CPU_ATTN")}
-ENV.update({"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-            "TOKENIZERS_PARALLELISM": "false"})
+ENV = engine_env()
 
 
 @pytest.fixture(scope="module")
@@ -53,38 +45,11 @@ def model_dir(tmp_path_factory):
 def generate(model_dir, backend, *extra, expect_ok=True):
     cmd = [sys.executable, "-m", "integration.run_generation", "--model", str(model_dir), "--backend", backend,
            *extra]
-    code, text = run_logged(cmd, ENV)
+    code, text = run_in_session(cmd, ENV)
     if not expect_ok:
         return code, text
     assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
     return json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
-
-
-def run_logged(cmd, env, timeout=900):
-    """Run with output to a file (no pipe a stray child could hold open) in its own
-    session, and end whatever is left of that session afterwards."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            _kill_session(proc)
-        log.seek(0)
-        return code, log.read()
-
-
-def _kill_session(proc):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +133,7 @@ def test_openai_server_smoke(model_dir):
            "--additional-config", json.dumps({"dhp": {"policy": "strict", "allow_fallback": True}}),
            "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
     log = open(tempfile.mktemp(prefix="dhp-serve-", suffix=".log"), "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = start_in_session(cmd, env, log)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
@@ -195,7 +159,7 @@ def test_openai_server_smoke(model_dir):
             events = [json.loads(line) for line in f if line.strip()]
         assert events and all(e["backend"] == "DHP" and e["path"] == "reference" for e in events), events
     finally:
-        _kill_session(proc)  # stop the server (and its engine core) by PID / session
+        end_session(proc)  # stop the server (and its engine core) by PID / session
         log.close()
 
 

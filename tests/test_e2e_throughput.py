@@ -13,11 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,33 +26,15 @@ from integration import e2e_throughput as et  # noqa: E402
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
-# As in test_e2e_cpu_engine: the engine takes the path a user's CPU engine takes.
-ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DHP_POLICY", "DHP_PATH",
-                                                         "DHP_ALLOW_FALLBACK", "DHP_OVERRIDE_CPU_ATTN",
-                                                         "VLLM_BATCH_INVARIANT")}
-ENV.update({"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-            "TOKENIZERS_PARALLELISM": "false"})
+from engine_process import engine_env, run_in_session  # noqa: E402
+
+ENV = engine_env()
 
 NUM_REQUESTS, OUTPUT_LEN = 4, 8
 
 
 def run_script(*args, timeout=600):
-    """The script in its own session, output to a file; whatever is left of the session is ended."""
-    cmd = [sys.executable, "-m", "integration.e2e_throughput", *args]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                time.sleep(1)
-        log.seek(0)
-        return code, log.read()
+    return run_in_session([sys.executable, "-m", "integration.e2e_throughput", *args], ENV, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- CPU engine, end to end
