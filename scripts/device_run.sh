@@ -37,10 +37,18 @@ for step in "$@"; do
     kernels) DHP_REPORT_DIR=$OUT python3 -m pytest -q -s -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/kernels.log" | grep -v "^\s*$" | tail -25 ;;
     bench)   python3 -m dhp_backend.bench.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
-    benchbase) # the same quick bench on another commit's package (.work/base/dhp_backend, e.g. from
-             # git archive BASE dhp_backend | tar -x -C .work/base; carry .work/base): a same-run baseline
-             mkdir -p "$OUT/base"; PYTHONPATH=$PWD/.work/base:$PYTHONPATH python3 -m dhp_backend.bench.quick_kernel_bench \
-               ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" 2>&1 | tee "$OUT/benchbase.log" | tail -40 ;;
+    benchbase) # the same quick bench on another commit's package, a same-run baseline: make it with
+             # git archive BASE dhp_backend | tar -x -C .work/base, and carry .work/base. Run from
+             # inside .work/base: `python -m` puts the working directory first on sys.path.
+             if [ ! -f .work/base/dhp_backend/__init__.py ]; then
+               echo "benchbase: .work/base/dhp_backend is missing (git archive BASE dhp_backend | tar -x -C .work/base; carry .work/base)"
+               (exit 2)
+             else
+               mkdir -p "$OUT/base"
+               ( cd .work/base && python3 -c "import dhp_backend; print('baseline package:', dhp_backend.__file__)" \
+                 && python3 -m dhp_backend.bench.quick_kernel_bench ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" ) 2>&1 \
+                 | tee "$OUT/benchbase.log" | tail -40
+             fi ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
                python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
