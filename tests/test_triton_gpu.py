@@ -197,8 +197,10 @@ def test_bits_equal_across_step_kinds():
 
 
 @pytest.mark.parametrize("shape", [(32, 8, 128, torch.bfloat16), (32, 8, 128, torch.float16),
-                                   (16, 2, 64, torch.bfloat16), (16, 16, 128, torch.float16)],
-                         ids=["g4-d128-bf16", "g4-d128-fp16", "g8-d64-bf16", "g1-d128-fp16"])
+                                   (16, 2, 64, torch.bfloat16), (16, 16, 128, torch.float16),
+                                   (32, 2, 128, torch.bfloat16)],
+                         ids=["g4-d128-bf16", "g4-d128-fp16", "g8-d64-bf16", "g1-d128-fp16",
+                              "g16-d128-bf16"])
 def test_split_states_bits_equal_across_tile_configs(shape):
     """Stronger than comparing bf16 outputs (which hide fp32 differences of an
     ulp or two): in split mode every config stores each split's fp32 state
