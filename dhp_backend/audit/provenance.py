@@ -9,8 +9,8 @@ name them.
 from __future__ import annotations
 
 import datetime
-import json
 import importlib.metadata as md
+import json
 import os
 import platform
 import re

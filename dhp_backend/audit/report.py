@@ -9,9 +9,8 @@ and ``.json``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import concurrent.futures as cf
+import dataclasses
 import multiprocessing as mp
 import os
 import time

@@ -193,13 +193,26 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 
 @triton.jit
-def real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult,
-                          CONST_TIME: tl.constexpr):
-    """The table entry where ``real``, else the page a padding position reads: a
-    decoy (`decoy_block`) under the constant-time policies; block 0 under policy
-    off (not constant-time: padding need not cost what real positions cost; block
-    0 is in range, its K scores are selected away and V is not read there, see
-    `kv_step`)."""
+def position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                    decoy_mult, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
+    """Physical block of each KV position in ``pos`` (any shape): the block-table
+    entry for real positions (p < seq_len); for padding positions a decoy page
+    (`decoy_block`) under the constant-time policies, block 0 under policy off
+    (not constant-time: padding need not cost what real positions cost; block 0
+    is in range, its K scores are selected away and V is not read there, see
+    `kv_step`).
+
+    The table is read for every position whatever seq_len is (only the public
+    table width masks the read); entries past the request's last block may be
+    garbage and are never used, the select replaces them.
+    """
+    lb = pos // BLOCK_SIZE
+    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
+    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
+    # reads the table's own entries, so short and long requests read the very same
+    # pages (valid only when the whole table is). Public either way.
+    real = (pos < seq_len) | (decoy_mult == 0)
+    # CONST_TIME is a constexpr: one binary per policy class, no branch.
     if CONST_TIME:
         return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
     else:
@@ -209,37 +222,20 @@ def real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic,
 @triton.jit
 def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
-    """Physical block of each KV position of step j: the block-table entry for real
-    positions (p < seq_len), a decoy page for padding positions (block 0 under
-    policy off, `real_or_padding_block`).
-
-    The table is read for every position of the step whatever seq_len is (only the
-    public table width masks the read); entries past the request's last block may
-    be garbage and are never used, the select replaces them.
-    """
+    """`position_blocks` for the BLOCK_N positions of KV step j."""
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    lb = pos // BLOCK_SIZE
-    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
-    # reads the table's own entries, so short and long requests read the very same
-    # pages (valid only when the whole table is). Public either way.
-    real = (pos < seq_len) | (decoy_mult == 0)
-    return real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult, CONST_TIME)
+    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                           decoy_mult, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit
 def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
                  TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  CONST_TIME: tl.constexpr):
-    """`tile_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
+    """`position_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    lb = pos // BLOCK_SIZE
-    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
-    # reads the table's own entries, so short and long requests read the very same
-    # pages (valid only when the whole table is). Public either way.
-    real = (pos < seq_len) | (decoy_mult == 0)
-    return real_or_padding_block(real, entry, r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult, CONST_TIME)
+    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                           decoy_mult, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit
