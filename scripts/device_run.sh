@@ -5,6 +5,7 @@
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
+#   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (bench/triton_ceiling.py; CEIL_ARGS)
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   padloc    short vs long padding timing per decoy map and page layout (bench/padding_locality.py)
@@ -49,6 +50,7 @@ for step in "$@"; do
                  && python3 -m dhp_backend.bench.quick_kernel_bench ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" ) 2>&1 \
                  | tee "$OUT/benchbase.log" | tail -40
              fi ;;
+    ceiling) python3 -m dhp_backend.bench.triton_ceiling ${CEIL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" | tail -30 ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
                python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
