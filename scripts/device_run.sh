@@ -13,7 +13,7 @@
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
-# Carry: .gpu-stack/bin .gpu-stack/send/core .gpu-stack/send/flashinfer
+# Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -21,7 +21,10 @@ export PYTHONUNBUFFERED=1
 # and carry .dhp-commit); the device's copy may hold a stale .git.
 [ -f .dhp-commit ] && export DHP_COMMIT=$(cat .dhp-commit)
 if [ ! -f /root/gpu-stack/env.sh ]; then
-  bash .gpu-stack/bin/stage.sh .gpu-stack/send/core .gpu-stack/send/flashinfer >"$OUT/stage.log" 2>&1 \
+  # FlashInfer is optional (only the harness's anchor needs it): leave it out of
+  # carry when the 64 MiB carry limit is tight (e.g. with .work/base).
+  parts=.gpu-stack/send/core; [ -d .gpu-stack/send/flashinfer ] && parts="$parts .gpu-stack/send/flashinfer"
+  bash .gpu-stack/bin/stage.sh $parts >"$OUT/stage.log" 2>&1 \
     && GPU_STACK_NO_CHECK=1 bash .gpu-stack/bin/install.sh >"$OUT/install.log" 2>&1 \
     || { echo "gpu-stack install failed"; tail -30 "$OUT/install.log"; exit 1; }
 fi
