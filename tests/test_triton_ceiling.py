@@ -31,7 +31,7 @@ def test_ceiling_variants_match_sdpa_under_interpreter():
     errs = json.loads(r.stdout.strip().splitlines()[-1])
     from dhp_backend.bench.triton_ceiling import VARIANTS
 
-    paged = [n for n, v in VARIANTS.items() if v[1]]
+    paged = [n for n, v in VARIANTS.items() if v["PAGED"]]
     # every variant on the identity table, the paged ones also on a shuffled table, causal and full
     assert len(errs) == 2 * len(VARIANTS) + 2 * len(paged)
     for (name, table, causal), err in errs:
