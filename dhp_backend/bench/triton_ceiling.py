@@ -26,6 +26,11 @@ the variants below are the shapes that pass the compiler:
   ``paged16_nows`` without warp specialisation.
 - ``paged32_ws``: two pages per KV step, joined in registers into one 32-row tile.
 
+Measured on an H200 (docs/perf-notes.md change 16): dense_ws full attention is
+0.90-0.98 of FA3; every other warp-specialised variant (causal mask, 16-row
+boxes, joined pages) gives wrong results or NaN on the GPU while the
+interpreter and the non-WS builds of the same code are right.
+
 Every variant is checked against SDPA before it is timed, next to FA3 on the
 same tensors (NHD pages, vLLM's layout, as FA3 takes them).
 """
