@@ -257,10 +257,16 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (Hopper); on a CPU, tests/test_triton_ceiling.py checks the kernels "
+                 "in the interpreter")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    names = args.variants.split(",")
     total = len(args.seq) * 2 * 2 * (len(names) + 1)
     done = 0
     t0 = time.time()
@@ -318,7 +324,9 @@ def main(argv=None):
         meta = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
                     commit=os.environ.get("DHP_COMMIT", ""), date=time.strftime("%Y-%m-%d"))
         with open(os.path.join(args.out, "triton_ceiling.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1, default=lambda x: None if x != x else x)
+            # NaN (untimed rows) as null: strict JSON readers reject NaN.
+            clean = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()} for r in rows]
+            json.dump(dict(meta=meta, rows=clean), f, indent=1)
     return rows
 
 
