@@ -244,8 +244,7 @@ def variants():
         "mixed_noprefetch": v("mixed", prefetch=False),
         "prefill_st3": v("prefill", num_stages=3),
         "mixed_bn32": v("mixed", block_n=32),
-        # 16-row decode tiles (mma.sync instead of wgmma): same bits as the 64-row tile?
-        # The 64-row wgmma decode tile (production before the 16-row tile) and 16-row variants.
+        # The 64-row wgmma decode tile (production before the 16-row mma.sync tile) and 16-row variants.
         "decode_m64": v("decode", block_m=64, block_q=64 // g, resident=0),
         "decode_s4": v("decode", num_stages=4),
         "decode_w2": v("decode", num_warps=2, resident=4),

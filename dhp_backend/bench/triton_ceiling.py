@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dhp_backend.bench.timer import CudaTimer
+
 H, HKV, D, BS = 32, 8, 128, 16
 GROUP = H // HKV
 BLOCK_M = 128
@@ -74,6 +76,12 @@ def _page_row(bt_ptr, page):
 
 
 @triton.jit
+def _two_pages(desc, r0, r1, col, BN: tl.constexpr, D: tl.constexpr):
+    # Pages at rows r0 and r1 stacked into one [BN, D] tile (in registers).
+    return tl.reshape(tl.permute(tl.join(desc.load([r0, col]), desc.load([r1, col])), (2, 0, 1)), (BN, D))
+
+
+@triton.jit
 def _kv_tile(kd, vd, bt_ptr, it, kvh, BN: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
              JOIN: tl.constexpr):
     """K^T and V of KV step ``it``: pages through the block table (PAGED; JOIN: two
@@ -82,9 +90,8 @@ def _kv_tile(kd, vd, bt_ptr, it, kvh, BN: tl.constexpr, D: tl.constexpr, PAGED: 
         if JOIN:
             r0 = _page_row(bt_ptr, it * 2)
             r1 = _page_row(bt_ptr, it * 2 + 1)
-            k_t = tl.reshape(tl.permute(tl.join(kd.load([r0, kvh * D]), kd.load([r1, kvh * D])), (2, 0, 1)),
-                             (BN, D)).T
-            v = tl.reshape(tl.permute(tl.join(vd.load([r0, kvh * D]), vd.load([r1, kvh * D])), (2, 0, 1)), (BN, D))
+            k_t = _two_pages(kd, r0, r1, kvh * D, BN, D).T
+            v = _two_pages(vd, r0, r1, kvh * D, BN, D)
         else:
             r0 = _page_row(bt_ptr, it)
             k_t = kd.load([r0, kvh * D]).T
@@ -233,24 +240,6 @@ def fa3_fn(s, causal):
                                           block_table=bt, fa_version=3, out=out)
 
 
-def median_us(fns, reps=30):
-    """Median over reps of a round over the input sets (CUDA events), after warm-up."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        for f in fns:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
@@ -266,6 +255,9 @@ def main(argv=None):
                  "in the interpreter")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # The harness's timer: CUDA events per launch, rotating over the sets, each
+    # chunk queued behind a GPU spin so that host enqueue time is not measured.
+    timer = CudaTimer(reps=90, warmup=3)
     rows = []
     total = len(args.seq) * 2 * 2 * (len(names) + 1)
     done = 0
@@ -299,7 +291,7 @@ def main(argv=None):
                         err = float((o.float() - ref).norm() / ref.norm())
                         row["rel_err"] = err
                         if err < 2e-2:
-                            row["us"] = median_us(fns)
+                            row["us"] = timer.measure(fns).median_ms * 1e3
                             row["tflops"] = flop / row["us"] / 1e6
                         else:
                             row["error"] = "wrong result"

@@ -75,11 +75,17 @@ def step_kind(num_tokens: int, num_reqs: int) -> str:
     return "prefill" if num_tokens >= kcfg.PREFILL_TOKENS_PER_REQUEST * max(1, num_reqs) else "mixed"
 
 
+def request_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    """Tile count of the request tiling (see `plan`): a public bound, one tile per
+    block_q tokens plus one per request and the padding pseudo-request's."""
+    return num_tokens // block_q + num_reqs + 1
+
+
 def token_tiling(*, num_tokens: int, num_reqs: int, block_q: int, tiling: str | None = None) -> bool:
     """Whether a step runs token tiles (see `plan`): the smaller tile count wins,
     or ``tiling`` ("token"/"request") forces one."""
     if tiling is None:
-        return num_tokens < num_tokens // block_q + num_reqs + 1
+        return num_tokens < request_tiles(num_tokens, num_reqs, block_q)
     if tiling in ("token", "request"):
         return tiling == "token"
     raise ValueError(f"tiling: {tiling!r}; accepted: None, 'token', 'request'")
@@ -105,7 +111,7 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     waves x splits per program).
     """
     token = token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q, tiling=tiling)
-    num_tiles = num_tokens if token else num_tokens // cfg.block_q + num_reqs + 1
+    num_tiles = num_tokens if token else request_tiles(num_tokens, num_reqs, cfg.block_q)
     n_kv_grid = _cdiv(ext_grid, cfg.block_n)
     n_split_grid = max(1, _cdiv(n_kv_grid, cfg.tiles_per_split))
     programs = num_tiles * num_kv_heads
