@@ -5,6 +5,7 @@
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
+#   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_prefill.py; CUDAPF_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (bench/triton_ceiling.py; CEIL_ARGS)
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
@@ -53,6 +54,12 @@ for step in "$@"; do
                  && python3 -m dhp_backend.bench.quick_kernel_bench ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" ) 2>&1 \
                  | tee "$OUT/benchbase.log" | tail -40
              fi ;;
+    cudapf)  # A wrong barrier protocol hangs the GPU: every part under its own timeout.
+             timeout 240 python3 -m dhp_backend.bench.cuda_prefill --probe 2>&1 | tee "$OUT/cudapf-probe.log" | tail -8 \
+             && { timeout ${CUDAPF_TEST_S:-200} python3 -m pytest -q -m gpu tests/test_cuda_prefill_gpu.py -x -p no:cacheprovider 2>&1 \
+                    | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
+                  timeout ${CUDAPF_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
+                    | tee "$OUT/cudapf.log" | tail -45; } ;;
     ceiling) python3 -m dhp_backend.bench.triton_ceiling ${CEIL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" | tail -30 ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
                python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;

@@ -1,0 +1,481 @@
+// Paged prefill attention for Hopper (sm_90a), policy `off` semantics: the
+// walk follows the true lengths (no length bucket, no decoys). It is the
+// route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
+// cannot express on this chip -- a producer warpgroup that loads 16-token pages
+// into 128-row stages, and consumer warpgroups with explicit wgmma waits.
+//
+// Layouts (those of ops.paged_attention):
+//   query, out   [num_tokens, num_heads, 128], last dim contiguous
+//   key/value    [num_blocks, num_kv_heads, block_size, 128] (pages of one head contiguous)
+//   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
+// Causal with cached context: query row i of a request of q_len rows and
+// seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
+//
+// One CTA = 128 query rows of one request and one query head, 3 warpgroups:
+//   warpgroup 0  producer: one thread issues TMA loads (Q once; per KV step 8
+//                pages of K and of V, 16 rows x 64 columns per box, 128-byte
+//                swizzle) into a 2-stage ring guarded by mbarriers.
+//   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both
+//                operands in shared memory), online softmax in registers,
+//                O += P V (wgmma, P from registers, V read transposed).
+// OVERLAP (FA3's intra-warpgroup overlap): the QK^T of step t+1 is issued before
+// the softmax of step t+1 and runs while PV of step t is in flight.
+//
+// Bits: not the Triton kernels' bits (another reduction order), so the
+// dispatcher does not route steps here; see dhp_backend/ops/cuda_prefill.py.
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <cmath>
+
+#include "sm90_primitives.cuh"
+
+namespace dhp {
+namespace {
+
+using namespace sm90;
+
+constexpr int kHead = 128;                       // head size (only size supported)
+constexpr int kRows = 128;                       // query rows per CTA
+constexpr int kCols = 128;                       // KV positions per step
+constexpr int kStages = 2;
+constexpr int kHalfBytes = kRows * 128;          // one 64-column half of a 128-row tile (16 KB)
+constexpr int kTileBytes = 2 * kHalfBytes;       // a 128 x 128 16-bit tile (32 KB)
+constexpr int kThreads = 384;
+// Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
+constexpr int kOffK = kTileBytes;
+constexpr int kOffV = kOffK + kStages * kTileBytes;
+constexpr int kOffBar = kOffV + kStages * kTileBytes;
+constexpr int kSmemBytes = kOffBar + 64 + 1024;  // + barriers + alignment slack
+
+struct Params {
+  void* out;
+  int64_t out_tok_stride, out_head_stride;       // elements
+  const int* block_table;
+  int64_t bt_stride;
+  const int* seq_lens;
+  const int* query_start_loc;
+  int num_heads, num_kv_heads, block_size, num_q_tiles;
+  float scale_log2;                              // softmax scale * log2(e)
+  int causal;
+  uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
+};
+
+// mbarrier addresses, computed (an array indexed by the run-time stage would
+// live in local memory).
+struct Barriers {
+  uint32_t base;
+  __device__ uint32_t q_full() const { return base; }
+  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + kStages + s); }
+  __device__ uint32_t empty(int s) const { return base + 8 * (1 + 2 * kStages + s); }
+};
+
+// Per-request facts every warp derives the same way.
+struct Work {
+  int q0, q_len, seq_len, row0, n_steps;
+};
+
+__device__ __forceinline__ Work work_of(const Params& p, int req, int tile) {
+  Work w;
+  w.q0 = p.query_start_loc[req];
+  w.q_len = p.query_start_loc[req + 1] - w.q0;
+  w.seq_len = p.seq_lens[req];
+  w.row0 = tile * kRows;
+  const int last_row = min(w.row0 + kRows, w.q_len) - 1;
+  const int kv_end = p.causal ? min(w.seq_len, w.seq_len - w.q_len + last_row + 1) : w.seq_len;
+  w.n_steps = (kv_end + kCols - 1) / kCols;
+  return w;
+}
+
+// ---- producer ---------------------------------------------------------------
+__device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
+                                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
+                                        const Barriers& bar, int head, int req) {
+  mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
+  tma_load_3d(smem, tm_q, bar.q_full(), 0, head, w.q0 + w.row0);
+  tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, head, w.q0 + w.row0);
+
+  const int kvh = head / (p.num_heads / p.num_kv_heads);
+  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
+  const int bs = p.block_size;
+  const int pages_per_step = kCols / bs;
+  const int last_page = (w.seq_len + bs - 1) / bs - 1;
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int s = t % kStages;
+    if (t >= kStages) mbar_wait(bar.empty(s), ((t / kStages) - 1) & 1);
+    // Pages past the request's last one repeat it (rows past seq_len are
+    // masked out of S and zeroed in V by the consumers).
+    const uint32_t k_dst = smem + kOffK + s * kTileBytes, v_dst = smem + kOffV + s * kTileBytes;
+    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
+    for (int pg = 0; pg < pages_per_step; ++pg) {
+      const int blk = table[min(t * pages_per_step + pg, last_page)];
+      tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk);
+      tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk);
+    }
+    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
+    for (int pg = 0; pg < pages_per_step; ++pg) {
+      const int blk = table[min(t * pages_per_step + pg, last_page)];
+      tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk);
+      tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk);
+    }
+  }
+}
+
+// ---- consumer pieces ----------------------------------------------------------
+// Accumulator layout of an m64n128 wgmma (per thread): element 4*i + e is row
+// g (+8 for e >= 2) of the warp's 16, column 8*i + 2*(lane % 4) + (e & 1).
+
+template <bool BF16>
+__device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_base) {
+#pragma unroll
+  for (int kk = 0; kk < kHead / 16; ++kk) {
+    const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+    wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pa)[32], uint32_t v_base,
+                                         uint32_t lbo, uint32_t sbo) {
+#pragma unroll
+  for (int j = 0; j < kCols / 16; ++j) {
+    const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
+    wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+  }
+}
+
+// Scores past the causal limit or seq_len become -inf (a select: garbage rows
+// of the last page may hold NaN).
+__device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo, int lim_hi, int lane) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
+      s[4 * i + e] = col > lim_lo ? -INFINITY : s[4 * i + e];
+      s[4 * i + 2 + e] = col > lim_hi ? -INFINITY : s[4 * i + 2 + e];
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Online softmax on one score tile, in place (s becomes P); returns the
+// rescale factors for the running output of rows lo/hi. l is kept per thread
+// (each thread's columns) and summed over the quad once at the end.
+__device__ __forceinline__ void softmax_step(float (&s)[64], float& m_lo, float& m_hi, float& l_lo, float& l_hi,
+                                             float& alpha_lo, float& alpha_hi, float scale_log2) {
+  float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  const float new_lo = fmaxf(m_lo, quad_max(mx_lo) * scale_log2);
+  const float new_hi = fmaxf(m_hi, quad_max(mx_hi) * scale_log2);
+  alpha_lo = ex2(m_lo - new_lo);
+  alpha_hi = ex2(m_hi - new_hi);
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[4 * i] = ex2(fmaf(s[4 * i], scale_log2, -new_lo));
+    s[4 * i + 1] = ex2(fmaf(s[4 * i + 1], scale_log2, -new_lo));
+    s[4 * i + 2] = ex2(fmaf(s[4 * i + 2], scale_log2, -new_hi));
+    s[4 * i + 3] = ex2(fmaf(s[4 * i + 3], scale_log2, -new_hi));
+    sum_lo += s[4 * i] + s[4 * i + 1];
+    sum_hi += s[4 * i + 2] + s[4 * i + 3];
+  }
+  l_lo = l_lo * alpha_lo + sum_lo;
+  l_hi = l_hi * alpha_hi + sum_hi;
+}
+
+// P (fp32 accumulator layout) -> the A-operand registers of the PV wgmma: the
+// k16 slice j is accumulator columns 16j..16j+15, i.e. elements 8j..8j+7.
+template <bool BF16>
+__device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[32]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
+    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
+    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
+    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float alpha_hi) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i] *= alpha_lo;
+    o[4 * i + 1] *= alpha_lo;
+    o[4 * i + 2] *= alpha_hi;
+    o[4 * i + 3] *= alpha_hi;
+  }
+}
+
+// V rows at positions >= seq_len (unwritten slots of the last page, repeated
+// pages) are zeroed in shared memory before the PV product: P is 0 there, but
+// 0 * NaN is NaN. Both consumer warpgroups write the same zeros.
+__device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int tid, uint32_t barrier_id) {
+  for (int idx = tid; idx < (kCols - valid_rows) * 16; idx += 128) {
+    const int row = valid_rows + idx / 16, c = idx % 16;
+    reinterpret_cast<uint4*>(v_tile + (c / 8) * kHalfBytes + row * 128)[c % 8] = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier(barrier_id, 128);
+}
+
+template <bool BF16, bool OVERLAP>
+__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                        const Barriers& bar, int head) {
+  const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: rows 64*cw..
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int r_lo = w.row0 + 64 * cw + 16 * warp + lane / 4;  // request-local query rows of this thread
+  const int r_hi = r_lo + 8;
+  const int ctx0 = w.seq_len - w.q_len;
+  const int lim_lo = p.causal ? min(ctx0 + r_lo, w.seq_len - 1) : w.seq_len - 1;
+  const int lim_hi = p.causal ? min(ctx0 + r_hi, w.seq_len - 1) : w.seq_len - 1;
+  // The first KV position where any row of this warpgroup needs a mask.
+  const int mask_from = p.causal ? min(ctx0 + w.row0 + 64 * cw, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, a_lo, a_hi;
+  float s[64];
+  uint32_t pa[32];
+
+  mbar_wait(bar.q_full(), 0);
+
+  auto scores = [&](int t) {
+    const int st = t % kStages;
+    mbar_wait(bar.k_full(st), (t / kStages) & 1);
+    wgmma_fence();
+    issue_qk<BF16>(s, q_base, smem + kOffK + st * kTileBytes);
+    wgmma_commit();
+  };
+  auto softmax = [&](int t) {
+    const int kv0 = t * kCols;
+    if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+    softmax_step(s, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi, p.scale_log2);
+  };
+  auto values = [&](int t) {
+    const int st = t % kStages;
+    mbar_wait(bar.v_full(st), (t / kStages) & 1);
+    const int valid = w.seq_len - t * kCols;
+    if (valid < kCols) zero_v_tail(smem_ptr + kOffV + st * kTileBytes, valid, tid, 1 + cw);
+    wgmma_fence();
+    issue_pv<BF16>(o, pa, smem + kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+  };
+  auto release = [&](int t) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.empty(t % kStages));
+  };
+
+  if constexpr (!OVERLAP) {
+    for (int t = 0; t < w.n_steps; ++t) {
+      scores(t);
+      wgmma_wait<0>();
+      pin(s);
+      softmax(t);
+      rescale(o, a_lo, a_hi);
+      pack_p<BF16>(s, pa);
+      values(t);
+      wgmma_wait<0>();
+      pin(o);
+      pin(pa);
+      release(t);
+    }
+  } else {
+    scores(0);
+    wgmma_wait<0>();
+    pin(s);
+    softmax(0);
+    pack_p<BF16>(s, pa);
+    // Steady state peeled so that every path has the same wgmma structure
+    // (ptxas serialises the wgmmas when S(t+1) is issued conditionally).
+    for (int t = 0; t + 1 < w.n_steps; ++t) {
+      scores(t + 1);  // S of step t+1 runs while ...
+      values(t);      // ... PV of step t is queued behind it
+      wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
+      pin(s);
+      softmax(t + 1);
+      wgmma_wait<0>();
+      pin(o);
+      pin(pa);
+      release(t);
+      rescale(o, a_lo, a_hi);
+      pack_p<BF16>(s, pa);
+    }
+    values(w.n_steps - 1);
+    wgmma_wait<0>();
+    pin(o);
+    pin(pa);
+    release(w.n_steps - 1);
+  }
+
+  // Epilogue: O / l, rows inside the request only.
+  const float inv_lo = 1.f / quad_sum(l_lo), inv_hi = 1.f / quad_sum(l_hi);
+  using T = uint32_t;
+  char* out = static_cast<char*>(p.out);
+  const int col0 = 2 * (lane % 4);
+  if (r_lo < w.q_len) {
+    T* dst = reinterpret_cast<T*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i] * inv_lo, o[4 * i + 1] * inv_lo);
+  }
+  if (r_hi < w.q_len) {
+    T* dst = reinterpret_cast<T*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i + 2] * inv_hi, o[4 * i + 3] * inv_hi);
+  }
+}
+
+template <bool BF16, bool OVERLAP>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers bar{smem + kOffBar};
+
+  const int head = blockIdx.x;
+  const int tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
+  const int req = blockIdx.z;
+  const Work w = work_of(p, req, tile);
+  if (w.row0 >= w.q_len) return;  // whole CTA: no rows of this request here
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar.q_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar.k_full(s), 1);
+      mbar_init(bar.v_full(s), 1);
+      mbar_init(bar.empty(s), 8);  // one arrival per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    regs_dealloc<24>();
+    if (threadIdx.x == 0) produce(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
+  } else {
+    regs_alloc<240>();
+    consume<BF16, OVERLAP>(p, w, smem_ptr, smem, bar, head);
+  }
+}
+
+// ---- host ----------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_fn() {
+  static EncodeTiled fn = nullptr;
+  if (!fn) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  }
+  return fn;
+}
+
+template <bool BF16, bool OVERLAP>
+int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+           cudaStream_t stream) {
+  auto kernel = prefill_kernel<BF16, OVERLAP>;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+}  // namespace dhp
+
+// C entry point (ctypes). Strides in elements. Returns 0 or an error code:
+// a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
+// rejected: alignment or stride not a multiple of 16 bytes).
+extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
+                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
+                                int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
+                                int64_t out_head_stride, const int* block_table, int64_t bt_stride,
+                                const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
+                                int max_q_len, int num_heads, int num_kv_heads, int block_size, float scale,
+                                int causal, int is_bf16, int overlap, unsigned v_lbo, unsigned v_sbo,
+                                void* stream) {
+  using namespace dhp;
+  EncodeTiled encode = encode_fn();
+  if (!encode) return -1;
+  const CUtensorMapDataType dt = is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap tq, tk, tv;
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  {
+    const cuuint64_t dims[3] = {kHead, static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(num_tokens)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(q_head_stride * 2), static_cast<cuuint64_t>(q_tok_stride * 2)};
+    const cuuint32_t box[3] = {64, 1, kRows};
+    if (encode(&tq, dt, 3, const_cast<void*>(q), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return -2;
+  }
+  const cuuint64_t kv_dims[4] = {kHead, static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
+                                 static_cast<cuuint64_t>(num_blocks)};
+  const cuuint64_t kv_strides[3] = {static_cast<cuuint64_t>(kv_tok_stride * 2),
+                                    static_cast<cuuint64_t>(kv_head_stride * 2),
+                                    static_cast<cuuint64_t>(kv_block_stride * 2)};
+  const cuuint32_t kv_box[4] = {64, static_cast<cuuint32_t>(block_size), 1, 1};
+  if (encode(&tk, dt, 4, const_cast<void*>(k), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return -3;
+  if (encode(&tv, dt, 4, const_cast<void*>(v), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return -4;
+
+  Params p;
+  p.out = out;
+  p.out_tok_stride = out_tok_stride;
+  p.out_head_stride = out_head_stride;
+  p.block_table = block_table;
+  p.bt_stride = bt_stride;
+  p.seq_lens = seq_lens;
+  p.query_start_loc = query_start_loc;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.block_size = block_size;
+  p.num_q_tiles = (max_q_len + kRows - 1) / kRows;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.causal = causal;
+  p.v_lbo = v_lbo;
+  p.v_sbo = v_sbo;
+  if (p.num_q_tiles == 0 || num_seqs == 0) return 0;
+  const dim3 grid(num_heads, p.num_q_tiles, num_seqs);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (is_bf16) return overlap ? launch<true, true>(tq, tk, tv, p, grid, st) : launch<true, false>(tq, tk, tv, p, grid, st);
+  return overlap ? launch<false, true>(tq, tk, tv, p, grid, st) : launch<false, false>(tq, tk, tv, p, grid, st);
+}

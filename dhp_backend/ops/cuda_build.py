@@ -1,0 +1,95 @@
+"""Build the CUDA C++ kernels of ``csrc/`` with nvcc on first use, cached.
+
+A kernel library is built once per (sources, flags, nvcc) and kept under
+``$DHP_CUDA_CACHE`` (default ``~/.cache/dhp_backend/cuda``), keyed by a hash
+of all three, so editing a source rebuilds it and nothing stale is loaded. The
+libraries are plain shared objects with C entry points, loaded with ctypes:
+no PyTorch headers, no pybind, so the build needs only nvcc (CUDA >= 12.5 for
+``cudaGetDriverEntryPointByVersion``).
+
+Hopper code is built for ``sm_90a`` (wgmma and setmaxnreg need the ``a``
+target; the ``-gencode`` form, see the device notes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc missing, or a csrc kernel failed to compile (the message has nvcc's output)."""
+
+
+def csrc_dir() -> Path:
+    """The repository's ``csrc/`` (the package is installed editable from the repository)."""
+    d = Path(os.environ.get("DHP_CSRC", Path(__file__).resolve().parents[2] / "csrc"))
+    if not d.is_dir():
+        raise CudaBuildError(f"CUDA sources not found at {d}: install dhp_backend editable from its repository "
+                             "(pip install -e .) or point DHP_CSRC at the csrc/ directory")
+    return d
+
+
+def find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DHP_CUDA_CACHE", Path.home() / ".cache" / "dhp_backend" / "cuda"))
+
+
+def build(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
+    """Compile ``csrc/<source>`` (and the headers beside it) into ``lib<name>.so``; return its path."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("nvcc not found (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, PATH): "
+                             "the csrc kernels are built on first use and need the CUDA toolkit (>= 12.5)")
+    src_dir = csrc_dir()
+    main = src_dir / source
+    if not main.is_file():
+        raise CudaBuildError(f"{main} does not exist")
+    h = hashlib.sha256()
+    for f in sorted(src_dir.glob("*.cu*")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    cmd_flags = BASE_FLAGS + tuple(flags)
+    h.update(" ".join(cmd_flags).encode())
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    h.update(version.encode())
+    out_dir = cache_dir() / f"{name}-{h.hexdigest()[:16]}"
+    lib = out_dir / f"lib{name}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:  # one build per cache entry across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        tmp = out_dir / f".lib{name}.{os.getpid()}.so"
+        cmd = [nvcc, *cmd_flags, "-I", str(src_dir), "-o", str(tmp), str(main)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = (res.stderr or res.stdout)[-3000:]
+            raise CudaBuildError(f"nvcc failed building {main.name} (exit {res.returncode}):\n{' '.join(cmd)}\n{tail}")
+        os.replace(tmp, lib)
+    return lib
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def load(name: str, source: str, flags: tuple[str, ...] = SM90A) -> ctypes.CDLL:
+    """The built library, loaded once per process."""
+    if name not in _LOADED:
+        _LOADED[name] = ctypes.CDLL(str(build(name, source, flags)))
+    return _LOADED[name]

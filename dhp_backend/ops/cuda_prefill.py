@@ -1,0 +1,166 @@
+"""Paged prefill attention on Hopper from ``csrc/prefill_sm90.cu`` (policy ``off`` semantics).
+
+The kernel issue 4's notes name as the route past Triton 3.6 on this chip: a TMA
+producer warpgroup loading 16-token pages into 128-row shared-memory stages and
+two consumer warpgroups on wgmma with explicit waits (docs/kernels.md).
+
+What it is and is not, today:
+- Semantics of `ops.paged_attention` under policy ``off`` (true lengths, causal
+  with cached context, GQA/MQA), same argument layouts. Deterministic and batch
+  invariant by construction: one CTA per (request, 128 query rows, head), no
+  atomics, a fixed KV order.
+- Not constant-time (it walks the true lengths) and not bit-equal to the Triton
+  kernels (another reduction order). `ops.paged_attention` does not route to it:
+  a step-kind dependent choice of kernel would break the cross-step-kind bit
+  equality that batch invariance rests on. It is measured by
+  ``python -m dhp_backend.bench.cuda_prefill``.
+- Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only. Anything else
+  is refused with a message saying what is accepted.
+
+Writes the rows of the requests (``query_start_loc[-1]`` rows) and nothing else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dhp_backend.ops.cuda_build import load
+
+HEAD_SIZE = 128
+BLOCK_SIZES = (16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+# Shared-memory descriptor offsets of the transposed V operand (bytes): between
+# the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh).
+V_DESC = (128 * 128, 1024)
+
+
+def _fail(what: str, got: str, accepted: str) -> None:
+    raise ValueError(f"cuda_prefill: {what} is {got}; accepted: {accepted}")
+
+
+def unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the kernel cannot run here (None when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}; the kernel is built for sm_90a (H100/H200) only"
+    return None
+
+
+def _lib():
+    lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
+    fn = lib.dhp_prefill_sm90
+    i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
+                   ctypes.c_float, i32, i32, i32, ctypes.c_uint, ctypes.c_uint, p]
+    fn.restype = i32
+    return fn
+
+
+def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len) -> None:
+    """Shapes, dtypes, devices and strides (no device values are read)."""
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out),
+                    ("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            _fail(name, f"a {type(t).__name__}", "a torch.Tensor")
+        if t.device.type != "cuda":
+            _fail(f"{name}'s device", str(t.device), "a CUDA device (sm_90)")
+    if query.dim() != 3 or query.shape[2] != HEAD_SIZE:
+        _fail("query's shape", str(tuple(query.shape)), f"[num_tokens, num_heads, {HEAD_SIZE}]")
+    if query.dtype not in DTYPES:
+        _fail("query's dtype", str(query.dtype), "torch.bfloat16 or torch.float16")
+    T, H, D = query.shape
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dim() != 4 or t.shape[3] != D or t.dtype != query.dtype:
+            _fail(f"{name} ({t.dtype}, shape {tuple(t.shape)})", "not matching the query",
+                  f"[num_blocks, num_kv_heads, block_size, {D}] in {query.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        _fail("value_cache", f"shape {tuple(value_cache.shape)} strides {value_cache.stride()}",
+              f"key_cache's shape {tuple(key_cache.shape)} and strides {key_cache.stride()}")
+    nb, Hkv, bs, _ = key_cache.shape
+    if bs not in BLOCK_SIZES:
+        _fail("the block size", str(bs), ", ".join(map(str, BLOCK_SIZES)))
+    if Hkv == 0 or H % Hkv:
+        _fail("the number of KV heads", f"{Hkv} for {H} query heads", "a divisor of the number of query heads")
+    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < T:
+        _fail("out", f"{out.dtype} of shape {tuple(out.shape)}", f"{query.dtype} of shape [>= {T}, {H}, {D}]")
+    for name, t in (("query", query), ("key_cache", key_cache), ("out", out)):
+        if t.stride(-1) != 1 or t.stride(-2) != D:
+            _fail(f"{name}'s strides", str(t.stride()),
+                  "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
+    for name, t in (("query", query), ("key_cache", key_cache)):
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            _fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
+                  "16-byte aligned base and strides (a TMA requirement)")
+    if key_cache.stride(2) != D:
+        _fail("key_cache's slot stride", str(key_cache.stride(2)), f"{D} (the slots of a page contiguous)")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            _fail(f"{name}'s dtype", str(t.dtype), "torch.int32")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        _fail("block_table", f"shape {tuple(block_table.shape)} strides {block_table.stride()}",
+              "[num_seqs, max_blocks] with contiguous rows")
+    n = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (n + 1,) or block_table.shape[0] < n:
+        _fail("the metadata", f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}, "
+              f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
+    if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
+        _fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        _fail("max_query_len", repr(max_query_len), "an int >= 0, at least the longest query of the step")
+
+
+def check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_query_len) -> None:
+    """The facts the kernel trusts, read on the host (a device sync): callers that
+    validated them from host copies (vLLM's metadata) skip this."""
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    if qsl[0] != 0 or min(q_lens, default=0) < 0 or qsl[-1] > query.shape[0]:
+        _fail("query_start_loc", str(qsl[:8]), f"non-decreasing offsets from 0 to at most {query.shape[0]}")
+    if max(q_lens, default=0) > max_query_len:
+        _fail("max_query_len", str(max_query_len), f">= the longest query ({max(q_lens)})")
+    bs = key_cache.shape[2]
+    for r, (ql, sl) in enumerate(zip(q_lens, lens)):
+        if ql and not ql <= sl <= block_table.shape[1] * bs:
+            _fail(f"seq_lens[{r}]", str(sl), f"q_len ({ql}) <= seq_len <= {block_table.shape[1] * bs} "
+                  "(the block table's capacity)")
+        used = block_table[r, : -(-sl // bs)] if ql else block_table[r, :0]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key_cache.shape[0]):
+            _fail(f"block_table[{r}]", "holding ids outside the cache", f"0 <= id < {key_cache.shape[0]}")
+
+
+def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
+                 causal: bool = True, max_query_len: int, overlap: bool = True, check: bool = True,
+                 v_desc: tuple[int, int] = V_DESC) -> torch.Tensor:
+    """Arguments as `ops.paged_attention`, plus ``max_query_len`` (sizes the grid).
+
+    ``overlap`` picks the binary whose QK^T of the next KV step is issued before
+    the softmax and runs under it (FA3's intra-warpgroup overlap). Both binaries
+    do the same arithmetic in the same order (the GPU test compares their bits).
+    ``check`` reads the metadata on the host first (`check_values`).
+    """
+    validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len)
+    reason = unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
+    if check:
+        check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_query_len)
+    T, H, D = query.shape
+    nb, Hkv, bs, _ = key_cache.shape
+    with torch.cuda.device(query.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = _lib()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
+                    out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+                    query_start_loc.data_ptr(), seq_lens.shape[0], T, max_query_len, H, Hkv, bs, float(scale),
+                    int(bool(causal)), int(query.dtype == torch.bfloat16), int(bool(overlap)), v_desc[0], v_desc[1],
+                    stream)
+    if rc != 0:
+        what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
+                -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected"}
+        raise RuntimeError(f"cuda_prefill: launch failed: {what.get(rc, f'CUDA error {rc}')}")
+    return out

@@ -1,0 +1,54 @@
+"""ops.cuda_prefill without a GPU: argument validation says what is wrong and what
+is accepted; the csrc kernel compiles for sm_90a where nvcc exists."""
+
+import pytest
+import torch
+
+from dhp_backend.ops import cuda_build
+from dhp_backend.ops.cuda_prefill import prefill_sm90, validate
+
+
+
+def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16):
+    q = torch.zeros(10, H, D, dtype=dtype)
+    kc = torch.zeros(4, Hkv, bs, D, dtype=dtype)
+    return (q, kc, kc.clone(), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32),
+            torch.tensor([10], dtype=torch.int32), torch.zeros_like(q))
+
+
+def test_cpu_tensors_refused_with_the_accepted_device():
+    with pytest.raises(ValueError, match=r"query's device is cpu; accepted: a CUDA device"):
+        prefill_sm90(*cpu_step(), scale=0.1, max_query_len=10)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(D=64), r"query's shape is \(10, 32, 64\); accepted: \[num_tokens, num_heads, 128\]"),
+    (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
+    (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
+    (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads"),
+])
+def test_shapes_refused(monkeypatch, kw, pattern):
+    # Validation past the device check: pretend the tensors are on CUDA.
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=pattern):
+        validate(*cpu_step(**kw), max_query_len=10)
+
+
+def test_max_query_len_must_be_an_int(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match="max_query_len is None"):
+        validate(*cpu_step(), max_query_len=None)
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    with pytest.raises(cuda_build.CudaBuildError, match="nvcc not found"):
+        cuda_build.build("x", "prefill_sm90.cu")
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="no nvcc on this machine (CI): built on the GPU machine")
+def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path))
+    lib = cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu")
+    assert lib.is_file() and lib.stat().st_size > 100_000
+    assert cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu") == lib  # cached, not rebuilt
