@@ -14,12 +14,19 @@
 // One CTA = 128 query rows of one request and one query head, 3 warpgroups:
 //   warpgroup 0  producer: one thread issues TMA loads (Q once; per KV step 8
 //                pages of K and of V, 16 rows x 64 columns per box, 128-byte
-//                swizzle) into a 2-stage ring guarded by mbarriers.
+//                swizzle) into a ring of STAGES stages. K and V have their own
+//                full/empty mbarriers: K of a stage is refilled as soon as its
+//                QK^T is done, without waiting for the PV product of that step.
 //   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both
 //                operands in shared memory), online softmax in registers,
 //                O += P V (wgmma, P from registers, V read transposed).
-// OVERLAP (FA3's intra-warpgroup overlap): the QK^T of step t+1 is issued before
-// the softmax of step t+1 and runs while PV of step t is in flight.
+// Variants (template flags, all with the same arithmetic in the same order):
+//   OVERLAP   FA3's intra-warpgroup overlap: the QK^T of step t+1 is issued
+//             with the PV of step t, and the softmax of t+1 runs under that PV.
+//   PINGPONG  FA3's inter-warpgroup schedule: the two consumer warpgroups take
+//             turns issuing their wgmmas (two named barriers), so that one
+//             warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
+//   STAGES    2 or 3 shared-memory stages of K and V.
 //
 // Bits: not the Triton kernels' bits (another reduction order), so the
 // dispatcher does not route steps here; see dhp_backend/ops/cuda_prefill.py.
@@ -39,15 +46,22 @@ using namespace sm90;
 constexpr int kHead = 128;                       // head size (only size supported)
 constexpr int kRows = 128;                       // query rows per CTA
 constexpr int kCols = 128;                       // KV positions per step
-constexpr int kStages = 2;
 constexpr int kHalfBytes = kRows * 128;          // one 64-column half of a 128-row tile (16 KB)
 constexpr int kTileBytes = 2 * kHalfBytes;       // a 128 x 128 16-bit tile (32 KB)
 constexpr int kThreads = 384;
+// Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
+// tail, and the two turn barriers of the pingpong schedule.
+constexpr uint32_t kBarVTail = 1, kBarTurn = 3;
+
 // Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
-constexpr int kOffK = kTileBytes;
-constexpr int kOffV = kOffK + kStages * kTileBytes;
-constexpr int kOffBar = kOffV + kStages * kTileBytes;
-constexpr int kSmemBytes = kOffBar + 64 + 1024;  // + barriers + alignment slack
+template <int STAGES>
+struct Layout {
+  static constexpr int kOffK = kTileBytes;
+  static constexpr int kOffV = kOffK + STAGES * kTileBytes;
+  static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
+  static constexpr int kBytes = kOffBar + 128 + 1024;  // + barriers + alignment slack
+};
+static_assert(Layout<3>::kBytes <= 227 * 1024, "three stages must fit the 227 KB a block may use");
 
 struct Params {
   void* out;
@@ -64,12 +78,14 @@ struct Params {
 
 // mbarrier addresses, computed (an array indexed by the run-time stage would
 // live in local memory).
+template <int STAGES>
 struct Barriers {
   uint32_t base;
   __device__ uint32_t q_full() const { return base; }
   __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
-  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + kStages + s); }
-  __device__ uint32_t empty(int s) const { return base + 8 * (1 + 2 * kStages + s); }
+  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+  __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+  __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
 };
 
 // Per-request facts every warp derives the same way.
@@ -90,9 +106,11 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int tile) {
 }
 
 // ---- producer ---------------------------------------------------------------
+template <int STAGES>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                        const Barriers& bar, int head, int req) {
+                                        const Barriers<STAGES>& bar, int head, int req) {
+  using L = Layout<STAGES>;
   mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
   tma_load_3d(smem, tm_q, bar.q_full(), 0, head, w.q0 + w.row0);
   tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, head, w.q0 + w.row0);
@@ -103,17 +121,19 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   const int pages_per_step = kCols / bs;
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
   for (int t = 0; t < w.n_steps; ++t) {
-    const int s = t % kStages;
-    if (t >= kStages) mbar_wait(bar.empty(s), ((t / kStages) - 1) & 1);
+    const int s = t % STAGES;
+    const uint32_t parity = ((t / STAGES) - 1) & 1;  // the release of step t - STAGES
     // Pages past the request's last one repeat it (rows past seq_len are
     // masked out of S and zeroed in V by the consumers).
-    const uint32_t k_dst = smem + kOffK + s * kTileBytes, v_dst = smem + kOffV + s * kTileBytes;
+    const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
     mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
     for (int pg = 0; pg < pages_per_step; ++pg) {
       const int blk = table[min(t * pages_per_step + pg, last_page)];
       tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk);
       tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk);
     }
+    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
     mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
     for (int pg = 0; pg < pages_per_step; ++pg) {
       const int blk = table[min(t * pages_per_step + pg, last_page)];
@@ -235,9 +255,30 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int
   named_barrier(barrier_id, 128);
 }
 
-template <bool BF16, bool OVERLAP>
+// Turn-taking of the two consumer warpgroups (PINGPONG): a warpgroup waits for
+// its turn before issuing wgmmas and hands the turn over right after issuing.
+// bar.sync/bar.arrive on a 256-thread barrier: 128 waiting + 128 arriving.
+template <bool PINGPONG>
+struct Turns {
+  int cw;
+  __device__ void start() const {  // warpgroup 0 goes first
+    if (PINGPONG && cw == 1) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn) : "memory");
+  }
+  __device__ void wait() const {
+    if (PINGPONG) named_barrier(kBarTurn + cw, 256);
+  }
+  __device__ void pass() const {
+    if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn + (cw ^ 1)) : "memory");
+  }
+  __device__ void finish() const {  // consume warpgroup 1's last hand-over (no barrier left half-arrived)
+    if (PINGPONG && cw == 0) named_barrier(kBarTurn, 256);
+  }
+};
+
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                        const Barriers& bar, int head) {
+                                        const Barriers<STAGES>& bar, int head) {
+  using L = Layout<STAGES>;
   const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: rows 64*cw..
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int r_lo = w.row0 + 64 * cw + 16 * warp + lane / 4;  // request-local query rows of this thread
@@ -248,6 +289,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   // The first KV position where any row of this warpgroup needs a mask.
   const int mask_from = p.causal ? min(ctx0 + w.row0 + 64 * cw, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
+  const Turns<PINGPONG> turns{cw};
 
   float o[64];
 #pragma unroll
@@ -257,12 +299,22 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   uint32_t pa[32];
 
   mbar_wait(bar.q_full(), 0);
+  turns.start();
 
-  auto scores = [&](int t) {
-    const int st = t % kStages;
-    mbar_wait(bar.k_full(st), (t / kStages) & 1);
+  auto scores = [&](int t) {  // issue S = Q K_t^T
+    const int st = t % STAGES;
+    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
     wgmma_fence();
-    issue_qk<BF16>(s, q_base, smem + kOffK + st * kTileBytes);
+    issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    wgmma_commit();
+  };
+  auto values = [&](int t) {  // issue O += P V_t
+    const int st = t % STAGES;
+    mbar_wait(bar.v_full(st), (t / STAGES) & 1);
+    const int valid = w.seq_len - t * kCols;
+    if (valid < kCols) zero_v_tail(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    wgmma_fence();
+    issue_pv<BF16>(o, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
   };
   auto softmax = [&](int t) {
@@ -270,90 +322,95 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
     softmax_step(s, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi, p.scale_log2);
   };
-  auto values = [&](int t) {
-    const int st = t % kStages;
-    mbar_wait(bar.v_full(st), (t / kStages) & 1);
-    const int valid = w.seq_len - t * kCols;
-    if (valid < kCols) zero_v_tail(smem_ptr + kOffV + st * kTileBytes, valid, tid, 1 + cw);
-    wgmma_fence();
-    issue_pv<BF16>(o, pa, smem + kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
-    wgmma_commit();
-  };
-  auto release = [&](int t) {
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
     __syncwarp();
-    if (lane == 0) mbar_arrive(bar.empty(t % kStages));
+    if (lane == 0) mbar_arrive(barrier);
   };
 
   if constexpr (!OVERLAP) {
     for (int t = 0; t < w.n_steps; ++t) {
+      turns.wait();
       scores(t);
+      turns.pass();
       wgmma_wait<0>();
       pin(s);
+      release(bar.k_empty(t % STAGES));
       softmax(t);
       rescale(o, a_lo, a_hi);
       pack_p<BF16>(s, pa);
+      turns.wait();
       values(t);
+      turns.pass();
       wgmma_wait<0>();
       pin(o);
       pin(pa);
-      release(t);
+      release(bar.v_empty(t % STAGES));
     }
   } else {
+    turns.wait();
     scores(0);
+    turns.pass();
     wgmma_wait<0>();
     pin(s);
+    release(bar.k_empty(0));
     softmax(0);
     pack_p<BF16>(s, pa);
     // Steady state peeled so that every path has the same wgmma structure
     // (ptxas serialises the wgmmas when S(t+1) is issued conditionally).
     for (int t = 0; t + 1 < w.n_steps; ++t) {
+      turns.wait();
       scores(t + 1);  // S of step t+1 runs while ...
       values(t);      // ... PV of step t is queued behind it
+      turns.pass();
       wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
       pin(s);
+      release(bar.k_empty((t + 1) % STAGES));
       softmax(t + 1);
       wgmma_wait<0>();
       pin(o);
       pin(pa);
-      release(t);
+      release(bar.v_empty(t % STAGES));
       rescale(o, a_lo, a_hi);
       pack_p<BF16>(s, pa);
     }
+    turns.wait();
     values(w.n_steps - 1);
+    turns.pass();
     wgmma_wait<0>();
     pin(o);
     pin(pa);
-    release(w.n_steps - 1);
+    release(bar.v_empty((w.n_steps - 1) % STAGES));
   }
+  turns.finish();
 
   // Epilogue: O / l, rows inside the request only.
   const float inv_lo = 1.f / quad_sum(l_lo), inv_hi = 1.f / quad_sum(l_hi);
-  using T = uint32_t;
   char* out = static_cast<char*>(p.out);
   const int col0 = 2 * (lane % 4);
   if (r_lo < w.q_len) {
-    T* dst = reinterpret_cast<T*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
 #pragma unroll
     for (int i = 0; i < 16; ++i) dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i] * inv_lo, o[4 * i + 1] * inv_lo);
   }
   if (r_hi < w.q_len) {
-    T* dst = reinterpret_cast<T*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
 #pragma unroll
     for (int i = 0; i < 16; ++i)
       dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i + 2] * inv_hi, o[4 * i + 3] * inv_hi);
   }
 }
 
-template <bool BF16, bool OVERLAP>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  using L = Layout<STAGES>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
-  const Barriers bar{smem + kOffBar};
+  const Barriers<STAGES> bar{smem + L::kOffBar};
 
   const int head = blockIdx.x;
   const int tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
@@ -363,10 +420,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar.k_full(s), 1);
       mbar_init(bar.v_full(s), 1);
-      mbar_init(bar.empty(s), 8);  // one arrival per consumer warp
+      mbar_init(bar.k_empty(s), 8);  // one arrival per consumer warp
+      mbar_init(bar.v_empty(s), 8);
     }
     mbar_fence_init();
   }
@@ -374,10 +432,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     regs_dealloc<24>();
-    if (threadIdx.x == 0) produce(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
+    if (threadIdx.x == 0) produce<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
   } else {
     regs_alloc<240>();
-    consume<BF16, OVERLAP>(p, w, smem_ptr, smem, bar, head);
+    consume<BF16, OVERLAP, PINGPONG, STAGES>(p, w, smem_ptr, smem, bar, head);
   }
 }
 
@@ -399,18 +457,35 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, bool OVERLAP>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES>;
+  constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return static_cast<int>(e);
     configured = true;
   }
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, p);
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
+}
+
+// variant bits: 1 OVERLAP, 2 PINGPONG, 4 three stages.
+template <bool BF16>
+int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+                   const Params& p, dim3 grid, cudaStream_t st) {
+  switch (variant & 7) {
+    case 0: return launch<BF16, false, false, 2>(tq, tk, tv, p, grid, st);
+    case 1: return launch<BF16, true, false, 2>(tq, tk, tv, p, grid, st);
+    case 2: return launch<BF16, false, true, 2>(tq, tk, tv, p, grid, st);
+    case 3: return launch<BF16, true, true, 2>(tq, tk, tv, p, grid, st);
+    case 4: return launch<BF16, false, false, 3>(tq, tk, tv, p, grid, st);
+    case 5: return launch<BF16, true, false, 3>(tq, tk, tv, p, grid, st);
+    case 6: return launch<BF16, false, true, 3>(tq, tk, tv, p, grid, st);
+    default: return launch<BF16, true, true, 3>(tq, tk, tv, p, grid, st);
+  }
 }
 
 }  // namespace
@@ -418,14 +493,15 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 
 // C entry point (ctypes). Strides in elements. Returns 0 or an error code:
 // a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
-// rejected: alignment or stride not a multiple of 16 bytes).
+// rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant).
+// variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages.
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
                                 int64_t out_head_stride, const int* block_table, int64_t bt_stride,
                                 const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
                                 int max_q_len, int num_heads, int num_kv_heads, int block_size, float scale,
-                                int causal, int is_bf16, int overlap, unsigned v_lbo, unsigned v_sbo,
+                                int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 void* stream) {
   using namespace dhp;
   EncodeTiled encode = encode_fn();
@@ -476,6 +552,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (p.num_q_tiles == 0 || num_seqs == 0) return 0;
   const dim3 grid(num_heads, p.num_q_tiles, num_seqs);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (is_bf16) return overlap ? launch<true, true>(tq, tk, tv, p, grid, st) : launch<true, false>(tq, tk, tv, p, grid, st);
-  return overlap ? launch<false, true>(tq, tk, tv, p, grid, st) : launch<false, false>(tq, tk, tv, p, grid, st);
+  if (variant < 0 || variant > 7) return -5;
+  return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)
+                 : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
 }

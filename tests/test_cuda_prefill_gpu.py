@@ -4,6 +4,7 @@ sizes 16-128, causal and full, chunked prefill with cached context, NaN/inf
 garbage in every cache slot and block-table entry no request owns), rows outside
 the requests untouched, both binaries bit-equal, repeatable bits, and batch
 invariance (a request's rows alone = inside any batch).
+Every binary (`VARIANTS`) is checked and compared bit for bit with ``plain``.
 
 Needs nvcc (the kernel is built on first use). Run:
 ``pytest -m gpu tests/test_cuda_prefill_gpu.py``.
@@ -17,7 +18,7 @@ import torch
 from triton_steps import assemble, bits, make_request, reference, rel_err
 
 from dhp_backend.ops.cuda_build import find_nvcc
-from dhp_backend.ops.cuda_prefill import prefill_sm90, unavailable_reason
+from dhp_backend.ops.cuda_prefill import VARIANTS, prefill_sm90, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,10 +30,10 @@ pytestmark = [
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def run(step, causal, overlap=True, out=None):
+def run(step, causal, variant="plain", out=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     max_q = int((step.query_start_loc[1:] - step.query_start_loc[:-1]).max()) if step.seq_lens.numel() else 0
-    return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, max_query_len=max_q, overlap=overlap)
+    return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, max_query_len=max_q, variant=variant)
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=700):
@@ -61,8 +62,9 @@ def test_matches_reference(H, Hkv, dtype, bs, causal):
         err = rel_err(out, ref, n)
         assert err < TOL[dtype], f"trial {trial}: rel err {err:.2e} for {[(r.q_len, r.seq_len) for r in reqs]}"
         assert torch.isnan(out[n:].float()).all(), "rows outside the requests were written"
-        plain = run(step, causal, overlap=False)
-        assert torch.equal(bits(plain[:n]), bits(out[:n])), "the two binaries differ in bits"
+        for variant in VARIANTS:
+            other = run(step, causal, variant)
+            assert torch.equal(bits(other[:n]), bits(out[:n])), f"binary {variant} differs from plain in bits"
         again = run(step, causal)
         assert torch.equal(bits(again[:n]), bits(out[:n])), "not repeatable bit for bit"
 

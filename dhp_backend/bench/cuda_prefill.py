@@ -11,8 +11,9 @@ timed. Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, NaN garbage in
 every cache slot no request owns (the kernel must not let it through), a random
 block table. FA3 gets the same data in its own paged layout (NHD, contiguous),
 DHP's Triton kernel runs under policy ``off`` (its fastest), the CUDA kernel in
-both binaries (``cuda``: QK^T, softmax, PV in turn; ``cuda_overlap``: the next
-QK^T under the softmax). FLOPs are the useful count (the causal triangle).
+each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; the
+outputs of all of them are compared bit for bit). FLOPs are the useful count
+(the causal triangle).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 import time
 
 import torch
+
+from dhp_backend.ops.cuda_prefill import VARIANTS
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -41,6 +44,7 @@ SHAPES = {
     "batch4-4000": ([(4000, 4000)] * 4, True),
 }
 V_DESC_CANDIDATES = [(128 * 128, 1024), (1024, 128 * 128)]
+DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in VARIANTS)
 
 
 def useful_flop(reqs, causal: bool) -> float:
@@ -94,12 +98,12 @@ def sdpa_ref(st, causal):
     return out
 
 
-def cuda_fn(st, causal, overlap, v_desc):
+def cuda_fn(st, causal, variant, v_desc):
     from dhp_backend.ops.cuda_prefill import prefill_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], overlap=overlap, v_desc=v_desc)
-    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], overlap=overlap,
+    prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], variant=variant, v_desc=v_desc)
+    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], variant=variant,
                                 check=False, v_desc=v_desc)
 
 
@@ -141,11 +145,10 @@ def probe() -> tuple[int, int] | None:
         for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
             st = make_step(reqs, gen)
             ref = sdpa_ref(st, causal)
-            for overlap in (False, True):
-                fn = cuda_fn(st, causal, overlap, v_desc)
-                o = fn()
+            for variant in VARIANTS:
+                o = cuda_fn(st, causal, variant, v_desc)()
                 torch.cuda.synchronize()
-                errs[f"{reqs} causal={causal} overlap={overlap}"] = rel_err(o[: ref.shape[0]], ref)
+                errs[f"{reqs} causal={causal} {variant}"] = rel_err(o[: ref.shape[0]], ref)
         ok = all(e < 2e-2 for e in errs.values())
         print(f"probe v_desc={v_desc}: {'OK' if ok else 'WRONG'} " + json.dumps(errs), flush=True)
         if ok and found is None:
@@ -156,7 +159,7 @@ def probe() -> tuple[int, int] | None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--variants", default="fa3,triton_off,cuda,cuda_overlap")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--probe", action="store_true", help="only check the kernel on small shapes (exit 1 if wrong)")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
@@ -196,8 +199,10 @@ def main(argv=None):
                     fns = [fa3_fn(s, causal) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, causal) for s in sets]
+                elif name.startswith("cuda_") and name[5:] in VARIANTS:
+                    fns = [cuda_fn(s, causal, name[5:], v_desc) for s in sets]
                 else:
-                    fns = [cuda_fn(s, causal, name == "cuda_overlap", v_desc) for s in sets]
+                    raise LookupError(f"unknown variant {name}")
                 if fns[0] is None:
                     row["error"] = "not available"
                 else:
@@ -213,8 +218,9 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-        if "cuda" in outs and "cuda_overlap" in outs:
-            same = bool(torch.equal(outs["cuda"].view(torch.int16), outs["cuda_overlap"].view(torch.int16)))
+        cuda_outs = [o.view(torch.int16) for n, o in outs.items() if n.startswith("cuda_")]
+        if len(cuda_outs) > 1:
+            same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
             for r in rows[-len(names):]:
                 r["cuda_binaries_bit_equal"] = same
         fa = next((r["us"] for r in rows[-len(names):] if r["variant"] == "fa3"), None)
@@ -226,13 +232,13 @@ def main(argv=None):
         del sets
         torch.cuda.empty_cache()
 
-    print(f"\n{'shape':16s} {'variant':13s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s}")
+    print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s}")
     for r in rows:
         us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
         tf = f"{r['tflops']:8.1f}" if r["tflops"] else f"{'-':>8s}"
         fx = f"{r['fa3_over']:6.3f}" if r["fa3_over"] else f"{'-':>6s}"
         er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
-        print(f"{r['shape']:16s} {r['variant']:13s} {us} {tf} {fx} {er} {r.get('error', '')}")
+        print(f"{r['shape']:16s} {r['variant']:24s} {us} {tf} {fx} {er} {r.get('error', '')}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -34,6 +34,12 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Shared-memory descriptor offsets of the transposed V operand (bytes): between
 # the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh).
 V_DESC = (128 * 128, 1024)
+# The binaries (csrc/prefill_sm90.cu's variant bits): FA3's intra-warpgroup
+# overlap (the next QK^T under the softmax), its pingpong schedule of the two
+# consumer warpgroups, and 2 or 3 shared-memory stages. Same arithmetic, same bits.
+VARIANTS = {"plain": 0, "overlap": 1, "pingpong": 2, "overlap_pingpong": 3,
+            "plain_s3": 4, "overlap_s3": 5, "pingpong_s3": 6, "overlap_pingpong_s3": 7}
+DEFAULT_VARIANT = "plain"
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
@@ -134,16 +140,17 @@ def check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_q
 
 
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
-                 causal: bool = True, max_query_len: int, overlap: bool = True, check: bool = True,
+                 causal: bool = True, max_query_len: int, variant: str = DEFAULT_VARIANT, check: bool = True,
                  v_desc: tuple[int, int] = V_DESC) -> torch.Tensor:
     """Arguments as `ops.paged_attention`, plus ``max_query_len`` (sizes the grid).
 
-    ``overlap`` picks the binary whose QK^T of the next KV step is issued before
-    the softmax and runs under it (FA3's intra-warpgroup overlap). Both binaries
-    do the same arithmetic in the same order (the GPU test compares their bits).
+    ``variant`` picks one of `VARIANTS` (schedules of the same arithmetic: the
+    GPU test compares their bits).
     ``check`` reads the metadata on the host first (`check_values`).
     """
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len)
+    if variant not in VARIANTS:
+        _fail("variant", repr(variant), ", ".join(VARIANTS))
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
@@ -157,10 +164,11 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, max_query_len, H, Hkv, bs, float(scale),
-                    int(bool(causal)), int(query.dtype == torch.bfloat16), int(bool(overlap)), v_desc[0], v_desc[1],
+                    int(bool(causal)), int(query.dtype == torch.bfloat16), VARIANTS[variant], v_desc[0], v_desc[1],
                     stream)
     if rc != 0:
         what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
-                -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected"}
+                -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected",
+                -5: "unknown variant"}
         raise RuntimeError(f"cuda_prefill: launch failed: {what.get(rc, f'CUDA error {rc}')}")
     return out
