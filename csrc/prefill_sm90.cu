@@ -53,6 +53,10 @@ constexpr int kThreads = 384;
 // tail, and the two turn barriers of the pingpong schedule.
 constexpr uint32_t kBarVTail = 1, kBarTurn = 3;
 
+// Diagnostic binaries (wrong results on purpose, for timing by difference):
+// no softmax arithmetic (P = S), no K/V loads after the first STAGES steps.
+constexpr int kDiagNoSoftmax = 1, kDiagNoLoads = 2;
+
 // Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
 template <int STAGES>
 struct Layout {
@@ -106,7 +110,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int tile) {
 }
 
 // ---- producer ---------------------------------------------------------------
-template <int STAGES>
+template <int STAGES, int DIAG>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                         const Barriers<STAGES>& bar, int head, int req) {
@@ -126,19 +130,37 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     // Pages past the request's last one repeat it (rows past seq_len are
     // masked out of S and zeroed in V by the consumers).
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    // The step's block ids first (at most 8 pages per step), so their loads are
+    // in flight together rather than one behind each TMA issue.
+    int blk[8];
+#pragma unroll
+    for (int pg = 0; pg < 8; ++pg)
+      blk[pg] = pg < pages_per_step ? table[min(t * pages_per_step + pg, last_page)] : 0;
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
-    for (int pg = 0; pg < pages_per_step; ++pg) {
-      const int blk = table[min(t * pages_per_step + pg, last_page)];
-      tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk);
-      tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk);
+    if ((DIAG & kDiagNoLoads) && t >= STAGES) {
+      mbar_arrive(bar.k_full(s));  // diagnostic: compute on the stale stage
+    } else {
+      mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
+#pragma unroll
+      for (int pg = 0; pg < 8; ++pg) {
+        if (pg < pages_per_step) {
+          tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk[pg]);
+          tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk[pg]);
+        }
+      }
     }
     if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
-    for (int pg = 0; pg < pages_per_step; ++pg) {
-      const int blk = table[min(t * pages_per_step + pg, last_page)];
-      tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk);
-      tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk);
+    if ((DIAG & kDiagNoLoads) && t >= STAGES) {
+      mbar_arrive(bar.v_full(s));
+    } else {
+      mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
+#pragma unroll
+      for (int pg = 0; pg < 8; ++pg) {
+        if (pg < pages_per_step) {
+          tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk[pg]);
+          tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk[pg]);
+        }
+      }
     }
   }
 }
@@ -275,7 +297,7 @@ struct Turns {
   }
 };
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                         const Barriers<STAGES>& bar, int head) {
   using L = Layout<STAGES>;
@@ -319,6 +341,11 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   };
   auto softmax = [&](int t) {
     const int kv0 = t * kCols;
+    if constexpr (DIAG & kDiagNoSoftmax) {
+      a_lo = a_hi = 1.f;
+      l_lo = l_hi = 1.f;
+      return;
+    }
     if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
     softmax_step(s, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi, p.scale_log2);
   };
@@ -400,7 +427,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -432,10 +459,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     regs_dealloc<24>();
-    if (threadIdx.x == 0) produce<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
+    if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
   } else {
     regs_alloc<240>();
-    consume<BF16, OVERLAP, PINGPONG, STAGES>(p, w, smem_ptr, smem, bar, head);
+    consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, head);
   }
 }
 
@@ -457,10 +484,10 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG>;
   constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -472,10 +499,18 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return static_cast<int>(cudaGetLastError());
 }
 
-// variant bits: 1 OVERLAP, 2 PINGPONG, 4 three stages.
+// variant bits: 1 OVERLAP, 2 PINGPONG, 4 three stages; 8/16/24 the diagnostic
+// plain binaries (no softmax / no loads / neither; bf16 only).
 template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
+  if (variant >= 8) {
+    if (!BF16) return -5;
+    if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
+    if (variant == 16) return launch<BF16, false, false, 2, kDiagNoLoads>(tq, tk, tv, p, grid, st);
+    if (variant == 24) return launch<BF16, false, false, 2, kDiagNoSoftmax | kDiagNoLoads>(tq, tk, tv, p, grid, st);
+    return -5;
+  }
   switch (variant & 7) {
     case 0: return launch<BF16, false, false, 2>(tq, tk, tv, p, grid, st);
     case 1: return launch<BF16, true, false, 2>(tq, tk, tv, p, grid, st);
@@ -494,7 +529,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // C entry point (ctypes). Strides in elements. Returns 0 or an error code:
 // a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
 // rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant).
-// variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages.
+// variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
+// 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -552,7 +588,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (p.num_q_tiles == 0 || num_seqs == 0) return 0;
   const dim3 grid(num_heads, p.num_q_tiles, num_seqs);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (variant < 0 || variant > 7) return -5;
+  if (variant < 0) return -5;
   return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)
                  : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
 }

@@ -40,6 +40,9 @@ V_DESC = (128 * 128, 1024)
 VARIANTS = {"plain": 0, "overlap": 1, "pingpong": 2, "overlap_pingpong": 3,
             "plain_s3": 4, "overlap_s3": 5, "pingpong_s3": 6, "overlap_pingpong_s3": 7}
 DEFAULT_VARIANT = "plain"
+# Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
+# results on purpose, bf16 only, for the bench's "where the time goes" rows.
+DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
@@ -149,7 +152,8 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     ``check`` reads the metadata on the host first (`check_values`).
     """
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len)
-    if variant not in VARIANTS:
+    codes = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
+    if variant not in codes:
         _fail("variant", repr(variant), ", ".join(VARIANTS))
     reason = unavailable_reason(query.device)
     if reason:
@@ -164,7 +168,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, max_query_len, H, Hkv, bs, float(scale),
-                    int(bool(causal)), int(query.dtype == torch.bfloat16), VARIANTS[variant], v_desc[0], v_desc[1],
+                    int(bool(causal)), int(query.dtype == torch.bfloat16), codes[variant], v_desc[0], v_desc[1],
                     stream)
     if rc != 0:
         what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
