@@ -124,26 +124,18 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   const int bs = p.block_size;
   const int pages_per_step = kCols / bs;
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  // Block ids are read one step ahead (at most 8 pages per step, in registers):
-  // a table read behind each TMA issue put one L2 round trip per page on the
-  // producer's path (measured: 0.72 -> 0.82 of FA3 at 4K causal for the first
-  // step of this, all ids of a step read together).
-  // Pages past the request's last one repeat it (rows past seq_len are masked
-  // out of S and zeroed in V by the consumers).
-  int next[8];
-  auto read_ids = [&](int t) {
-#pragma unroll
-    for (int pg = 0; pg < 8; ++pg) next[pg] = pg < pages_per_step ? table[min(t * pages_per_step + pg, last_page)] : 0;
-  };
-  read_ids(0);
   for (int t = 0; t < w.n_steps; ++t) {
     const int s = t % STAGES;
     const uint32_t parity = ((t / STAGES) - 1) & 1;  // the release of step t - STAGES
+    // Pages past the request's last one repeat it (rows past seq_len are
+    // masked out of S and zeroed in V by the consumers).
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    // The step's block ids first (at most 8 pages per step), so their loads are
+    // in flight together rather than one behind each TMA issue.
     int blk[8];
 #pragma unroll
-    for (int pg = 0; pg < 8; ++pg) blk[pg] = next[pg];
-    if (t + 1 < w.n_steps) read_ids(t + 1);
+    for (int pg = 0; pg < 8; ++pg)
+      blk[pg] = pg < pages_per_step ? table[min(t * pages_per_step + pg, last_page)] : 0;
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
     if ((DIAG & kDiagNoLoads) && t >= STAGES) {
       mbar_arrive(bar.k_full(s));  // diagnostic: compute on the stale stage
