@@ -74,8 +74,9 @@ struct Params {
   int64_t bt_stride;
   const int* seq_lens;
   const int* query_start_loc;
-  int num_heads, num_kv_heads, block_size, num_q_tiles;
-  float scale_log2;                              // softmax scale * log2(e)
+  int num_heads, num_kv_heads, block_size;
+  int num_seqs, num_out_rows, num_tiles;         // requests, rows to write (num_tokens), grid tiles
+  float scale_log2;                              // softmax scale * log2(e) (qk_scale)
   int causal;
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
 };
@@ -97,12 +98,27 @@ struct Work {
   int q0, q_len, seq_len, row0, n_steps;
 };
 
-__device__ __forceinline__ Work work_of(const Params& p, int req, int tile) {
+// The tiling of ops.paged_attention's Triton kernels (kernels.locate): request r
+// owns the tile indices [key(r), key(r + 1)) with key(r) = qsl[r] / 128 + r, which
+// covers its ceil(q_len / 128) tiles and at most one surplus; index num_seqs is
+// the padding pseudo-request (rows qsl[num_seqs] .. num_out_rows, written as 0).
+// The grid is num_tokens / 128 + num_seqs + 1 tiles: sized from host-known
+// counts, no max_query_len needed. The keys increase strictly: binary search.
+__device__ __forceinline__ int locate(const int* qsl, int num_seqs, int g) {
+  int lo = 0, hi = num_seqs;  // key(0) = 0 <= g
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] / kRows + mid <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
   Work w;
   w.q0 = p.query_start_loc[req];
   w.q_len = p.query_start_loc[req + 1] - w.q0;
   w.seq_len = p.seq_lens[req];
-  w.row0 = tile * kRows;
+  w.row0 = (g - (w.q0 / kRows + req)) * kRows;
   const int last_row = min(w.row0 + kRows, w.q_len) - 1;
   const int kv_end = p.causal ? min(w.seq_len, w.seq_len - w.q_len + last_row + 1) : w.seq_len;
   w.n_steps = (kv_end + kCols - 1) / kCols;
@@ -427,7 +443,222 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0>
+
+// ---- Triton-bit-compatible consumer (COMPAT) ------------------------------------
+// The arithmetic of dhp_backend/ops/triton/kernels.py (kv_step, row_sum, fold,
+// finalize) operation for operation, so that a row's bits equal the Triton
+// kernels' whatever kernel computes it (batch invariance across step kinds):
+//   KV steps of 64 positions at absolute multiples of 64 (S by m64n64k16 wgmmas,
+//   as Triton's 64-wide tile), splits of SPLIT_KV = 512 positions at absolute
+//   multiples of 512, each from a fresh state folded into a running state;
+//   s = qk * qk_scale (a multiply, then the mask select), m from -FLT_MAX,
+//   alpha selected to 1 when the max does not move, p = ex2.approx.ftz(s - m),
+//   row sums: own column pair, + lane^2, + lane^1 per 8-column group, then the
+//   groups in a pairwise tree; l = fma(l, alpha, rowsum); acc * alpha then the
+//   PV wgmma; fold with fma as `fold`; 1 / l by div.full. The _rn intrinsics keep
+//   nvcc from contracting a multiply and an add into an fma where Triton does not.
+// Steps and splits past a row's last position are exact no-ops in that
+// arithmetic, so the tile extent (128 rows here, 32 tokens x 4 heads there)
+// does not change any row's bits. tests/test_cuda_prefill_gpu.py compares bits.
+constexpr int kSplitStages = 512 / kCols;  // config.SPLIT_KV in 128-position stages
+constexpr float kMInit = -3.4028234663852886e38f;
+
+__device__ __forceinline__ float select_ex2(float a, float m) { return a == m ? 1.f : ex2(__fsub_rn(a, m)); }
+
+// One 64-column half: mask, online-softmax update of (m, l), p in place; the
+// alphas for the running output come back.
+__device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
+                                               int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
+                                               float& l_hi, float& a_lo, float& a_hi) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
+      const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
+      s[4 * i + e] = (masked && col > lim_lo) ? -INFINITY : lo;
+      s[4 * i + 2 + e] = (masked && col > lim_hi) ? -INFINITY : hi;
+    }
+  }
+  float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
+  a_lo = select_ex2(m_lo, new_lo);
+  a_hi = select_ex2(m_hi, new_hi);
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float g_lo[8], g_hi[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
+    s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
+    s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
+    s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
+    float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+    x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+    y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
+    g_lo[i] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+    g_hi[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
+  }
+  auto tree = [](const float (&g)[8]) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
+                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
+  };
+  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
+  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void pack_half(const float (&s)[32], uint32_t (&pa)[16]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
+    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
+    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
+    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i] = __fmul_rn(o[4 * i], a_lo);
+    o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
+    o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
+    o[4 * i + 3] = __fmul_rn(o[4 * i + 3], a_hi);
+  }
+}
+
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                               const Barriers<STAGES>& bar, int head) {
+  using L = Layout<STAGES>;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int r_lo = w.row0 + 64 * cw + 16 * warp + lane / 4;
+  const int r_hi = r_lo + 8;
+  const int ctx0 = w.seq_len - w.q_len;
+  // Triton's limit - 1 (positions p < limit are attended).
+  const int lim_lo = p.causal ? ctx0 + r_lo : w.seq_len - 1;
+  const int lim_hi = p.causal ? ctx0 + r_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + w.row0 + 64 * cw, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+
+  float run[64], acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) run[i] = acc[i] = 0.f;
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state
+  float sa[32], sb[32];
+  uint32_t pa[16], pb[16];
+
+  mbar_wait(bar.q_full(), 0);
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int st = t % STAGES;
+    const uint32_t par = (t / STAGES) & 1;
+    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
+    mbar_wait(bar.k_full(st), par);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHead / 16; ++kk) {
+      const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+      wgmma_m64n64k16_ss<BF16>(sa, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHead / 16; ++kk) {
+      const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+      wgmma_m64n64k16_ss<BF16>(sb, desc_sw128(q_base + off, 16, 1024),
+                               desc_sw128(k_base + 64 * 128 + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(sa);
+    pin(sb);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.k_empty(st));
+
+    const int kv0 = t * kCols;
+    float aa_lo, aa_hi, ab_lo, ab_hi;
+    compat_softmax(sa, kv0, lim_lo, lim_hi, kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi, aa_lo,
+                   aa_hi);
+    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, kv0 + 128 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
+                   ab_lo, ab_hi);
+    pack_half<BF16>(sa, pa);
+    pack_half<BF16>(sb, pb);
+
+    mbar_wait(bar.v_full(st), par);
+    const int valid = w.seq_len - kv0;
+    if (valid < kCols) zero_v_tail(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    scale_rows(acc, aa_lo, aa_hi);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
+      wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    scale_rows(acc, ab_lo, ab_hi);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 4; j < 8; ++j) {
+      const uint32_t a[4] = {pb[4 * (j - 4)], pb[4 * (j - 4) + 1], pb[4 * (j - 4) + 2], pb[4 * (j - 4) + 3]};
+      wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pb);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.v_empty(st));
+
+    if ((t + 1) % kSplitStages == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
+      const float m2_lo = fmaxf(mr_lo, m_lo), m2_hi = fmaxf(mr_hi, m_hi);
+      const float al_lo = select_ex2(mr_lo, m2_lo), al_hi = select_ex2(mr_hi, m2_hi);
+      const float be_lo = select_ex2(m_lo, m2_lo), be_hi = select_ex2(m_hi, m2_hi);
+      lr_lo = __fmaf_rn(lr_lo, al_lo, __fmul_rn(l_lo, be_lo));
+      lr_hi = __fmaf_rn(lr_hi, al_hi, __fmul_rn(l_hi, be_hi));
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        run[4 * i] = __fmaf_rn(run[4 * i], al_lo, __fmul_rn(acc[4 * i], be_lo));
+        run[4 * i + 1] = __fmaf_rn(run[4 * i + 1], al_lo, __fmul_rn(acc[4 * i + 1], be_lo));
+        run[4 * i + 2] = __fmaf_rn(run[4 * i + 2], al_hi, __fmul_rn(acc[4 * i + 2], be_hi));
+        run[4 * i + 3] = __fmaf_rn(run[4 * i + 3], al_hi, __fmul_rn(acc[4 * i + 3], be_hi));
+      }
+      mr_lo = m2_lo;
+      mr_hi = m2_hi;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+  }
+
+  // finalize: acc * (1 / l) with l > 0 selected (div.full), rounded once.
+  const float inv_lo = div_full(1.f, lr_lo > 0.f ? lr_lo : 1.f), inv_hi = div_full(1.f, lr_hi > 0.f ? lr_hi : 1.f);
+  char* out = static_cast<char*>(p.out);
+  const int col0 = 2 * (lane % 4);
+  if (r_lo < w.q_len) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      dst[(8 * i + col0) / 2] = pack2<BF16>(__fmul_rn(run[4 * i], inv_lo), __fmul_rn(run[4 * i + 1], inv_lo));
+  }
+  if (r_hi < w.q_len) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      dst[(8 * i + col0) / 2] = pack2<BF16>(__fmul_rn(run[4 * i + 2], inv_hi), __fmul_rn(run[4 * i + 3], inv_hi));
+  }
+}
+
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -440,10 +671,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Barriers<STAGES> bar{smem + L::kOffBar};
 
   const int head = blockIdx.x;
-  const int tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
-  const int req = blockIdx.z;
-  const Work w = work_of(p, req, tile);
-  if (w.row0 >= w.q_len) return;  // whole CTA: no rows of this request here
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);  // a request's longest causal tiles first
+  const int req = locate(p.query_start_loc, p.num_seqs, g);
+  if (req == p.num_seqs) {  // padding rows: zeros, as the Triton kernels write them
+    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / kRows + req)) * kRows;
+    const int rows = min(kRows, p.num_out_rows - first);
+    char* out = static_cast<char*>(p.out);
+    for (int i = threadIdx.x; i < rows * 16; i += kThreads) {
+      const int64_t row = first + i / 16;
+      reinterpret_cast<uint4*>(out + 2 * (row * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const Work w = work_of(p, req, g);
+  if (w.row0 >= w.q_len) return;  // whole CTA: a surplus tile of this request
 
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
@@ -458,11 +700,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    regs_dealloc<24>();
+    regs_dealloc<40>();  // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers
     if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
   } else {
-    regs_alloc<240>();
-    consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, head);
+    regs_alloc<232>();
+    if constexpr (COMPAT)
+      consume_compat<BF16, STAGES>(p, w, smem_ptr, smem, bar, head);
+    else
+      consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, head);
   }
 }
 
@@ -484,10 +729,10 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT>;
   constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -504,6 +749,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
+  if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant >= 8) {
     if (!BF16) return -5;
     if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
@@ -528,15 +774,18 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 
 // C entry point (ctypes). Strides in elements. Returns 0 or an error code:
 // a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
-// rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant).
+// rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant),
+// -6 (more than 65535 tiles: num_tokens / 128 + num_seqs + 1).
 // variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
-// 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither).
+// 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
+// 32 the Triton-bit-compatible binary (COMPAT). qk_scale = softmax scale * log2(e)
+// as the caller computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
                                 int64_t out_head_stride, const int* block_table, int64_t bt_stride,
                                 const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
-                                int max_q_len, int num_heads, int num_kv_heads, int block_size, float scale,
+                                int num_out_rows, int num_heads, int num_kv_heads, int block_size, float qk_scale,
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 void* stream) {
   using namespace dhp;
@@ -580,13 +829,15 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.block_size = block_size;
-  p.num_q_tiles = (max_q_len + kRows - 1) / kRows;
-  p.scale_log2 = scale * 1.4426950408889634f;
+  p.num_seqs = num_seqs;
+  p.num_out_rows = num_out_rows;
+  p.num_tiles = num_out_rows / kRows + num_seqs + 1;
+  p.scale_log2 = qk_scale;
   p.causal = causal;
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
-  if (p.num_q_tiles == 0 || num_seqs == 0) return 0;
-  const dim3 grid(num_heads, p.num_q_tiles, num_seqs);
+  if (p.num_tiles > 65535) return -6;
+  const dim3 grid(num_heads, p.num_tiles, 1);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (variant < 0) return -5;
   return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)

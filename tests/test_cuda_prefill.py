@@ -18,7 +18,7 @@ def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16):
 
 def test_cpu_tensors_refused_with_the_accepted_device():
     with pytest.raises(ValueError, match=r"query's device is cpu; accepted: a CUDA device"):
-        prefill_sm90(*cpu_step(), scale=0.1, max_query_len=10)
+        prefill_sm90(*cpu_step(), scale=0.1)
 
 
 @pytest.mark.parametrize("kw,pattern", [
@@ -31,13 +31,13 @@ def test_shapes_refused(monkeypatch, kw, pattern):
     # Validation past the device check: pretend the tensors are on CUDA.
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match=pattern):
-        validate(*cpu_step(**kw), max_query_len=10)
+        validate(*cpu_step(**kw), num_tokens=10)
 
 
-def test_max_query_len_must_be_an_int(monkeypatch):
+def test_num_tokens_must_fit_the_query(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match="max_query_len is None"):
-        validate(*cpu_step(), max_query_len=None)
+    with pytest.raises(ValueError, match=r"num_tokens is 11; accepted: an int in \[0, query.shape\[0\] = 10\]"):
+        validate(*cpu_step(), num_tokens=11)
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch):

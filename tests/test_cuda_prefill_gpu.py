@@ -1,9 +1,11 @@
 """The csrc Hopper prefill kernel (ops.cuda_prefill) on an sm_90 GPU: accuracy
 against the reference over random packed steps (GQA/MHA/MQA, fp16/bf16, block
 sizes 16-128, causal and full, chunked prefill with cached context, NaN/inf
-garbage in every cache slot and block-table entry no request owns), rows outside
-the requests untouched, both binaries bit-equal, repeatable bits, and batch
-invariance (a request's rows alone = inside any batch).
+garbage in every cache slot and block-table entry no request owns), padding rows
+zero and rows past num_tokens untouched, repeatable bits, batch invariance (a
+request's rows alone = inside any batch), and the ``compat`` binary's bits equal
+to DHP's Triton kernel under policy off (what lets ops.paged_attention route
+prefill steps to it).
 Every binary (`VARIANTS`) is checked and compared bit for bit with ``plain``.
 
 Needs nvcc (the kernel is built on first use). Run:
@@ -18,7 +20,8 @@ import torch
 from triton_steps import assemble, bits, make_request, reference, rel_err
 
 from dhp_backend.ops.cuda_build import find_nvcc
-from dhp_backend.ops.cuda_prefill import VARIANTS, prefill_sm90, unavailable_reason
+from dhp_backend.ops import paged_attention
+from dhp_backend.ops.cuda_prefill import COMPAT, VARIANTS, prefill_sm90, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,8 +35,13 @@ TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 def run(step, causal, variant="plain", out=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
-    max_q = int((step.query_start_loc[1:] - step.query_start_loc[:-1]).max()) if step.seq_lens.numel() else 0
-    return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, max_query_len=max_q, variant=variant)
+    return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens, variant=variant)
+
+
+def run_triton(step, causal):
+    out = torch.full_like(step.query, float("nan"))
+    return paged_attention(*step.args(), out, scale=0.0883, causal=causal, policy="off", path="triton",
+                           num_tokens=step.num_tokens)
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=700):
@@ -55,13 +63,19 @@ def test_matches_reference(H, Hkv, dtype, bs, causal):
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
     for trial in range(4):
         reqs = random_reqs(rng, gen, rng.randint(1, 5), H, Hkv, dtype)
-        step = assemble(reqs, block_size=bs, gen=gen, extra_rows=3)
+        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5]), extra_rows=3)
         n = int(step.query_start_loc[-1])
         ref = reference(step, scale=0.0883, causal=causal)
         out = run(step, causal)
         err = rel_err(out, ref, n)
         assert err < TOL[dtype], f"trial {trial}: rel err {err:.2e} for {[(r.q_len, r.seq_len) for r in reqs]}"
-        assert torch.isnan(out[n:].float()).all(), "rows outside the requests were written"
+        assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
+        assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
+        compat = run(step, causal, COMPAT)
+        assert rel_err(compat, ref, n) < TOL[dtype]
+        triton_bits = run_triton(step, causal)
+        assert torch.equal(bits(compat[: step.num_tokens]), bits(triton_bits[: step.num_tokens])), (
+            f"compat binary differs from the Triton kernel's bits for {[(r.q_len, r.seq_len) for r in reqs]}")
         for variant in VARIANTS:
             other = run(step, causal, variant)
             assert torch.equal(bits(other[:n]), bits(out[:n])), f"binary {variant} differs from plain in bits"

@@ -11,9 +11,10 @@ timed. Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, NaN garbage in
 every cache slot no request owns (the kernel must not let it through), a random
 block table. FA3 gets the same data in its own paged layout (NHD, contiguous),
 DHP's Triton kernel runs under policy ``off`` (its fastest), the CUDA kernel in
-each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; the
-outputs of all of them are compared bit for bit). FLOPs are the useful count
-(the causal triangle).
+each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; their
+outputs are compared bit for bit) and the ``compat`` binary (``cuda_compat``,
+compared bit for bit with ``triton_off``). FLOPs are the useful count (the
+causal triangle).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from dhp_backend.ops.cuda_prefill import DIAGNOSTIC_VARIANTS, VARIANTS
+from dhp_backend.ops.cuda_prefill import COMPAT, DIAGNOSTIC_VARIANTS, VARIANTS
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -44,7 +45,8 @@ SHAPES = {
     "batch4-4000": ([(4000, 4000)] * 4, True),
 }
 V_DESC_CANDIDATES = [(128 * 128, 1024), (1024, 128 * 128)]
-DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in VARIANTS)
+DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
+ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None}
 # cuda_diag_*: timed without a check (wrong on purpose), to place the time by difference.
 
 
@@ -103,9 +105,8 @@ def cuda_fn(st, causal, variant, v_desc):
     from dhp_backend.ops.cuda_prefill import prefill_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], variant=variant, v_desc=v_desc)
-    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, max_query_len=st["max_q"], variant=variant,
-                                check=False, v_desc=v_desc)
+    prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, v_desc=v_desc)
+    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, check=False, v_desc=v_desc)
 
 
 def triton_off_fn(st, causal):
@@ -146,7 +147,7 @@ def probe() -> tuple[int, int] | None:
         for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
             st = make_step(reqs, gen)
             ref = sdpa_ref(st, causal)
-            for variant in VARIANTS:
+            for variant in [*VARIANTS, COMPAT]:
                 o = cuda_fn(st, causal, variant, v_desc)()
                 torch.cuda.synchronize()
                 errs[f"{reqs} causal={causal} {variant}"] = rel_err(o[: ref.shape[0]], ref)
@@ -200,7 +201,7 @@ def main(argv=None):
                     fns = [fa3_fn(s, causal) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, causal) for s in sets]
-                elif name.startswith("cuda_") and name[5:] in {**VARIANTS, **DIAGNOSTIC_VARIANTS}:
+                elif name.startswith("cuda_") and name[5:] in ALL_CUDA:
                     fns = [cuda_fn(s, causal, name[5:], v_desc) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
@@ -223,11 +224,16 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-        cuda_outs = [o.view(torch.int16) for n, o in outs.items() if n.startswith("cuda_")]
+        # Bits: the FA3-like binaries among themselves; compat against DHP's Triton kernel.
+        cuda_outs = [o.view(torch.int16) for n, o in outs.items() if n[5:] in VARIANTS]
         if len(cuda_outs) > 1:
             same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
             for r in rows[-len(names):]:
                 r["cuda_binaries_bit_equal"] = same
+        if f"cuda_{COMPAT}" in outs and "triton_off" in outs:
+            same = bool(torch.equal(outs[f"cuda_{COMPAT}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
+            for r in rows[-len(names):]:
+                r["compat_bits_equal_triton"] = same
         fa = next((r["us"] for r in rows[-len(names):] if r["variant"] == "fa3"), None)
         for r in rows[-len(names):]:
             r["fa3_over"] = fa / r["us"] if fa and r["us"] else None

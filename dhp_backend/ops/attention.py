@@ -174,6 +174,9 @@ def paged_attention(
     )
     choice = _choose_path_logged(spec, policy, path, allow_fallback)
     run = _PATH_RUNNERS[choice.name]()
+    if path == "auto" and choice.name == dispatch.TRITON and policy is Policy.OFF and _cuda_prefill_step(
+            spec, num_tokens, num_reqs):
+        run = _cuda_prefill_runner()
     run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
         scale=float(scale), causal=causal, policy=policy, bucket=bucket, num_tokens=num_tokens)
     return out
@@ -258,6 +261,39 @@ def _reference_runner():
     from dhp_backend.ops.reference import paged_attention_reference
 
     return paged_attention_reference
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_prefill_routes(spec) -> bool:
+    from dhp_backend.ops.cuda_prefill import routes_prefill
+
+    ok, reason = routes_prefill(spec)
+    logger.info("DHP paged_attention: policy=off prefill steps on %s", reason if ok else f"Triton ({reason})")
+    return ok
+
+
+def _cuda_prefill_step(spec, num_tokens: int, num_reqs: int) -> bool:
+    """Policy ``off`` only: a prefill step (the Triton launcher's step kind, public
+    geometry) runs on the csrc kernel's Triton-bit-compatible binary. Same bits
+    as the Triton kernels (GPU test), so which kernel ran never shows in a row's
+    bits; about 2x the Triton kernel's speed on Hopper (docs/perf-notes.md)."""
+    if spec.device_type != "cuda" or not _cuda_prefill_routes(spec):
+        return False
+    from dhp_backend.ops.triton.launch import step_kind
+
+    return step_kind(num_tokens, num_reqs) == "prefill"
+
+
+def _cuda_prefill_runner():
+    from dhp_backend.ops.cuda_prefill import COMPAT, prefill_sm90
+
+    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
+            bucket, num_tokens):
+        del policy, bucket  # policy off: true lengths
+        return prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
+                            causal=causal, num_tokens=num_tokens, variant=COMPAT, check=False)
+
+    return run
 
 
 def _triton_runner():

@@ -9,20 +9,28 @@ What it is and is not, today:
   with cached context, GQA/MQA), same argument layouts. Deterministic and batch
   invariant by construction: one CTA per (request, 128 query rows, head), no
   atomics, a fixed KV order.
-- Not constant-time (it walks the true lengths) and not bit-equal to the Triton
-  kernels (another reduction order). `ops.paged_attention` does not route to it:
-  a step-kind dependent choice of kernel would break the cross-step-kind bit
-  equality that batch invariance rests on. It is measured by
-  ``python -m dhp_backend.bench.cuda_prefill``.
+- Not constant-time (it walks the true lengths).
+- Two arithmetics. The ``VARIANTS`` (FA3-like: 128-position KV steps, one running
+  state) are fastest but not bit-equal to the Triton kernels, so nothing routes
+  to them; ``python -m dhp_backend.bench.cuda_prefill`` measures them. The
+  ``compat`` binary repeats the Triton kernels' arithmetic operation for
+  operation (64-position steps, 512-position splits folded, the same row-sum
+  tree, ex2/div instructions and roundings: csrc/prefill_sm90.cu), so its rows
+  have the Triton kernels' bits (GPU test) and `ops.paged_attention` may route
+  policy-``off`` prefill steps to it without breaking the cross-step-kind bit
+  equality that batch invariance rests on (`routes_prefill`).
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only. Anything else
   is refused with a message saying what is accepted.
 
-Writes the rows of the requests (``query_start_loc[-1]`` rows) and nothing else.
+Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
+rows past ``query_start_loc[-1]`` (as the Triton kernels do); nothing beyond.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import os
 
 import torch
 
@@ -40,6 +48,9 @@ V_DESC = (128 * 128, 1024)
 VARIANTS = {"plain": 0, "overlap": 1, "pingpong": 2, "overlap_pingpong": 3,
             "plain_s3": 4, "overlap_s3": 5, "pingpong_s3": 6, "overlap_pingpong_s3": 7}
 DEFAULT_VARIANT = "plain"
+# The Triton kernels' arithmetic (csrc: COMPAT): other bits than VARIANTS, equal to Triton's.
+COMPAT = "compat"
+_CODES = {COMPAT: 32}
 # Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
 # results on purpose, bf16 only, for the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
@@ -59,6 +70,27 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     return None
 
 
+def routes_prefill(spec) -> tuple[bool, str]:
+    """Whether `ops.paged_attention` runs policy-``off`` prefill steps of ``spec``
+    (a `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
+    build): the build happens on the first such step. ``DHP_CUDA_PREFILL=0`` turns
+    it off (the Triton kernels then run those steps, with the same bits)."""
+    if os.environ.get("DHP_CUDA_PREFILL", "1") == "0":
+        return False, "disabled by DHP_CUDA_PREFILL=0"
+    if spec.device_type != "cuda" or tuple(spec.device_capability or ()) != (9, 0):
+        return False, "not an sm_90 GPU"
+    if spec.head_size != HEAD_SIZE:
+        return False, f"head size {spec.head_size} (the kernel has {HEAD_SIZE})"
+    if spec.dtype not in ("bfloat16", "float16"):
+        return False, f"dtype {spec.dtype}"
+    if spec.block_size not in BLOCK_SIZES:
+        return False, f"block size {spec.block_size}"
+    from dhp_backend.ops.cuda_build import find_nvcc
+    if find_nvcc() is None:
+        return False, "no nvcc to build csrc/prefill_sm90.cu"
+    return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
+
+
 def _lib():
     lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
     fn = lib.dhp_prefill_sm90
@@ -69,7 +101,7 @@ def _lib():
     return fn
 
 
-def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len) -> None:
+def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
     """Shapes, dtypes, devices and strides (no device values are read)."""
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out),
                     ("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
@@ -94,8 +126,11 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
         _fail("the block size", str(bs), ", ".join(map(str, BLOCK_SIZES)))
     if Hkv == 0 or H % Hkv:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads", "a divisor of the number of query heads")
-    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < T:
-        _fail("out", f"{out.dtype} of shape {tuple(out.shape)}", f"{query.dtype} of shape [>= {T}, {H}, {D}]")
+    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= T:
+        _fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
+    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < num_tokens:
+        _fail("out", f"{out.dtype} of shape {tuple(out.shape)}",
+              f"{query.dtype} of shape [>= {num_tokens}, {H}, {D}]")
     for name, t in (("query", query), ("key_cache", key_cache), ("out", out)):
         if t.stride(-1) != 1 or t.stride(-2) != D:
             _fail(f"{name}'s strides", str(t.stride()),
@@ -118,20 +153,18 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
     if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
         _fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        _fail("max_query_len", repr(max_query_len), "an int >= 0, at least the longest query of the step")
+    if num_tokens // 128 + n + 1 > 65535:
+        _fail("the step", f"{num_tokens} tokens and {n} requests", "num_tokens / 128 + num_seqs + 1 <= 65535 tiles")
 
 
-def check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_query_len) -> None:
+def check_values(query, key_cache, block_table, query_start_loc, seq_lens, num_tokens) -> None:
     """The facts the kernel trusts, read on the host (a device sync): callers that
     validated them from host copies (vLLM's metadata) skip this."""
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-    if qsl[0] != 0 or min(q_lens, default=0) < 0 or qsl[-1] > query.shape[0]:
-        _fail("query_start_loc", str(qsl[:8]), f"non-decreasing offsets from 0 to at most {query.shape[0]}")
-    if max(q_lens, default=0) > max_query_len:
-        _fail("max_query_len", str(max_query_len), f">= the longest query ({max(q_lens)})")
+    if qsl[0] != 0 or min(q_lens, default=0) < 0 or qsl[-1] > num_tokens:
+        _fail("query_start_loc", str(qsl[:8]), f"non-decreasing offsets from 0 to at most num_tokens = {num_tokens}")
     bs = key_cache.shape[2]
     for r, (ql, sl) in enumerate(zip(q_lens, lens)):
         if ql and not ql <= sl <= block_table.shape[1] * bs:
@@ -143,23 +176,24 @@ def check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_q
 
 
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
-                 causal: bool = True, max_query_len: int, variant: str = DEFAULT_VARIANT, check: bool = True,
-                 v_desc: tuple[int, int] = V_DESC) -> torch.Tensor:
-    """Arguments as `ops.paged_attention`, plus ``max_query_len`` (sizes the grid).
+                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
+                 check: bool = True, v_desc: tuple[int, int] = V_DESC) -> torch.Tensor:
+    """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant`` picks one of `VARIANTS` (schedules of the same arithmetic: the
-    GPU test compares their bits).
+    GPU test compares their bits) or `COMPAT` (the Triton kernels' bits).
     ``check`` reads the metadata on the host first (`check_values`).
     """
-    validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, max_query_len)
-    codes = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
+    num_tokens = query.shape[0] if num_tokens is None else num_tokens
+    validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
+    codes = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES}
     if variant not in codes:
-        _fail("variant", repr(variant), ", ".join(VARIANTS))
+        _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT]))
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
     if check:
-        check_values(query, key_cache, block_table, query_start_loc, seq_lens, max_query_len)
+        check_values(query, key_cache, block_table, query_start_loc, seq_lens, num_tokens)
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
     with torch.cuda.device(query.device):
@@ -167,12 +201,13 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
         rc = _lib()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-                    query_start_loc.data_ptr(), seq_lens.shape[0], T, max_query_len, H, Hkv, bs, float(scale),
+                    query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
+                    float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                     int(bool(causal)), int(query.dtype == torch.bfloat16), codes[variant], v_desc[0], v_desc[1],
                     stream)
     if rc != 0:
         what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
                 -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected",
-                -5: "unknown variant"}
+                -5: "unknown variant", -6: "too many tiles"}
         raise RuntimeError(f"cuda_prefill: launch failed: {what.get(rc, f'CUDA error {rc}')}")
     return out
