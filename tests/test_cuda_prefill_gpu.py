@@ -96,3 +96,35 @@ def test_batch_invariant():
         q0 = int(step.query_start_loc[pos])
         got = run(step, True)[q0: q0 + 300]
         assert torch.equal(bits(got), bits(alone)), f"request's bits changed with {n_other} others at {pos}"
+
+
+def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
+    """ops.paged_attention (path auto, policy off) on a prefill step runs the csrc
+    compat binary, and the rows have the Triton kernel's bits; a decode step stays
+    on Triton."""
+    import dhp_backend.ops.attention as attn
+
+    calls = []
+    real = attn._cuda_prefill_runner
+
+    def spy():
+        run = real()
+
+        def wrapped(*a, **k):
+            calls.append(a[0].shape[0])
+            return run(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(attn, "_cuda_prefill_runner", spy)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((700, 900), (300, 300))]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4)
+    out = torch.full_like(step.query, float("nan"))
+    paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="off", num_tokens=step.num_tokens)
+    assert calls, "a policy-off prefill step did not run on the csrc kernel"
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+    calls.clear()
+    decode = assemble([make_request(1, 500, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for _ in range(4)],
+                      block_size=16, gen=gen)
+    paged_attention(*decode.args(), torch.empty_like(decode.query), scale=0.0883, causal=True, policy="off")
+    assert not calls, "a decode step was routed to the prefill kernel"
