@@ -11,7 +11,9 @@
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
 //
-// One CTA = 128 query rows of one request and one query head, 3 warpgroups:
+// One CTA = 128 query rows of one request and one KV head: 128 / GROUP tokens x
+// the GROUP query heads that share the KV head (GQA packing, the Triton kernels'
+// tile: every K/V tile is read once for the group), 3 warpgroups:
 //   warpgroup 0  producer: one thread issues TMA loads (Q once; per KV step 8
 //                pages of K and of V, 16 rows x 64 columns per box, 128-byte
 //                swizzle) into a ring of STAGES stages. K and V have their own
@@ -76,6 +78,7 @@ struct Params {
   const int* query_start_loc;
   int num_heads, num_kv_heads, block_size;
   int num_seqs, num_out_rows, num_tiles;         // requests, rows to write (num_tokens), grid tiles
+  int group, group_shift, block_q;               // query heads per KV head (2^group_shift), tokens per tile
   float scale_log2;                              // softmax scale * log2(e) (qk_scale)
   int causal;
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
@@ -95,20 +98,20 @@ struct Barriers {
 
 // Per-request facts every warp derives the same way.
 struct Work {
-  int q0, q_len, seq_len, row0, n_steps;
+  int q0, q_len, seq_len, tok0, n_steps;  // tok0: the tile's first query token (request-local)
 };
 
 // The tiling of ops.paged_attention's Triton kernels (kernels.locate): request r
-// owns the tile indices [key(r), key(r + 1)) with key(r) = qsl[r] / 128 + r, which
-// covers its ceil(q_len / 128) tiles and at most one surplus; index num_seqs is
-// the padding pseudo-request (rows qsl[num_seqs] .. num_out_rows, written as 0).
-// The grid is num_tokens / 128 + num_seqs + 1 tiles: sized from host-known
-// counts, no max_query_len needed. The keys increase strictly: binary search.
-__device__ __forceinline__ int locate(const int* qsl, int num_seqs, int g) {
+// owns the tile indices [key(r), key(r + 1)) with key(r) = qsl[r] / BQ + r (BQ =
+// block_q tokens per tile), which covers its ceil(q_len / BQ) tiles and at most
+// one surplus; index num_seqs is the padding pseudo-request (rows qsl[num_seqs]
+// .. num_out_rows, written as 0). The grid is num_tokens / BQ + num_seqs + 1
+// tiles: sized from host-known counts. The keys increase strictly: binary search.
+__device__ __forceinline__ int locate(const int* qsl, int num_seqs, int block_q, int g) {
   int lo = 0, hi = num_seqs;  // key(0) = 0 <= g
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (qsl[mid] / kRows + mid <= g) lo = mid; else hi = mid - 1;
+    if (qsl[mid] / block_q + mid <= g) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -118,9 +121,9 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
   w.q0 = p.query_start_loc[req];
   w.q_len = p.query_start_loc[req + 1] - w.q0;
   w.seq_len = p.seq_lens[req];
-  w.row0 = (g - (w.q0 / kRows + req)) * kRows;
-  const int last_row = min(w.row0 + kRows, w.q_len) - 1;
-  const int kv_end = p.causal ? min(w.seq_len, w.seq_len - w.q_len + last_row + 1) : w.seq_len;
+  w.tok0 = (g - (w.q0 / p.block_q + req)) * p.block_q;
+  const int last_tok = min(w.tok0 + p.block_q, w.q_len) - 1;
+  const int kv_end = p.causal ? min(w.seq_len, w.seq_len - w.q_len + last_tok + 1) : w.seq_len;
   w.n_steps = (kv_end + kCols - 1) / kCols;
   return w;
 }
@@ -129,13 +132,13 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
 template <int STAGES, int DIAG>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                        const Barriers<STAGES>& bar, int head, int req) {
+                                        const Barriers<STAGES>& bar, int kvh, int req) {
   using L = Layout<STAGES>;
+  // Q box: 64 columns x GROUP heads x block_q tokens -> tile row = token * GROUP + head.
   mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
-  tma_load_3d(smem, tm_q, bar.q_full(), 0, head, w.q0 + w.row0);
-  tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, head, w.q0 + w.row0);
+  tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
+  tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
 
-  const int kvh = head / (p.num_heads / p.num_kv_heads);
   const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
   const int bs = p.block_size;
   const int pages_per_step = kCols / bs;
@@ -293,6 +296,36 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int
   named_barrier(barrier_id, 128);
 }
 
+// The two query rows of a consumer thread (accumulator rows g and g + 8 of its
+// warp): tile row r is token tok0 + r / GROUP of query head kvh * GROUP + r % GROUP.
+struct Rows {
+  int qi_lo, qi_hi, head_lo, head_hi, first_qi;  // first_qi: the warpgroup's first token
+};
+
+__device__ __forceinline__ Rows rows_of(const Params& p, const Work& w, int cw, int warp, int lane, int kvh) {
+  const int r = 64 * cw + 16 * warp + lane / 4;
+  Rows x;
+  x.qi_lo = w.tok0 + (r >> p.group_shift);
+  x.qi_hi = w.tok0 + ((r + 8) >> p.group_shift);
+  x.head_lo = kvh * p.group + (r & (p.group - 1));
+  x.head_hi = kvh * p.group + ((r + 8) & (p.group - 1));
+  x.first_qi = w.tok0 + ((64 * cw) >> p.group_shift);
+  return x;
+}
+
+// Epilogue store of one accumulator row (16 column pairs) to out[token, head].
+template <bool BF16, int IDX>
+__device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi, int head, int lane,
+                                          const float (&o)[64], float inv) {
+  if (qi >= w.q_len) return;
+  char* out = static_cast<char*>(p.out);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(
+      out + 2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
+  const int c = lane % 4;  // column pair 2c within each 8-column group
+#pragma unroll
+  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+}
+
 // Turn-taking of the two consumer warpgroups (PINGPONG): a warpgroup waits for
 // its turn before issuing wgmmas and hands the turn over right after issuing.
 // bar.sync/bar.arrive on a 256-thread barrier: 128 waiting + 128 arriving.
@@ -315,17 +348,16 @@ struct Turns {
 
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                        const Barriers<STAGES>& bar, int head) {
+                                        const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES>;
   const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: rows 64*cw..
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int r_lo = w.row0 + 64 * cw + 16 * warp + lane / 4;  // request-local query rows of this thread
-  const int r_hi = r_lo + 8;
+  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
-  const int lim_lo = p.causal ? min(ctx0 + r_lo, w.seq_len - 1) : w.seq_len - 1;
-  const int lim_hi = p.causal ? min(ctx0 + r_hi, w.seq_len - 1) : w.seq_len - 1;
+  const int lim_lo = p.causal ? min(ctx0 + rw.qi_lo, w.seq_len - 1) : w.seq_len - 1;
+  const int lim_hi = p.causal ? min(ctx0 + rw.qi_hi, w.seq_len - 1) : w.seq_len - 1;
   // The first KV position where any row of this warpgroup needs a mask.
-  const int mask_from = p.causal ? min(ctx0 + w.row0 + 64 * cw, w.seq_len) : w.seq_len;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
   const Turns<PINGPONG> turns{cw};
 
@@ -428,19 +460,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
   // Epilogue: O / l, rows inside the request only.
   const float inv_lo = 1.f / quad_sum(l_lo), inv_hi = 1.f / quad_sum(l_hi);
-  char* out = static_cast<char*>(p.out);
-  const int col0 = 2 * (lane % 4);
-  if (r_lo < w.q_len) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
-#pragma unroll
-    for (int i = 0; i < 16; ++i) dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i] * inv_lo, o[4 * i + 1] * inv_lo);
-  }
-  if (r_hi < w.q_len) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      dst[(8 * i + col0) / 2] = pack2<BF16>(o[4 * i + 2] * inv_hi, o[4 * i + 3] * inv_hi);
-  }
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, o, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, o, inv_hi);
 }
 
 
@@ -535,17 +556,16 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_h
 
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                               const Barriers<STAGES>& bar, int head) {
+                                               const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES>;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int r_lo = w.row0 + 64 * cw + 16 * warp + lane / 4;
-  const int r_hi = r_lo + 8;
+  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
   // Triton's limit - 1 (positions p < limit are attended).
-  const int lim_lo = p.causal ? ctx0 + r_lo : w.seq_len - 1;
-  const int lim_hi = p.causal ? ctx0 + r_hi : w.seq_len - 1;
-  const int mask_from = p.causal ? min(ctx0 + w.row0 + 64 * cw, w.seq_len) : w.seq_len;
+  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;
+  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
 
   float run[64], acc[64];
@@ -642,20 +662,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
   // finalize: acc * (1 / l) with l > 0 selected (div.full), rounded once.
   const float inv_lo = div_full(1.f, lr_lo > 0.f ? lr_lo : 1.f), inv_hi = div_full(1.f, lr_hi > 0.f ? lr_hi : 1.f);
-  char* out = static_cast<char*>(p.out);
-  const int col0 = 2 * (lane % 4);
-  if (r_lo < w.q_len) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_lo) * p.out_tok_stride + head * p.out_head_stride));
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      dst[(8 * i + col0) / 2] = pack2<BF16>(__fmul_rn(run[4 * i], inv_lo), __fmul_rn(run[4 * i + 1], inv_lo));
-  }
-  if (r_hi < w.q_len) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + 2 * ((w.q0 + r_hi) * p.out_tok_stride + head * p.out_head_stride));
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      dst[(8 * i + col0) / 2] = pack2<BF16>(__fmul_rn(run[4 * i + 2], inv_hi), __fmul_rn(run[4 * i + 3], inv_hi));
-  }
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, run, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
 }
 
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false>
@@ -670,22 +678,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
 
-  const int head = blockIdx.x;
+  const int kvh = blockIdx.x;
   const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);  // a request's longest causal tiles first
-  const int req = locate(p.query_start_loc, p.num_seqs, g);
+  const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
   if (req == p.num_seqs) {  // padding rows: zeros, as the Triton kernels write them
-    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / kRows + req)) * kRows;
-    const int rows = min(kRows, p.num_out_rows - first);
+    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
+    const int toks = min(p.block_q, p.num_out_rows - first);
     char* out = static_cast<char*>(p.out);
-    for (int i = threadIdx.x; i < rows * 16; i += kThreads) {
-      const int64_t row = first + i / 16;
-      reinterpret_cast<uint4*>(out + 2 * (row * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
+    for (int i = threadIdx.x; i < toks * p.group * 16; i += kThreads) {  // 16 x 16 B per (token, head) row
+      const int64_t tok = first + (i / 16) / p.group, head = kvh * p.group + (i / 16) % p.group;
+      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
           make_uint4(0, 0, 0, 0);
     }
     return;
   }
   const Work w = work_of(p, req, g);
-  if (w.row0 >= w.q_len) return;  // whole CTA: a surplus tile of this request
+  if (w.tok0 >= w.q_len) return;  // whole CTA: a surplus tile of this request
 
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
@@ -701,13 +709,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x < 128) {
     regs_dealloc<40>();  // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers
-    if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, head, req);
+    if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
   } else {
     regs_alloc<232>();
     if constexpr (COMPAT)
-      consume_compat<BF16, STAGES>(p, w, smem_ptr, smem, bar, head);
+      consume_compat<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
     else
-      consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, head);
+      consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
@@ -775,7 +783,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // C entry point (ctypes). Strides in elements. Returns 0 or an error code:
 // a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
 // rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant),
-// -6 (more than 65535 tiles: num_tokens / 128 + num_seqs + 1).
+// -6 (more than 65535 tiles: num_tokens / block_q + num_seqs + 1), -7 (query heads per
+// KV head not a power of two <= 128).
 // variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
 // 32 the Triton-bit-compatible binary (COMPAT). qk_scale = softmax scale * log2(e)
@@ -793,11 +802,16 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (!encode) return -1;
   const CUtensorMapDataType dt = is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap tq, tk, tv;
+  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (group <= 0 || group > kRows || (group & (group - 1)) || group * num_kv_heads != num_heads) return -7;
+  int group_shift = 0;
+  while ((1 << group_shift) < group) ++group_shift;
+  const int block_q = kRows / group;
   const cuuint32_t ones[4] = {1, 1, 1, 1};
   {
     const cuuint64_t dims[3] = {kHead, static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(num_tokens)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(q_head_stride * 2), static_cast<cuuint64_t>(q_tok_stride * 2)};
-    const cuuint32_t box[3] = {64, 1, kRows};
+    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(block_q)};
     if (encode(&tq, dt, 3, const_cast<void*>(q), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -831,13 +845,16 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.block_size = block_size;
   p.num_seqs = num_seqs;
   p.num_out_rows = num_out_rows;
-  p.num_tiles = num_out_rows / kRows + num_seqs + 1;
+  p.group = group;
+  p.group_shift = group_shift;
+  p.block_q = block_q;
+  p.num_tiles = num_out_rows / block_q + num_seqs + 1;
   p.scale_log2 = qk_scale;
   p.causal = causal;
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
   if (p.num_tiles > 65535) return -6;
-  const dim3 grid(num_heads, p.num_tiles, 1);
+  const dim3 grid(num_kv_heads, p.num_tiles, 1);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (variant < 0) return -5;
   return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)

@@ -85,6 +85,9 @@ def routes_prefill(spec) -> tuple[bool, str]:
         return False, f"dtype {spec.dtype}"
     if spec.block_size not in BLOCK_SIZES:
         return False, f"block size {spec.block_size}"
+    g = spec.num_heads // max(1, spec.num_kv_heads)
+    if g & (g - 1) or g > 128:
+        return False, f"{g} query heads per KV head (not a power of two <= 128)"
     from dhp_backend.ops.cuda_build import find_nvcc
     if find_nvcc() is None:
         return False, "no nvcc to build csrc/prefill_sm90.cu"
@@ -124,8 +127,10 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     nb, Hkv, bs, _ = key_cache.shape
     if bs not in BLOCK_SIZES:
         _fail("the block size", str(bs), ", ".join(map(str, BLOCK_SIZES)))
-    if Hkv == 0 or H % Hkv:
-        _fail("the number of KV heads", f"{Hkv} for {H} query heads", "a divisor of the number of query heads")
+    if Hkv == 0 or H % Hkv or (H // Hkv) & (H // Hkv - 1) or H // Hkv > 128:
+        _fail("the number of KV heads", f"{Hkv} for {H} query heads",
+              "a divisor of the number of query heads with a power-of-two ratio <= 128 (a tile packs 128 / ratio "
+              "tokens x the ratio's heads)")
     if not isinstance(num_tokens, int) or not 0 <= num_tokens <= T:
         _fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
     if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < num_tokens:
@@ -153,8 +158,10 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
     if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
         _fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")
-    if num_tokens // 128 + n + 1 > 65535:
-        _fail("the step", f"{num_tokens} tokens and {n} requests", "num_tokens / 128 + num_seqs + 1 <= 65535 tiles")
+    block_q = 128 // (H // Hkv)
+    if num_tokens // block_q + n + 1 > 65535:
+        _fail("the step", f"{num_tokens} tokens and {n} requests",
+              f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")
 
 
 def check_values(query, key_cache, block_table, query_start_loc, seq_lens, num_tokens) -> None:
@@ -208,6 +215,6 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     if rc != 0:
         what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
                 -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected",
-                -5: "unknown variant", -6: "too many tiles"}
+                -5: "unknown variant", -6: "too many tiles", -7: "query heads per KV head not a power of two"}
         raise RuntimeError(f"cuda_prefill: launch failed: {what.get(rc, f'CUDA error {rc}')}")
     return out
