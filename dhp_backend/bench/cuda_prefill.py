@@ -43,6 +43,10 @@ SHAPES = {
     "full-8k": ([(8192, 8192)], False),
     "chunk-2k-on-4k": ([(2048, 4096)], True),
     "batch4-4000": ([(4000, 4000)] * 4, True),
+    # The mixed chunked-prefill step of design.md (a 2048-token chunk on 4K context
+    # plus 63 decodes at 4K): a "prefill" step by the launcher's rule, so policy
+    # off routes it to the compat binary.
+    "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
 V_DESC_CANDIDATES = [(128 * 128, 1024), (1024, 128 * 128)]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
