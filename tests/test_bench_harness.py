@@ -347,7 +347,7 @@ def test_cpu_run_end_to_end_under_the_interpreter(tmp_path):
             assert r["status"].startswith("not available: needs a CUDA GPU") and r["time_ms"] is None
         else:
             assert r["status"] == "ok", r
-            assert r["path"] == "triton" and r["mode"] == "host" and r["rel_err"] < 2e-2
+            assert r["path"] == "auto" and r["kernel"] == "triton" and r["mode"] == "host" and r["rel_err"] < 2e-2
             assert r["p10_ms"] <= r["time_ms"] <= r["p90_ms"] and r["useful_GBps"] > 0
             assert (r["executed_bytes"] is None) == (r["anchor"] == "dhp_off")
     s = doc["summary"]

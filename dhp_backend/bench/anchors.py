@@ -407,7 +407,12 @@ class DHP(Anchor):
                            causal=c.causal, device_capability=cap)
         ok, why = triton_pkg.supports(spec)
         if ok:
-            self.path = "triton"
+            # path auto = what vLLM runs: the Triton kernels, and for policy-off
+            # prefill steps the csrc kernel's Triton-bit-compatible binary.
+            from dhp_backend.ops.attention import step_kernel
+
+            self.path = "auto"
+            self.kernel = step_kernel(spec, self.policy, c.num_tokens, len(sets[0].seq_lens))
         elif self.device.type == "cpu":
             # The Triton path runs on a CPU only under the interpreter (TRITON_INTERPRET=1
             # set before triton is imported); the reference path keeps the pipeline honest.
@@ -436,7 +441,7 @@ class DHP(Anchor):
         if isinstance(b, torch.Tensor):
             vals = sorted(set(b.tolist()))
             b = vals[0] if len(vals) == 1 else vals
-        return {"path": self.path, "policy": self.policy, "bucket": b}
+        return {"path": self.path, "kernel": getattr(self, "kernel", self.path), "policy": self.policy, "bucket": b}
 
     def release(self) -> None:
         super().release()

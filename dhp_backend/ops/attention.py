@@ -174,8 +174,8 @@ def paged_attention(
     )
     choice = _choose_path_logged(spec, policy, path, allow_fallback)
     run = _PATH_RUNNERS[choice.name]()
-    if path == "auto" and choice.name == dispatch.TRITON and policy is Policy.OFF and _cuda_prefill_step(
-            spec, num_tokens, num_reqs):
+    if path == "auto" and choice.name == dispatch.TRITON and step_kernel(spec, policy, num_tokens,
+                                                                          num_reqs) == CUDA_PREFILL:
         run = _cuda_prefill_runner()
     run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
         scale=float(scale), causal=causal, policy=policy, bucket=bucket, num_tokens=num_tokens)
@@ -272,16 +272,21 @@ def _cuda_prefill_routes(spec) -> bool:
     return ok
 
 
-def _cuda_prefill_step(spec, num_tokens: int, num_reqs: int) -> bool:
-    """Policy ``off`` only: a prefill step (the Triton launcher's step kind, public
-    geometry) runs on the csrc kernel's Triton-bit-compatible binary. Same bits
-    as the Triton kernels (GPU test), so which kernel ran never shows in a row's
-    bits; about 2x the Triton kernel's speed on Hopper (docs/perf-notes.md)."""
-    if spec.device_type != "cuda" or not _cuda_prefill_routes(spec):
-        return False
+CUDA_PREFILL = "cuda_prefill"
+
+
+def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
+    """Which kernel the Triton path (path ``auto``) runs a step on: ``cuda_prefill``
+    for policy-``off`` prefill steps (the Triton launcher's step kind, from the
+    public geometry) where `cuda_prefill.routes_prefill` allows it, else
+    ``triton``. The csrc kernel's compat binary gives the Triton kernels' bits
+    (GPU test), so which kernel ran never shows in a row's bits; it is 1.4-1.6x
+    the Triton kernel's speed on an H200 (docs/perf-notes.md, change 17)."""
+    if Policy.parse(policy) is not Policy.OFF or spec.device_type != "cuda" or not _cuda_prefill_routes(spec):
+        return dispatch.TRITON
     from dhp_backend.ops.triton.launch import step_kind
 
-    return step_kind(num_tokens, num_reqs) == "prefill"
+    return CUDA_PREFILL if step_kind(num_tokens, num_reqs) == "prefill" else dispatch.TRITON
 
 
 def _cuda_prefill_runner():
