@@ -259,7 +259,7 @@ def main(argv=None):
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     commit=os.environ.get("DHP_COMMIT", ""), date=time.strftime("%Y-%m-%d"), v_desc=v_desc)
         with open(os.path.join(args.out, "cuda_prefill.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows), f, separators=(",", ":"))  # compact: the device carry is tight
     return 0
 
 
