@@ -128,3 +128,18 @@ def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
                       block_size=16, gen=gen)
     paged_attention(*decode.args(), torch.empty_like(decode.query), scale=0.0883, causal=True, policy="off")
     assert not calls, "a decode step was routed to the prefill kernel"
+
+
+def test_interleaved_kv_cache_views():
+    """vLLM's cache layout: K and V of a slot side by side ([blocks, Hkv, bs, 2, D]),
+    so the K and V views have a slot stride of 2 * D, not D."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((300, 500), (64, 64))]
+    step = assemble(reqs, block_size=16, gen=gen)
+    kv = torch.stack([step.key_cache, step.value_cache], dim=3)  # [blocks, Hkv, bs, 2, D]
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    assert k.stride(2) == 256
+    out = torch.full_like(step.query, float("nan"))
+    prefill_sm90(step.query, k, v, step.block_table, step.query_start_loc, step.seq_lens, out, scale=0.0883,
+                 causal=True, num_tokens=step.num_tokens, variant=COMPAT)
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))

@@ -136,7 +136,7 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < num_tokens:
         _fail("out", f"{out.dtype} of shape {tuple(out.shape)}",
               f"{query.dtype} of shape [>= {num_tokens}, {H}, {D}]")
-    for name, t in (("query", query), ("key_cache", key_cache), ("out", out)):
+    for name, t in (("query", query), ("out", out)):
         if t.stride(-1) != 1 or t.stride(-2) != D:
             _fail(f"{name}'s strides", str(t.stride()),
                   "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
@@ -144,8 +144,9 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             _fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
                   "16-byte aligned base and strides (a TMA requirement)")
-    if key_cache.stride(2) != D:
-        _fail("key_cache's slot stride", str(key_cache.stride(2)), f"{D} (the slots of a page contiguous)")
+    if key_cache.stride(-1) != 1:
+        _fail("key_cache's strides", str(key_cache.stride()), "a contiguous last dimension (any other strides "
+              "that are multiples of 16 bytes, e.g. vLLM's K/V-interleaved cache views)")
     for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:
             _fail(f"{name}'s dtype", str(t.dtype), "torch.int32")
