@@ -5,7 +5,7 @@ reference implement it. It knows nothing of vLLM.
 """
 
 from dhp_backend.config import Policy
-from dhp_backend.ops.attention import paged_attention
+from dhp_backend.ops.attention import paged_attention, step_kernel
 from dhp_backend.ops.buckets import bucket_for_step, next_pow2
 from dhp_backend.ops.dispatch import (
     FallbackRefused,
@@ -17,6 +17,7 @@ from dhp_backend.ops.dispatch import (
 )
 
 __all__ = [
+    "step_kernel",
     "FallbackRefused",
     "PathChoice",
     "Policy",

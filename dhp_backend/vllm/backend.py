@@ -42,6 +42,7 @@ from dhp_backend.ops import (
     graph_capturable,
     paged_attention,
     prepare_path,
+    step_kernel,
 )
 from dhp_backend.vllm import compat
 
@@ -362,6 +363,11 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
             "dtype": str(query.dtype), "head_size": self.head_size,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
             "block_size": key_cache.shape[2]}))
+        if self.dhp_config.path == "auto" and self.path_choice.name == "triton":
+            # Which kernel ran the step (policy off: prefill steps on the csrc kernel), once per kind.
+            kernel = step_kernel(self.spec, md.policy, md.num_actual_tokens, md.seq_lens.shape[0])
+            _once(("kernel", kernel, md.policy), lambda: _trace({"event": "kernel", "kernel": kernel,
+                                                                "policy": md.policy.value}))
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
