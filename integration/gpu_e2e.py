@@ -11,6 +11,8 @@ run time) and runs each configuration in its own process:
   dhp-graphs   DHP strict, default compile + CUDA graphs
   bi-solo      VLLM_BATCH_INVARIANT=1, each prompt alone
   bi-reversed  VLLM_BATCH_INVARIANT=1, one batch in reverse order -> bitwise equal to bi-solo
+  bi-off-solo, bi-off-reversed  the same pair under policy off (its prefill steps run on
+               the csrc kernel's compat binary) -> bitwise equal to each other and to bi-solo
   fa3-bi-...   the same pair for FLASH_ATTN, for comparison
 
 Prints a table and writes every number to --out (JSON). Exit code 1 if a
@@ -40,10 +42,14 @@ CONFIGS = {
     "bi-solo": (["--backend", "DHP", "--policy", "strict", "--batching", "solo"], {"VLLM_BATCH_INVARIANT": "1"}),
     "bi-reversed": (["--backend", "DHP", "--policy", "strict", "--batching", "reversed"],
                     {"VLLM_BATCH_INVARIANT": "1"}),
+    "bi-off-solo": (["--backend", "DHP", "--policy", "off", "--batching", "solo"], {"VLLM_BATCH_INVARIANT": "1"}),
+    "bi-off-reversed": (["--backend", "DHP", "--policy", "off", "--batching", "reversed"],
+                        {"VLLM_BATCH_INVARIANT": "1"}),
     "fa3-bi-solo": (["--backend", "FLASH_ATTN", "--batching", "solo"], {"VLLM_BATCH_INVARIANT": "1"}),
     "fa3-bi-reversed": (["--backend", "FLASH_ATTN", "--batching", "reversed"], {"VLLM_BATCH_INVARIANT": "1"}),
 }
-BITWISE = [("dhp", "dhp-again"), ("dhp", "dhp-off"), ("bi-solo", "bi-reversed")]
+BITWISE = [("dhp", "dhp-again"), ("dhp", "dhp-off"), ("bi-solo", "bi-reversed"), ("bi-off-solo", "bi-off-reversed"),
+           ("bi-solo", "bi-off-solo")]
 REPORT_ONLY = [("fa3", "dhp"), ("dhp", "dhp-graphs"), ("fa3-bi-solo", "fa3-bi-reversed")]
 
 
@@ -62,7 +68,8 @@ def run_one(name, model, common, log_dir):
         return None
     res = json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
     print(f"[{name}] ok in {time.time() - t0:.0f} s; DHP trace: "
-          f"{sorted({(t['path'], t['policy']) for t in res['dhp_trace']})}", flush=True)
+          f"{sorted({(t['path'], t['policy']) for t in res['dhp_trace']})}, kernels "
+          f"{sorted({t['kernel'] for t in res['dhp_trace'] if t.get('event') == 'kernel'})}", flush=True)
     return res
 
 

@@ -366,8 +366,9 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         if self.dhp_config.path == "auto" and self.path_choice.name == "triton":
             # Which kernel ran the step (policy off: prefill steps on the csrc kernel), once per kind.
             kernel = step_kernel(self.spec, md.policy, md.num_actual_tokens, md.seq_lens.shape[0])
-            _once(("kernel", kernel, md.policy), lambda: _trace({"event": "kernel", "kernel": kernel,
-                                                                "policy": md.policy.value}))
+            _once(("kernel", kernel, md.policy), lambda: _trace({
+                "event": "kernel", "backend": "DHP", "path": self.path_choice.name, "kernel": kernel,
+                "policy": md.policy.value}))
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
