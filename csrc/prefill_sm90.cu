@@ -22,7 +22,7 @@
 //   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both
 //                operands in shared memory), online softmax in registers,
 //                O += P V (wgmma, P from registers, V read transposed).
-// Variants (template flags, all with the same arithmetic in the same order):
+// Variants (template flags; OVERLAP/PINGPONG/STAGES keep the arithmetic and its order):
 //   OVERLAP   FA3's intra-warpgroup overlap: the QK^T of step t+1 is issued
 //             with the PV of step t, and the softmax of t+1 runs under that PV.
 //   PINGPONG  FA3's inter-warpgroup schedule: the two consumer warpgroups take
@@ -30,8 +30,13 @@
 //             warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
 //   STAGES    2 or 3 shared-memory stages of K and V.
 //
-// Bits: not the Triton kernels' bits (another reduction order), so the
-// dispatcher does not route steps here; see dhp_backend/ops/cuda_prefill.py.
+//   COMPAT    the Triton kernels' arithmetic instead (64-position steps,
+//             512-position splits folded; see consume_compat): the same bits as
+//             dhp_backend/ops/triton/kernels.py, so ops.paged_attention may run
+//             policy-off prefill steps here. The other binaries' bits differ
+//             from Triton's (one running state, 128-position steps): measured,
+//             not routed (dhp_backend/ops/cuda_prefill.py).
+//   DIAG      timing-by-difference binaries (wrong results on purpose).
 
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -280,7 +280,7 @@ def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
     for policy-``off`` prefill steps (the Triton launcher's step kind, from the
     public geometry) where `cuda_prefill.routes_prefill` allows it, else
     ``triton``. The csrc kernel's compat binary gives the Triton kernels' bits
-    (GPU test), so which kernel ran never shows in a row's bits; it is 1.4-1.6x
+    (GPU test), so which kernel ran never shows in a row's bits; it is 1.3-1.6x
     the Triton kernel's speed on an H200 (docs/perf-notes.md, change 17)."""
     if Policy.parse(policy) is not Policy.OFF or spec.device_type != "cuda" or not _cuda_prefill_routes(spec):
         return dispatch.TRITON

@@ -363,7 +363,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
             "dtype": str(query.dtype), "head_size": self.head_size,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
             "block_size": key_cache.shape[2]}))
-        if self.dhp_config.path == "auto" and self.path_choice.name == "triton":
+        if self.dhp_config.path == "auto" and self.path_choice.name == "triton" and os.environ.get("DHP_TRACE_FILE"):
             # Which kernel ran the step (policy off: prefill steps on the csrc kernel), once per kind.
             kernel = step_kernel(self.spec, md.policy, md.num_actual_tokens, md.seq_lens.shape[0])
             _once(("kernel", kernel, md.policy), lambda: _trace({
