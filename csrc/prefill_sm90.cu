@@ -559,7 +559,10 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_h
   }
 }
 
-template <bool BF16, int STAGES>
+// S_N128: QK^T of a 128-position stage as one m64n128 wgmma batch and split in
+// halves, instead of two m64n64 batches (each element is the same dot product;
+// whether the bits agree with Triton's m64n64 is what the GPU test decides).
+template <bool BF16, int STAGES, bool S_N128>
 __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES>;
@@ -578,7 +581,10 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   for (int i = 0; i < 64; ++i) run[i] = acc[i] = 0.f;
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state
-  float sa[32], sb[32];
+  // One 64-column half of the scores per 64-position step: sa = s[0..31], sb = s[32..63].
+  float s[64];
+  float (&sa)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
+  float (&sb)[32] = *reinterpret_cast<float(*)[32]>(&s[32]);
   uint32_t pa[16], pb[16];
 
   mbar_wait(bar.q_full(), 0);
@@ -588,21 +594,25 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
     mbar_wait(bar.k_full(st), par);
     wgmma_fence();
+    if constexpr (S_N128) {
+      issue_qk<BF16>(s, q_base, k_base);  // columns 0-63 land in s[0..31], 64-127 in s[32..63]
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-      wgmma_m64n64k16_ss<BF16>(sa, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
-    }
+      for (int kk = 0; kk < kHead / 16; ++kk) {
+        const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+        wgmma_m64n64k16_ss<BF16>(sa, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024),
+                                 kk > 0);
+      }
 #pragma unroll
-    for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-      wgmma_m64n64k16_ss<BF16>(sb, desc_sw128(q_base + off, 16, 1024),
-                               desc_sw128(k_base + 64 * 128 + off, 16, 1024), kk > 0);
+      for (int kk = 0; kk < kHead / 16; ++kk) {
+        const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+        wgmma_m64n64k16_ss<BF16>(sb, desc_sw128(q_base + off, 16, 1024),
+                                 desc_sw128(k_base + 64 * 128 + off, 16, 1024), kk > 0);
+      }
     }
     wgmma_commit();
     wgmma_wait<0>();
-    pin(sa);
-    pin(sb);
+    pin(s);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar.k_empty(st));
 
@@ -671,7 +681,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -718,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     regs_alloc<232>();
     if constexpr (COMPAT)
-      consume_compat<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
+      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh);
     else
       consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
   }
@@ -742,10 +752,10 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128>;
   constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -763,6 +773,7 @@ template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
+  if (variant == 33) return launch<BF16, false, false, 2, 0, true, true>(tq, tk, tv, p, grid, st);
   if (variant >= 8) {
     if (!BF16) return -5;
     if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
@@ -792,7 +803,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // KV head not a power of two <= 128).
 // variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
-// 32 the Triton-bit-compatible binary (COMPAT). qk_scale = softmax scale * log2(e)
+// 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T. qk_scale = softmax scale * log2(e)
 // as the caller computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,

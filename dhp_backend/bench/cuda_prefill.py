@@ -50,7 +50,7 @@ SHAPES = {
 }
 V_DESC_CANDIDATES = [(128 * 128, 1024), (1024, 128 * 128)]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
-ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None}
+ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None, "compat_n128": None}
 # cuda_diag_*: timed without a check (wrong on purpose), to place the time by difference.
 
 
@@ -234,10 +234,11 @@ def main(argv=None):
             same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
             for r in rows[-len(names):]:
                 r["cuda_binaries_bit_equal"] = same
-        if f"cuda_{COMPAT}" in outs and "triton_off" in outs:
-            same = bool(torch.equal(outs[f"cuda_{COMPAT}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
-            for r in rows[-len(names):]:
-                r["compat_bits_equal_triton"] = same
+        for cname in (COMPAT, "compat_n128"):
+            if f"cuda_{cname}" in outs and "triton_off" in outs:
+                same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
+                for r in rows[-len(names):]:
+                    r[f"{cname}_bits_equal_triton"] = same
         fa = next((r["us"] for r in rows[-len(names):] if r["variant"] == "fa3"), None)
         for r in rows[-len(names):]:
             r["fa3_over"] = fa / r["us"] if fa and r["us"] else None
@@ -247,6 +248,10 @@ def main(argv=None):
         del sets
         torch.cuda.empty_cache()
 
+    for r in rows:
+        if r["variant"] == "triton_off":
+            print(f"{r['shape']}: bits equal to triton_off: " + ", ".join(
+                f"{k[:-len('_bits_equal_triton')]} {v}" for k, v in r.items() if k.endswith("_bits_equal_triton")))
     print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s}")
     for r in rows:
         us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
