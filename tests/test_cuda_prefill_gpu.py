@@ -71,11 +71,12 @@ def test_matches_reference(H, Hkv, dtype, bs, causal):
         assert err < TOL[dtype], f"trial {trial}: rel err {err:.2e} for {[(r.q_len, r.seq_len) for r in reqs]}"
         assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
         assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
-        compat = run(step, causal, COMPAT)
-        assert rel_err(compat, ref, n) < TOL[dtype]
         triton_bits = run_triton(step, causal)
-        assert torch.equal(bits(compat[: step.num_tokens]), bits(triton_bits[: step.num_tokens])), (
-            f"compat binary differs from the Triton kernel's bits for {[(r.q_len, r.seq_len) for r in reqs]}")
+        for name in (COMPAT, "compat_n64"):
+            compat = run(step, causal, name)
+            assert rel_err(compat, ref, n) < TOL[dtype]
+            assert torch.equal(bits(compat[: step.num_tokens]), bits(triton_bits[: step.num_tokens])), (
+                f"{name} binary differs from the Triton kernel's bits for {[(r.q_len, r.seq_len) for r in reqs]}")
         for variant in VARIANTS:
             other = run(step, causal, variant)
             assert torch.equal(bits(other[:n]), bits(out[:n])), f"binary {variant} differs from plain in bits"
