@@ -19,7 +19,8 @@ What it is and is not, today:
   have the Triton kernels' bits (GPU test) and `ops.paged_attention` may route
   policy-``off`` prefill steps to it without breaking the cross-step-kind bit
   equality that batch invariance rests on (`routes_prefill`).
-- Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only. Anything else
+- Head size 128, fp16/bf16, block size 16/32/64/128, query heads per KV head a power
+  of two <= 128, sm_90 only. Anything else
   is refused with a message saying what is accepted.
 
 Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
