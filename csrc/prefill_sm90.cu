@@ -770,12 +770,17 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 }
 
 // variant bits: 1 OVERLAP, 2 PINGPONG, 4 three stages; 8/16/24 the diagnostic
-// plain binaries (no softmax / no loads / neither; bf16 only).
+// plain binaries (no softmax / no loads / neither; bf16 only); 32/33 compat.
 template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true>(tq, tk, tv, p, grid, st);
+#ifdef DHP_PREFILL_COMPAT_ONLY
+  // The build ops.paged_attention loads: the compat binaries only (2 of 26
+  // instances, a few seconds of nvcc on first use instead of ~20).
+  return -5;
+#else
   if (variant >= 8) {
     if (!BF16) return -5;
     if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
@@ -793,6 +798,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
     case 6: return launch<BF16, false, true, 3>(tq, tk, tv, p, grid, st);
     default: return launch<BF16, true, true, 3>(tq, tk, tv, p, grid, st);
   }
+#endif
 }
 
 }  // namespace

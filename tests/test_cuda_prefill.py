@@ -53,3 +53,6 @@ def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     lib = cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu")
     assert lib.is_file() and lib.stat().st_size > 100_000
     assert cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu") == lib  # cached, not rebuilt
+    compat = cuda_build.build("dhp_prefill_sm90_compat", "prefill_sm90.cu",
+                              cuda_build.SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
+    assert compat.is_file() and compat != lib and compat.stat().st_size < lib.stat().st_size

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from dhp_backend.ops.cuda_build import load
+from dhp_backend.ops.cuda_build import SM90A, load
 
 HEAD_SIZE = 128
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -99,8 +99,13 @@ def routes_prefill(spec) -> tuple[bool, str]:
     return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
 
 
-def _lib():
-    lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
+def _lib(variant: str):
+    """The compat binaries come from a build of just them (what ops.paged_attention
+    needs: seconds of nvcc on first use); the measured variants from the full build."""
+    if variant in _CODES:
+        lib = load("dhp_prefill_sm90_compat", "prefill_sm90.cu", SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
+    else:
+        lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
     fn = lib.dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
@@ -211,7 +216,8 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     nb, Hkv, bs, _ = key_cache.shape
     with torch.cuda.device(query.device):
         stream = torch.cuda.current_stream().cuda_stream
-        rc = _lib()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+        launch = _lib(variant)
+        rc = launch(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
