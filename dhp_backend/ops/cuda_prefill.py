@@ -150,7 +150,7 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
         if t.stride(-1) != 1 or t.stride(-2) != D:
             _fail(f"{name}'s strides", str(t.stride()),
                   "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
-    for name, t in (("query", query), ("key_cache", key_cache)):
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             _fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
                   "16-byte aligned base and strides (a TMA requirement)")
