@@ -266,13 +266,12 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], float& m_lo, float&
   l_hi = l_hi * alpha_hi + sum_hi;
 }
 
-// P (fp32 accumulator layout, N columns / 2 per thread) -> the A-operand
-// registers of the PV wgmma: the k16 slice j is accumulator columns
-// 16j..16j+15, i.e. elements 8j..8j+7.
-template <bool BF16, int N>
-__device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2]) {
+// P (fp32 accumulator layout) -> the A-operand registers of the PV wgmma: the
+// k16 slice j is accumulator columns 16j..16j+15, i.e. elements 8j..8j+7.
+template <bool BF16>
+__device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[32]) {
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
+  for (int j = 0; j < 8; ++j) {
     pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
     pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
     pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
@@ -280,15 +279,13 @@ __device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2
   }
 }
 
-// Running output rows times their rescale factors (a plain multiply, never
-// contracted into a neighbouring add).
-__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
+__device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float alpha_hi) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    o[4 * i] = __fmul_rn(o[4 * i], a_lo);
-    o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
-    o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
-    o[4 * i + 3] = __fmul_rn(o[4 * i + 3], a_hi);
+    o[4 * i] *= alpha_lo;
+    o[4 * i + 1] *= alpha_lo;
+    o[4 * i + 2] *= alpha_hi;
+    o[4 * i + 3] *= alpha_hi;
   }
 }
 
@@ -419,8 +416,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       pin(s);
       release(bar.k_empty(t % STAGES));
       softmax(t);
-      scale_rows(o, a_lo, a_hi);
-      pack_p<BF16, 64>(s, pa);
+      rescale(o, a_lo, a_hi);
+      pack_p<BF16>(s, pa);
       turns.wait();
       values(t);
       turns.pass();
@@ -437,7 +434,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     pin(s);
     release(bar.k_empty(0));
     softmax(0);
-    pack_p<BF16, 64>(s, pa);
+    pack_p<BF16>(s, pa);
     // Steady state peeled so that every path has the same wgmma structure
     // (ptxas serialises the wgmmas when S(t+1) is issued conditionally).
     for (int t = 0; t + 1 < w.n_steps; ++t) {
@@ -453,8 +450,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       pin(o);
       pin(pa);
       release(bar.v_empty(t % STAGES));
-      scale_rows(o, a_lo, a_hi);
-      pack_p<BF16, 64>(s, pa);
+      rescale(o, a_lo, a_hi);
+      pack_p<BF16>(s, pa);
     }
     turns.wait();
     values(w.n_steps - 1);
@@ -542,6 +539,26 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
   l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
 }
 
+template <bool BF16>
+__device__ __forceinline__ void pack_half(const float (&s)[32], uint32_t (&pa)[16]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
+    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
+    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
+    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i] = __fmul_rn(o[4 * i], a_lo);
+    o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
+    o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
+    o[4 * i + 3] = __fmul_rn(o[4 * i + 3], a_hi);
+  }
+}
 
 // S_N128: QK^T of a 128-position stage as one m64n128 wgmma batch and split in
 // halves, instead of two m64n64 batches (each element is the same dot product;
@@ -607,8 +624,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
                    aa_hi);
     compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, kv0 + 128 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
                    ab_lo, ab_hi);
-    pack_p<BF16, 32>(sa, pa);
-    pack_p<BF16, 32>(sb, pb);
+    pack_half<BF16>(sa, pa);
+    pack_half<BF16>(sb, pb);
 
     mbar_wait(bar.v_full(st), par);
     const int valid = w.seq_len - kv0;
