@@ -1,5 +1,14 @@
 // Paged prefill attention for Hopper (sm_90a), policy `off` semantics: the
-// walk follows the true lengths (no length bucket, no decoys). It is the
+// walk follows the true lengths (no length bucket, no decoys).
+//
+// NOT constant-time, on purpose: the grid search (`locate`), the early exits of
+// surplus and padding tiles, the KV trip count (`work_of`: n_steps from seq_len,
+// q_len and the causal diagonal), the mask branch (`mask_from`), the V-tail
+// zeroing and the row-guarded stores all follow the true lengths. That is the
+// contract of policy `off` only (design.md: "lengths" may leak). The constant-time
+// policies never reach this file: ops.step_kernel routes only policy-off steps
+// here, and the Triton kernels (whose loops follow public values only,
+// docs/kernels.md section 2) run every other step. It is the
 // route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
 // cannot express on this chip -- a producer warpgroup that loads 16-token pages
 // into 128-row stages, and consumer warpgroups with explicit wgmma waits.
@@ -266,12 +275,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], float& m_lo, float&
   l_hi = l_hi * alpha_hi + sum_hi;
 }
 
-// P (fp32 accumulator layout) -> the A-operand registers of the PV wgmma: the
-// k16 slice j is accumulator columns 16j..16j+15, i.e. elements 8j..8j+7.
-template <bool BF16>
-__device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[32]) {
+// P (fp32 accumulator layout, N values per thread) -> the
+// A-operand registers of the PV wgmma: the k16 slice j is accumulator columns
+// 16j..16j+15, i.e. elements 8j..8j+7. N = 64 (a 128-wide step) or 32 (64-wide).
+template <bool BF16, int N>
+__device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
     pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
     pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
     pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
@@ -417,7 +427,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       release(bar.k_empty(t % STAGES));
       softmax(t);
       rescale(o, a_lo, a_hi);
-      pack_p<BF16>(s, pa);
+      pack_p<BF16, 64>(s, pa);
       turns.wait();
       values(t);
       turns.pass();
@@ -434,7 +444,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     pin(s);
     release(bar.k_empty(0));
     softmax(0);
-    pack_p<BF16>(s, pa);
+    pack_p<BF16, 64>(s, pa);
     // Steady state peeled so that every path has the same wgmma structure
     // (ptxas serialises the wgmmas when S(t+1) is issued conditionally).
     for (int t = 0; t + 1 < w.n_steps; ++t) {
@@ -451,7 +461,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       pin(pa);
       release(bar.v_empty(t % STAGES));
       rescale(o, a_lo, a_hi);
-      pack_p<BF16>(s, pa);
+      pack_p<BF16, 64>(s, pa);
     }
     turns.wait();
     values(w.n_steps - 1);
@@ -539,17 +549,6 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
   l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
 }
 
-template <bool BF16>
-__device__ __forceinline__ void pack_half(const float (&s)[32], uint32_t (&pa)[16]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
-    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
-    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
-    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
-  }
-}
-
 __device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -624,8 +623,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
                    aa_hi);
     compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, kv0 + 128 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
                    ab_lo, ab_hi);
-    pack_half<BF16>(sa, pa);
-    pack_half<BF16>(sb, pb);
+    pack_p<BF16, 32>(sa, pa);
+    pack_p<BF16, 32>(sb, pb);
 
     mbar_wait(bar.v_full(st), par);
     const int valid = w.seq_len - kv0;
