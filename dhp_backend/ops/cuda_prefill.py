@@ -30,6 +30,7 @@ rows past ``query_start_loc[-1]`` (as the Triton kernels do); nothing beyond.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 
@@ -41,7 +42,8 @@ HEAD_SIZE = 128
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # Shared-memory descriptor offsets of the transposed V operand (bytes): between
-# the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh).
+# the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh;
+# the swapped pair was measured wrong on the H200, cuda_prefill-cfd35f6.json).
 V_DESC = (128 * 128, 1024)
 # The binaries (csrc/prefill_sm90.cu's variant bits): FA3's intra-warpgroup
 # overlap (the next QK^T under the softmax), its pingpong schedule of the two
@@ -59,6 +61,7 @@ _CODES = {COMPAT: 33, "compat_n64": 32}
 # Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
 # results on purpose, bf16 only, for the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
+_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES}
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
@@ -69,7 +72,13 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     """Why the kernel cannot run here (None when it can)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    cap = torch.cuda.get_device_capability(device)
+    return _capability_reason(torch.cuda.current_device() if device is None else torch.device(device).index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_reason(index: int | None) -> str | None:
+    # Once per device, not per launch.
+    cap = torch.cuda.get_device_capability(index)
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}; the kernel is built for sm_90a (H100/H200) only"
     return None
@@ -102,7 +111,13 @@ def routes_prefill(spec) -> tuple[bool, str]:
 def _lib(variant: str):
     """The compat binaries come from a build of just them (what ops.paged_attention
     needs: seconds of nvcc on first use); the measured variants from the full build."""
-    if variant in _CODES:
+    return _entry(variant in _CODES)
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(compat_only: bool):
+    # Loaded and typed once per build, not per launch.
+    if compat_only:
         lib = load("dhp_prefill_sm90_compat", "prefill_sm90.cu", SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
     else:
         lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
@@ -175,43 +190,28 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")
 
 
-def check_values(query, key_cache, block_table, query_start_loc, seq_lens, num_tokens) -> None:
-    """The facts the kernel trusts, read on the host (a device sync): callers that
-    validated them from host copies (vLLM's metadata) skip this."""
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-    if qsl[0] != 0 or min(q_lens, default=0) < 0 or qsl[-1] > num_tokens:
-        _fail("query_start_loc", str(qsl[:8]), f"non-decreasing offsets from 0 to at most num_tokens = {num_tokens}")
-    bs = key_cache.shape[2]
-    for r, (ql, sl) in enumerate(zip(q_lens, lens)):
-        if ql and not ql <= sl <= block_table.shape[1] * bs:
-            _fail(f"seq_lens[{r}]", str(sl), f"q_len ({ql}) <= seq_len <= {block_table.shape[1] * bs} "
-                  "(the block table's capacity)")
-        used = block_table[r, : -(-sl // bs)] if ql else block_table[r, :0]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key_cache.shape[0]):
-            _fail(f"block_table[{r}]", "holding ids outside the cache", f"0 <= id < {key_cache.shape[0]}")
-
-
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                  causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
-                 check: bool = True, v_desc: tuple[int, int] = V_DESC) -> torch.Tensor:
+                 check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant`` picks one of `VARIANTS` (schedules of the same arithmetic: the
     GPU test compares their bits) or `COMPAT` (the Triton kernels' bits).
-    ``check`` reads the metadata on the host first (`check_values`).
+    ``check`` reads the metadata on the host first (the facts `ops.paged_attention`
+    checks with ``check_values``: offsets, lengths, block ids; a device sync).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
-    codes = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES}
-    if variant not in codes:
+    if variant not in _ALL_CODES:
         _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT]))
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
     if check:
-        check_values(query, key_cache, block_table, query_start_loc, seq_lens, num_tokens)
+        from dhp_backend.ops.attention import _check_values
+
+        _check_values(query_start_loc, seq_lens, block_table, None, num_tokens, key_cache.shape[0],
+                      key_cache.shape[2])
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
     with torch.cuda.device(query.device):
@@ -222,7 +222,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
                     float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
-                    int(bool(causal)), int(query.dtype == torch.bfloat16), codes[variant], v_desc[0], v_desc[1],
+                    int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
                     stream)
     if rc != 0:
         what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
