@@ -52,12 +52,14 @@
 #include <cstdint>
 #include <cmath>
 
+#include "compat_arith.cuh"
 #include "sm90_primitives.cuh"
 
 namespace dhp {
 namespace {
 
 using namespace sm90;
+using namespace compat;
 
 constexpr int kHead = 128;                       // head size (only size supported)
 constexpr int kRows = 128;                       // query rows per CTA
@@ -235,10 +237,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo,
   }
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
@@ -275,19 +273,6 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], float& m_lo, float&
   l_hi = l_hi * alpha_hi + sum_hi;
 }
 
-// P (fp32 accumulator layout, N values per thread) -> the
-// A-operand registers of the PV wgmma: the k16 slice j is accumulator columns
-// 16j..16j+15, i.e. elements 8j..8j+7. N = 64 (a 128-wide step) or 32 (64-wide).
-template <bool BF16, int N>
-__device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2]) {
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
-    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
-    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
-    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
-  }
-}
 
 __device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float alpha_hi) {
 #pragma unroll
@@ -299,17 +284,6 @@ __device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float al
   }
 }
 
-// V rows at positions >= seq_len (unwritten slots of the last page, repeated
-// pages) are zeroed in shared memory before the PV product: P is 0 there, but
-// 0 * NaN is NaN. Both consumer warpgroups write the same zeros.
-__device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int tid, uint32_t barrier_id) {
-  for (int idx = tid; idx < (kCols - valid_rows) * 16; idx += 128) {
-    const int row = valid_rows + idx / 16, c = idx % 16;
-    reinterpret_cast<uint4*>(v_tile + (c / 8) * kHalfBytes + row * 128)[c % 8] = make_uint4(0, 0, 0, 0);
-  }
-  fence_proxy_async();
-  named_barrier(barrier_id, 128);
-}
 
 // The two query rows of a consumer thread (accumulator rows g and g + 8 of its
 // warp): tile row r is token tok0 + r / GROUP of query head kvh * GROUP + r % GROUP.
@@ -397,7 +371,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     const int st = t % STAGES;
     mbar_wait(bar.v_full(st), (t / STAGES) & 1);
     const int valid = w.seq_len - t * kCols;
-    if (valid < kCols) zero_v_tail(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
     wgmma_fence();
     issue_pv<BF16>(o, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
@@ -481,83 +455,15 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
 
 // ---- Triton-bit-compatible consumer (COMPAT) ------------------------------------
-// The arithmetic of dhp_backend/ops/triton/kernels.py (kv_step, row_sum, fold,
-// finalize) operation for operation, so that a row's bits equal the Triton
-// kernels' whatever kernel computes it (batch invariance across step kinds):
-//   KV steps of 64 positions at absolute multiples of 64 (S by two m64n64k16
-//   batches as Triton's 64-wide tile, or S_N128: one m64n128 batch split in
-//   halves, the same products and bits), splits of SPLIT_KV = 512 positions at absolute
-//   multiples of 512, each from a fresh state folded into a running state;
-//   s = qk * qk_scale (a multiply, then the mask select), m from -FLT_MAX,
-//   alpha selected to 1 when the max does not move, p = ex2.approx.ftz(s - m),
-//   row sums: own column pair, + lane^2, + lane^1 per 8-column group, then the
-//   groups in a pairwise tree; l = fma(l, alpha, rowsum); acc * alpha then the
-//   PV wgmma; fold with fma as `fold`; 1 / l by div.full. The _rn intrinsics keep
-//   nvcc from contracting a multiply and an add into an fma where Triton does not.
+// The arithmetic of dhp_backend/ops/triton/kernels.py operation for operation
+// (compat_arith.cuh), so that a row's bits equal the Triton kernels' whatever
+// kernel computes it (batch invariance across step kinds). Two 64-position KV
+// steps per 128-position stage (S by two m64n64k16 batches as Triton's 64-wide
+// tile, or S_N128: one m64n128 batch split in halves, the same products and
+// bits); each 512-position split from a fresh state folded into a running state.
 // Steps and splits past a row's last position are exact no-ops in that
 // arithmetic, so the tile extent (128 rows here, 32 tokens x 4 heads there)
 // does not change any row's bits. tests/test_cuda_prefill_gpu.py compares bits.
-constexpr int kSplitStages = 512 / kCols;  // config.SPLIT_KV in 128-position stages
-constexpr float kMInit = -3.4028234663852886e38f;
-
-__device__ __forceinline__ float select_ex2(float a, float m) { return a == m ? 1.f : ex2(__fsub_rn(a, m)); }
-
-// One 64-column half: mask, online-softmax update of (m, l), p in place; the
-// alphas for the running output come back.
-__device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
-                                               int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
-                                               float& l_hi, float& a_lo, float& a_hi) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
-      const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
-      s[4 * i + e] = (masked && col > lim_lo) ? -INFINITY : lo;
-      s[4 * i + 2 + e] = (masked && col > lim_hi) ? -INFINITY : hi;
-    }
-  }
-  float mx_lo = s[0], mx_hi = s[2];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-  }
-  const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
-  a_lo = select_ex2(m_lo, new_lo);
-  a_hi = select_ex2(m_hi, new_hi);
-  m_lo = new_lo;
-  m_hi = new_hi;
-  float g_lo[8], g_hi[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
-    s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
-    s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
-    s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
-    float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
-    x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-    y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
-    g_lo[i] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-    g_hi[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
-  }
-  auto tree = [](const float (&g)[8]) {
-    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
-                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
-  };
-  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
-  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
-}
-
-__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    o[4 * i] = __fmul_rn(o[4 * i], a_lo);
-    o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
-    o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
-    o[4 * i + 3] = __fmul_rn(o[4 * i + 3], a_hi);
-  }
-}
 
 // S_N128: QK^T of a 128-position stage as one m64n128 wgmma batch and split in
 // halves, instead of two m64n64 batches (each element is the same dot product;
@@ -628,7 +534,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
     mbar_wait(bar.v_full(st), par);
     const int valid = w.seq_len - kv0;
-    if (valid < kCols) zero_v_tail(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
     scale_rows(acc, aa_lo, aa_hi);
     wgmma_fence();
 #pragma unroll
@@ -654,21 +560,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     __syncwarp();
     if (lane == 0) mbar_arrive(bar.v_empty(st));
 
-    if ((t + 1) % kSplitStages == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
-      const float m2_lo = fmaxf(mr_lo, m_lo), m2_hi = fmaxf(mr_hi, m_hi);
-      const float al_lo = select_ex2(mr_lo, m2_lo), al_hi = select_ex2(mr_hi, m2_hi);
-      const float be_lo = select_ex2(m_lo, m2_lo), be_hi = select_ex2(m_hi, m2_hi);
-      lr_lo = __fmaf_rn(lr_lo, al_lo, __fmul_rn(l_lo, be_lo));
-      lr_hi = __fmaf_rn(lr_hi, al_hi, __fmul_rn(l_hi, be_hi));
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        run[4 * i] = __fmaf_rn(run[4 * i], al_lo, __fmul_rn(acc[4 * i], be_lo));
-        run[4 * i + 1] = __fmaf_rn(run[4 * i + 1], al_lo, __fmul_rn(acc[4 * i + 1], be_lo));
-        run[4 * i + 2] = __fmaf_rn(run[4 * i + 2], al_hi, __fmul_rn(acc[4 * i + 2], be_hi));
-        run[4 * i + 3] = __fmaf_rn(run[4 * i + 3], al_hi, __fmul_rn(acc[4 * i + 3], be_hi));
-      }
-      mr_lo = m2_lo;
-      mr_hi = m2_hi;
+    if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
+      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
       m_lo = m_hi = kMInit;
@@ -677,7 +570,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   }
 
   // finalize: acc * (1 / l) with l > 0 selected (div.full), rounded once.
-  const float inv_lo = div_full(1.f, lr_lo > 0.f ? lr_lo : 1.f), inv_hi = div_full(1.f, lr_hi > 0.f ? lr_hi : 1.f);
+  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
   store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, run, inv_lo);
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
 }

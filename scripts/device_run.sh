@@ -6,6 +6,7 @@
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_prefill.py; CUDAPF_ARGS)
+#   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (bench/triton_ceiling.py; CEIL_ARGS)
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
@@ -60,6 +61,12 @@ for step in "$@"; do
                     | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
                   timeout ${CUDAPF_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudapf.log" | tail -45; } ;;
+    cudadec) # As cudapf: every part under its own timeout.
+             timeout 240 python3 -m dhp_backend.bench.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
+             && { timeout ${CUDADEC_TEST_S:-240} python3 -m pytest -q -m gpu tests/test_cuda_decode_gpu.py -x -p no:cacheprovider 2>&1 \
+                    | tee "$OUT/cudadec-tests.log" | grep -v "^\s*$" | tail -15
+                  timeout ${CUDADEC_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_decode ${CUDADEC_ARGS:-} --out "$OUT" 2>&1 \
+                    | tee "$OUT/cudadec.log" | tail -75; } ;;
     ceiling) python3 -m dhp_backend.bench.triton_ceiling ${CEIL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" | tail -30 ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
                python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;

@@ -174,9 +174,10 @@ def paged_attention(
     )
     choice = _choose_path_logged(spec, policy, path, allow_fallback)
     run = _PATH_RUNNERS[choice.name]()
-    if path == "auto" and choice.name == dispatch.TRITON and step_kernel(spec, policy, num_tokens,
-                                                                          num_reqs) == CUDA_PREFILL:
-        run = _cuda_prefill_runner()
+    if path == "auto" and choice.name == dispatch.TRITON:
+        kernel = step_kernel(spec, policy, num_tokens, num_reqs)
+        if kernel != dispatch.TRITON:
+            run = _CSRC_RUNNERS[kernel]()
     run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
         scale=float(scale), causal=causal, policy=policy, bucket=bucket, num_tokens=num_tokens)
     return out
@@ -264,29 +265,38 @@ def _reference_runner():
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_prefill_routes(spec) -> bool:
-    from dhp_backend.ops.cuda_prefill import routes_prefill
-
-    ok, reason = routes_prefill(spec)
-    logger.info("DHP paged_attention: policy=off prefill steps on %s", reason if ok else f"Triton ({reason})")
+def _cuda_routes(spec, kind: str) -> bool:
+    if kind == "prefill":
+        from dhp_backend.ops.cuda_prefill import routes_prefill as routes
+    else:
+        from dhp_backend.ops.cuda_decode import routes_decode as routes
+    ok, reason = routes(spec)
+    logger.info("DHP paged_attention: policy=off %s steps on %s", kind, reason if ok else f"Triton ({reason})")
     return ok
 
 
 CUDA_PREFILL = "cuda_prefill"
+CUDA_DECODE = "cuda_decode"
 
 
 def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
-    """Which kernel the Triton path (path ``auto``) runs a step on: ``cuda_prefill``
-    for policy-``off`` prefill steps (the Triton launcher's step kind, from the
-    public geometry) where `cuda_prefill.routes_prefill` allows it, else
-    ``triton``. The csrc kernel's compat binary gives the Triton kernels' bits
-    (GPU test), so which kernel ran never shows in a row's bits; it is 1.3-1.6x
-    the Triton kernel's speed on an H200 (docs/perf-notes.md, change 17)."""
-    if Policy.parse(policy) is not Policy.OFF or spec.device_type != "cuda" or not _cuda_prefill_routes(spec):
+    """Which kernel the Triton path (path ``auto``) runs a step on, from the
+    public step geometry by the Triton launcher's own rules: policy-``off``
+    prefill steps on ``cuda_prefill`` (csrc/prefill_sm90.cu, compat binary),
+    policy-``off`` decode steps (token tiles) on ``cuda_decode``
+    (csrc/decode_sm90.cu), where the problem allows them; else ``triton``.
+    Both csrc kernels give the Triton kernels' bits (GPU tests), so which kernel
+    ran never shows in a row's bits (docs/perf-notes.md, changes 17-18)."""
+    if Policy.parse(policy) is not Policy.OFF or spec.device_type != "cuda":
         return dispatch.TRITON
-    from dhp_backend.ops.triton.launch import step_kind
+    from dhp_backend.ops.triton import launch
 
-    return CUDA_PREFILL if step_kind(num_tokens, num_reqs) == "prefill" else dispatch.TRITON
+    if launch.step_kind(num_tokens, num_reqs) == "prefill":
+        return CUDA_PREFILL if _cuda_routes(spec, "prefill") else dispatch.TRITON
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    if launch.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group, dtype_name=spec.dtype):
+        return CUDA_DECODE if _cuda_routes(spec, "decode") else dispatch.TRITON
+    return dispatch.TRITON
 
 
 def _cuda_prefill_runner():
@@ -301,6 +311,18 @@ def _cuda_prefill_runner():
     return run
 
 
+def _cuda_decode_runner():
+    from dhp_backend.ops.cuda_decode import decode_sm90
+
+    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
+            bucket, num_tokens):
+        del policy, bucket  # policy off: true lengths
+        return decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
+                           causal=causal, num_tokens=num_tokens, check=False)
+
+    return run
+
+
 def _triton_runner():
     from dhp_backend.ops.triton import paged_attention_triton
 
@@ -308,3 +330,4 @@ def _triton_runner():
 
 
 _PATH_RUNNERS = {dispatch.REFERENCE: _reference_runner, dispatch.TRITON: _triton_runner}
+_CSRC_RUNNERS = {CUDA_PREFILL: _cuda_prefill_runner, CUDA_DECODE: _cuda_decode_runner}

@@ -37,10 +37,14 @@ import os
 import torch
 
 from dhp_backend.ops.cuda_build import SM90A, load
+from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, launch_error,  # noqa: F401
+                                         unavailable_reason, validate_common)
 
-HEAD_SIZE = 128
-BLOCK_SIZES = (16, 32, 64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
+
+def _fail(what: str, got: str, accepted: str) -> None:
+    raise ValueError(f"cuda_prefill: {what} is {got}; accepted: {accepted}")
+
+
 # Shared-memory descriptor offsets of the transposed V operand (bytes): between
 # the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh;
 # the swapped pair was measured wrong on the H200, cuda_prefill-cfd35f6.json).
@@ -64,26 +68,6 @@ DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only"
 _ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES}
 
 
-def _fail(what: str, got: str, accepted: str) -> None:
-    raise ValueError(f"cuda_prefill: {what} is {got}; accepted: {accepted}")
-
-
-def unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the kernel cannot run here (None when it can)."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    return _capability_reason(torch.cuda.current_device() if device is None else torch.device(device).index)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_reason(index: int | None) -> str | None:
-    # Once per device, not per launch.
-    cap = torch.cuda.get_device_capability(index)
-    if cap != (9, 0):
-        return f"compute capability {cap[0]}.{cap[1]}; the kernel is built for sm_90a (H100/H200) only"
-    return None
-
-
 def routes_prefill(spec) -> tuple[bool, str]:
     """Whether `ops.paged_attention` runs policy-``off`` prefill steps of ``spec``
     (a `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
@@ -91,20 +75,12 @@ def routes_prefill(spec) -> tuple[bool, str]:
     it off (the Triton kernels then run those steps, with the same bits)."""
     if os.environ.get("DHP_CUDA_PREFILL", "1") == "0":
         return False, "disabled by DHP_CUDA_PREFILL=0"
-    if spec.device_type != "cuda" or tuple(spec.device_capability or ()) != (9, 0):
-        return False, "not an sm_90 GPU"
-    if spec.head_size != HEAD_SIZE:
-        return False, f"head size {spec.head_size} (the kernel has {HEAD_SIZE})"
-    if spec.dtype not in ("bfloat16", "float16"):
-        return False, f"dtype {spec.dtype}"
-    if spec.block_size not in BLOCK_SIZES:
-        return False, f"block size {spec.block_size}"
+    why = common_route_refusal(spec, "prefill_sm90.cu")
+    if why:
+        return False, why
     g = spec.num_heads // max(1, spec.num_kv_heads)
     if g & (g - 1) or g > 128:
         return False, f"{g} query heads per KV head (not a power of two <= 128)"
-    from dhp_backend.ops.cuda_build import find_nvcc
-    if find_nvcc() is None:
-        return False, "no nvcc to build csrc/prefill_sm90.cu"
     return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
 
 
@@ -131,59 +107,14 @@ def _entry(compat_only: bool):
 
 def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
     """Shapes, dtypes, devices and strides (no device values are read)."""
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out),
-                    ("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if not isinstance(t, torch.Tensor):
-            _fail(name, f"a {type(t).__name__}", "a torch.Tensor")
-        if t.device.type != "cuda":
-            _fail(f"{name}'s device", str(t.device), "a CUDA device (sm_90)")
-    if query.dim() != 3 or query.shape[2] != HEAD_SIZE:
-        _fail("query's shape", str(tuple(query.shape)), f"[num_tokens, num_heads, {HEAD_SIZE}]")
-    if query.dtype not in DTYPES:
-        _fail("query's dtype", str(query.dtype), "torch.bfloat16 or torch.float16")
-    T, H, D = query.shape
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dim() != 4 or t.shape[3] != D or t.dtype != query.dtype:
-            _fail(f"{name} ({t.dtype}, shape {tuple(t.shape)})", "not matching the query",
-                  f"[num_blocks, num_kv_heads, block_size, {D}] in {query.dtype}")
-    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
-        _fail("value_cache", f"shape {tuple(value_cache.shape)} strides {value_cache.stride()}",
-              f"key_cache's shape {tuple(key_cache.shape)} and strides {key_cache.stride()}")
-    nb, Hkv, bs, _ = key_cache.shape
-    if bs not in BLOCK_SIZES:
-        _fail("the block size", str(bs), ", ".join(map(str, BLOCK_SIZES)))
-    if Hkv == 0 or H % Hkv or (H // Hkv) & (H // Hkv - 1) or H // Hkv > 128:
+    validate_common("cuda_prefill", query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+                    num_tokens)
+    H, Hkv = query.shape[1], key_cache.shape[1]
+    if (H // Hkv) & (H // Hkv - 1) or H // Hkv > 128:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads",
               "a divisor of the number of query heads with a power-of-two ratio <= 128 (a tile packs 128 / ratio "
               "tokens x the ratio's heads)")
-    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= T:
-        _fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
-    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < num_tokens:
-        _fail("out", f"{out.dtype} of shape {tuple(out.shape)}",
-              f"{query.dtype} of shape [>= {num_tokens}, {H}, {D}]")
-    for name, t in (("query", query), ("out", out)):
-        if t.stride(-1) != 1 or t.stride(-2) != D:
-            _fail(f"{name}'s strides", str(t.stride()),
-                  "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            _fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
-                  "16-byte aligned base and strides (a TMA requirement)")
-    if key_cache.stride(-1) != 1:
-        _fail("key_cache's strides", str(key_cache.stride()), "a contiguous last dimension (any other strides "
-              "that are multiples of 16 bytes, e.g. vLLM's K/V-interleaved cache views)")
-    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            _fail(f"{name}'s dtype", str(t.dtype), "torch.int32")
-    if block_table.dim() != 2 or block_table.stride(1) != 1:
-        _fail("block_table", f"shape {tuple(block_table.shape)} strides {block_table.stride()}",
-              "[num_seqs, max_blocks] with contiguous rows")
     n = seq_lens.shape[0]
-    if seq_lens.dim() != 1 or query_start_loc.shape != (n + 1,) or block_table.shape[0] < n:
-        _fail("the metadata", f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}, "
-              f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
-    if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
-        _fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")
     block_q = 128 // (H // Hkv)
     if num_tokens // block_q + n + 1 > 65535:
         _fail("the step", f"{num_tokens} tokens and {n} requests",
@@ -225,8 +156,5 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
                     stream)
     if rc != 0:
-        what = {-1: "cuTensorMapEncodeTiled not found in the driver", -2: "the TMA map of query was rejected",
-                -3: "the TMA map of key_cache was rejected", -4: "the TMA map of value_cache was rejected",
-                -5: "unknown variant", -6: "too many tiles", -7: "query heads per KV head not a power of two"}
-        raise RuntimeError(f"cuda_prefill: launch failed: {what.get(rc, f'CUDA error {rc}')}")
+        raise RuntimeError(f"cuda_prefill: launch failed: {launch_error(rc)}")
     return out

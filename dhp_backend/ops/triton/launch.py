@@ -91,6 +91,25 @@ def token_tiling(*, num_tokens: int, num_reqs: int, block_q: int, tiling: str | 
     raise ValueError(f"tiling: {tiling!r}; accepted: None, 'token', 'request'")
 
 
+def decode_step(num_tokens: int, num_reqs: int, *, head_size: int, group: int, dtype_name: str) -> bool:
+    """Whether the launcher runs a step on token tiles (one query token per tile:
+    a decode step), by `token_tiling` with the step kind's tile. Public geometry only."""
+    cfg = kcfg.kernel_config(head_size, group, dtype_name, kind=step_kind(num_tokens, num_reqs))
+    return token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q)
+
+
+def split_states(ws: torch.Tensor, n_split_grid: int, num_tokens: int, num_heads: int, head_size: int):
+    """The split-mode slices of the workspace: (acc, m, l) for n_split_grid x
+    num_tokens x num_heads rows, in the layout `kernels.merge_kernel` reads
+    (row (s * num_tokens + token) * num_heads + head; acc rows of head_size).
+    Slices start on 64-byte boundaries so that pointer-alignment specialisation
+    is the same for every batch (one binary)."""
+    n = n_split_grid * num_tokens * num_heads
+    a_end = _round_up(n * head_size, 16)
+    m_end = a_end + _round_up(n, 16)
+    return ws[:a_end], ws[a_end:m_end], ws[m_end:m_end + n]
+
+
 def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, head_size: int,
          cfg: kcfg.KernelConfig, ext_grid: int, num_sms: int, mode: str | None = None,
          tiling: str | None = None) -> dict:
@@ -217,12 +236,7 @@ def paged_attention_triton(
 
     ws, sink, zero = wsp.reserve_workspace(device)
     if p["split"]:
-        n = p["n_split_grid"] * num_tokens * num_heads
-        # Slices start on 64-byte boundaries so that pointer-alignment
-        # specialisation is the same for every batch (one binary).
-        a_end = _round_up(n * head_size, 16)
-        m_end = a_end + _round_up(n, 16)
-        ws_acc, ws_m, ws_l = ws[:a_end], ws[a_end:m_end], ws[m_end:m_end + n]
+        ws_acc, ws_m, ws_l = split_states(ws, p["n_split_grid"], num_tokens, num_heads, head_size)
     else:
         ws_acc = ws_m = ws_l = ws  # never dereferenced: WRITE_PARTIALS is false
 

@@ -1,0 +1,151 @@
+// The Triton kernels' per-row arithmetic (dhp_backend/ops/triton/kernels.py:
+// kv_step, row_sum, fold, finalize) as device functions, operation for
+// operation, and the tile helpers around it. Shared by the CUDA kernels that
+// must give the Triton kernels' bits: prefill_sm90.cu (COMPAT) and
+// decode_sm90.cu. Layout facts (per thread of a consumer warpgroup): an m64nN
+// wgmma accumulator element 4*i + e is row lane/4 (+8 for e >= 2) of the warp's
+// 16, column 8*i + 2*(lane % 4) + (e & 1); "lo"/"hi" name those two rows.
+//
+// The order, read off Triton 3.6's PTX of the policy-off binaries:
+//   KV steps of 64 positions at absolute multiples of 64, splits of SPLIT_KV =
+//   512 positions at absolute multiples of 512, each from a fresh state;
+//   s = qk * qk_scale (a multiply, then the mask select), m from -FLT_MAX,
+//   alpha selected to 1 when the max does not move, p = ex2.approx.ftz(s - m),
+//   row sums: own column pair, + lane^2, + lane^1 per 8-column group, then the
+//   groups in a pairwise tree; l = fma(l, alpha, rowsum); acc * alpha then the
+//   PV wgmma; fold with fma; 1 / l by div.full. The _rn intrinsics keep nvcc
+//   from contracting a multiply and an add into an fma where Triton does not.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+
+#include "sm90_primitives.cuh"
+
+namespace dhp::compat {
+
+using namespace dhp::sm90;
+
+constexpr int kSplitKV = 512;  // config.SPLIT_KV (positions per split)
+constexpr int kStepKV = 64;    // config block_n (positions per KV step)
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+// P (fp32 accumulator layout, N values per thread) -> the
+// A-operand registers of the PV wgmma: the k16 slice j is accumulator columns
+// 16j..16j+15, i.e. elements 8j..8j+7. N = 64 (a 128-wide step) or 32 (64-wide).
+template <bool BF16, int N>
+__device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2]) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    pa[4 * j + 0] = pack2<BF16>(s[8 * j + 0], s[8 * j + 1]);
+    pa[4 * j + 1] = pack2<BF16>(s[8 * j + 2], s[8 * j + 3]);
+    pa[4 * j + 2] = pack2<BF16>(s[8 * j + 4], s[8 * j + 5]);
+    pa[4 * j + 3] = pack2<BF16>(s[8 * j + 6], s[8 * j + 7]);
+  }
+}
+
+// V rows at positions >= seq_len (unwritten slots of the last page, repeated
+// pages) are zeroed in shared memory before the PV product: P is 0 there, but
+// 0 * NaN is NaN. POSITIONS: rows of the V tile (two 64-column halves of
+// POSITIONS x 128 B). Run by one consumer warpgroup (128 threads, its own named
+// barrier); where two warpgroups share a tile, both write the same zeros.
+template <int POSITIONS>
+__device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int tid, uint32_t barrier_id) {
+  for (int idx = tid; idx < (POSITIONS - valid_rows) * 16; idx += 128) {
+    const int row = valid_rows + idx / 16, c = idx % 16;
+    reinterpret_cast<uint4*>(v_tile + (c / 8) * (POSITIONS * 128) + row * 128)[c % 8] = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier(barrier_id, 128);
+}
+
+constexpr float kMInit = -3.4028234663852886e38f;
+
+__device__ __forceinline__ float select_ex2(float a, float m) { return a == m ? 1.f : ex2(__fsub_rn(a, m)); }
+
+// One 64-column half: mask, online-softmax update of (m, l), p in place; the
+// alphas for the running output come back.
+__device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
+                                               int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
+                                               float& l_hi, float& a_lo, float& a_hi) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
+      const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
+      s[4 * i + e] = (masked && col > lim_lo) ? -INFINITY : lo;
+      s[4 * i + 2 + e] = (masked && col > lim_hi) ? -INFINITY : hi;
+    }
+  }
+  float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
+  a_lo = select_ex2(m_lo, new_lo);
+  a_hi = select_ex2(m_hi, new_hi);
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float g_lo[8], g_hi[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
+    s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
+    s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
+    s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
+    float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+    x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+    y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
+    g_lo[i] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+    g_hi[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
+  }
+  auto tree = [](const float (&g)[8]) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
+                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
+  };
+  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
+  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i] = __fmul_rn(o[4 * i], a_lo);
+    o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
+    o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
+    o[4 * i + 3] = __fmul_rn(o[4 * i + 3], a_hi);
+  }
+}
+
+// kernels.fold: this split's state (m, l, acc) folded into the running state
+// (mr, lr, run), a first then b, with the explicit fma of the Triton kernel.
+__device__ __forceinline__ void fold_rows(float (&run)[64], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
+                                          const float (&acc)[64], float m_lo, float m_hi, float l_lo, float l_hi) {
+  const float m2_lo = fmaxf(mr_lo, m_lo), m2_hi = fmaxf(mr_hi, m_hi);
+  const float al_lo = select_ex2(mr_lo, m2_lo), al_hi = select_ex2(mr_hi, m2_hi);
+  const float be_lo = select_ex2(m_lo, m2_lo), be_hi = select_ex2(m_hi, m2_hi);
+  lr_lo = __fmaf_rn(lr_lo, al_lo, __fmul_rn(l_lo, be_lo));
+  lr_hi = __fmaf_rn(lr_hi, al_hi, __fmul_rn(l_hi, be_hi));
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    run[4 * i] = __fmaf_rn(run[4 * i], al_lo, __fmul_rn(acc[4 * i], be_lo));
+    run[4 * i + 1] = __fmaf_rn(run[4 * i + 1], al_lo, __fmul_rn(acc[4 * i + 1], be_lo));
+    run[4 * i + 2] = __fmaf_rn(run[4 * i + 2], al_hi, __fmul_rn(acc[4 * i + 2], be_hi));
+    run[4 * i + 3] = __fmaf_rn(run[4 * i + 3], al_hi, __fmul_rn(acc[4 * i + 3], be_hi));
+  }
+  mr_lo = m2_lo;
+  mr_hi = m2_hi;
+}
+
+// kernels.finalize's reciprocal: 1 / l with l > 0 selected (div.full); rows
+// that saw no position get 1 (their acc is 0).
+__device__ __forceinline__ float finalize_inv(float l) { return div_full(1.f, l > 0.f ? l : 1.f); }
+
+}  // namespace dhp::compat

@@ -1,0 +1,529 @@
+// Paged decode attention for Hopper (sm_90a), policy `off` semantics, with the
+// Triton kernels' bits (compat_arith.cuh): what ops.paged_attention runs for
+// policy-off decode steps (one query token per tile) on sm_90.
+//
+// NOT constant-time, on purpose: the KV trip count follows the true length
+// (n_kv from seq_len and the causal diagonal), the mask and V-tail branches and
+// the row-guarded stores too. That is the contract of policy `off` only; the
+// constant-time policies never reach this file (ops.step_kernel routes only
+// policy-off steps here).
+//
+// Why a CUDA kernel: decode is bytes. The Triton decode binary holds ~170
+// registers per thread, two programs per SM, and its K/V loads are per-thread
+// 16-byte gathers: it reached 0.71-0.95 of FA3's bandwidth (docs/perf-notes.md).
+// Here one producer warp streams 16-token pages by TMA into a ring of STAGES
+// 64-position stages, ahead of the consumer across split boundaries, and the
+// consumer warpgroup never issues a load.
+//
+// Layouts (those of ops.paged_attention): query/out [num_tokens, num_heads, 128];
+// key/value [num_blocks, num_kv_heads, block_size, 128]; block_table
+// [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs].
+//
+// One CTA = one query token x the GROUP query heads of one KV head (the Triton
+// kernels' token tile; rows GROUP..63 of the 64-row wgmma tile are unused), and
+// the splits [chunk * spp, ...) of its KV walk (512 positions each, at absolute
+// multiples of 512: the Triton kernels' splits). Two modes, the Triton
+// launcher's (launch.plan), with the same bits:
+//   fold   (WRITE_PARTIALS false): one chunk; each split's state is folded into
+//          a running state in registers and the row is finalized and stored.
+//   split  (WRITE_PARTIALS true): each split's state (m, l, acc) goes to the
+//          workspace in the Triton kernels' layout; merge_kernel then folds the
+//          splits of each row left to right and finalizes.
+// Warpgroup 0: warp 0 is the producer (lane 0 issues the TMA, the warp reads a
+// split's block ids one split ahead, one lane per page); warpgroup 1 is the
+// consumer (S = Q K^T by m64n64k16 wgmma from shared memory, the compat
+// softmax, O += P V by m64n128k16 wgmma with P from registers).
+// Token tiles: token t of the step belongs to request r = the number of
+// query_start_loc[1..num_seqs] <= t (kernels.locate with token tiles); r ==
+// num_seqs is the padding pseudo-request (seq_len 0: neutral states, zeros out).
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <cmath>
+
+#include "compat_arith.cuh"
+#include "sm90_primitives.cuh"
+
+namespace dhp {
+namespace {
+
+using namespace sm90;
+using namespace compat;
+
+constexpr int kHead = 128;
+constexpr int kRows = 64;                     // wgmma rows per CTA (GROUP of them real)
+constexpr int kStep = kStepKV;                // KV positions per stage (64)
+constexpr int kHalf = 64 * 128;               // one 64-column half of a 64-row 16-bit tile (8 KB)
+constexpr int kTile = 2 * kHalf;              // a 64 x 128 16-bit tile (16 KB)
+constexpr int kStepsPerSplit = kSplitKV / kStep;
+constexpr int kThreads = 256;                 // producer warpgroup + consumer warpgroup
+constexpr uint32_t kBarVTail = 1;
+static_assert(kRows == kStep, "Q, K and V tiles share the 64 x 128 layout");
+
+// Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
+template <int STAGES>
+struct Layout {
+  static constexpr int kOffK = kTile;
+  static constexpr int kOffV = kOffK + STAGES * kTile;
+  static constexpr int kOffBar = kOffV + STAGES * kTile;
+  static constexpr int kBytes = kOffBar + 8 * (1 + 4 * STAGES) + 1024;  // + barriers + alignment slack
+};
+
+struct Params {
+  void* out;
+  int64_t out_tok_stride, out_head_stride;  // elements
+  float* ws_acc;                            // split states: [n_split_grid, num_tokens, num_heads](, 128)
+  float* ws_m;
+  float* ws_l;
+  const int* block_table;
+  int64_t bt_stride;
+  const int* seq_lens;
+  const int* query_start_loc;
+  int num_heads, block_size, box_rows;      // box_rows = min(block_size, 64): rows per TMA box
+  int num_seqs, num_tokens, group;
+  int n_split_grid, spp;                    // split mode: splits in the workspace, splits per CTA
+  float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
+  int causal;
+};
+
+template <int STAGES>
+struct Barriers {
+  uint32_t base;
+  __device__ uint32_t q_full() const { return base; }
+  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+  __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+  __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+};
+
+// What every warp of the CTA derives the same way from the metadata.
+struct Work {
+  int req;                   // request (num_seqs: the padding pseudo-request)
+  int seq_len;               // keys of the request (0 for padding)
+  int ext;                   // positions this token attends: [0, ext)
+  int n_kv;                  // 64-position steps of the walk
+  int s_lo, s_hi;            // splits of this CTA
+  int n_split;               // splits with positions (the rest are neutral)
+};
+
+__device__ __forceinline__ Work work_of(const Params& p, int t, int chunk, bool write_partials) {
+  // r = number of query_start_loc[1..num_seqs] <= t (non-decreasing: binary search).
+  int lo = 0, hi = p.num_seqs;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  Work w;
+  w.req = lo;
+  const bool pad = lo == p.num_seqs;
+  const int q0 = p.query_start_loc[lo];
+  const int q_len = (pad ? p.num_tokens : p.query_start_loc[lo + 1]) - q0;
+  w.seq_len = pad ? 0 : p.seq_lens[lo];
+  const int limit = p.causal ? w.seq_len - q_len + (t - q0) + 1 : w.seq_len;
+  w.ext = max(0, min(w.seq_len, limit));
+  w.n_kv = (w.ext + kStep - 1) / kStep;
+  w.n_split = (w.n_kv + kStepsPerSplit - 1) / kStepsPerSplit;
+  if (write_partials) {
+    w.s_lo = chunk * p.spp;
+    w.s_hi = min(w.s_lo + p.spp, p.n_split_grid);
+  } else {
+    w.s_lo = 0;
+    w.s_hi = w.n_split;
+  }
+  return w;
+}
+
+// Steps [first_step(w), end_step(w)) of the walk: the splits' steps that hold positions.
+__device__ __forceinline__ int first_step(const Work& w) { return min(w.s_lo, w.n_split) * kStepsPerSplit; }
+__device__ __forceinline__ int end_step(const Work& w) { return min(w.s_hi * kStepsPerSplit, w.n_kv); }
+
+// ---- producer (one warp) ---------------------------------------------------------
+template <int STAGES>
+__device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
+                                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
+                                        const Barriers<STAGES>& bar, int kvh, int t) {
+  using L = Layout<STAGES>;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {  // Q: 64 columns x GROUP heads x 1 token, twice (the two column halves)
+    mbar_arrive_expect_tx(bar.q_full(), 2 * p.group * 128);
+    tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, t);
+    tma_load_3d(smem + kHalf, tm_q, bar.q_full(), 64, kvh * p.group, t);
+  }
+  const int j0 = first_step(w), j1 = end_step(w);
+  if (j0 >= j1) return;
+  const int bs = p.block_size, rows = p.box_rows;
+  const int pages_per_split = kSplitKV / bs;  // <= 32 (block_size >= 16)
+  const int last_page = (w.seq_len + bs - 1) / bs - 1;
+  const int* table = p.block_table + static_cast<int64_t>(w.req) * p.bt_stride;
+  // Lane i holds the block id of page i of a split (pages past the request's
+  // last repeat it: their rows are masked in S and zeroed in V by the consumer).
+  auto split_ids = [&](int s) {
+    return lane < pages_per_split ? table[min(s * pages_per_split + lane, last_page)] : 0;
+  };
+  int s = j0 / kStepsPerSplit;
+  int ids = split_ids(s);
+  int ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
+  for (int j = j0; j < j1; ++j) {
+    if (j != j0 && j % kStepsPerSplit == 0) {
+      ++s;
+      ids = ids_next;
+      ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
+    }
+    const int k = j - j0, st = k % STAGES;
+    const uint32_t parity = ((k / STAGES) - 1) & 1;  // the release of step k - STAGES
+    const uint32_t k_dst = smem + L::kOffK + st * kTile, v_dst = smem + L::kOffV + st * kTile;
+    // Up to 4 boxes per step (16-token pages); every lane takes part in the shuffles.
+    int blk[4], row[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int pos = j * kStep + b * rows;
+      blk[b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
+      row[b] = pos % bs;
+    }
+    const int boxes = kStep / rows;
+    if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar.k_full(st), kTile);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (b < boxes) {
+          tma_load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
+          tma_load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
+        }
+      }
+    }
+    if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar.v_full(st), kTile);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (b < boxes) {
+          tma_load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
+          tma_load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// ---- consumer (one warpgroup) ------------------------------------------------------
+// Split state of rows lo/hi to the workspace (split mode), Triton's layout:
+// index (s * num_tokens + t) * num_heads + head, acc rows of 128 floats.
+__device__ __forceinline__ void store_state(const Params& p, int s, int t, int head, int lane, const float (&acc)[64],
+                                            int idx, float m, float l) {
+  const int64_t row = (static_cast<int64_t>(s) * p.num_tokens + t) * p.num_heads + head;
+  float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead);
+  const int c = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) dst[4 * i + c] = make_float2(acc[4 * i + idx], acc[4 * i + idx + 1]);
+  if (c == 0) {
+    p.ws_m[row] = m;
+    p.ws_l[row] = l;
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void store_out(const Params& p, int t, int head, int lane, const float (&o)[64], int idx,
+                                          float inv) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<char*>(p.out) +
+                                              2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                                   static_cast<int64_t>(head) * p.out_head_stride));
+  const int c = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
+}
+
+template <bool BF16, int STAGES, bool WRITE_PARTIALS>
+__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                        const Barriers<STAGES>& bar, int kvh, int t) {
+  using L = Layout<STAGES>;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's two tile rows
+  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
+  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
+  const int lim = w.ext - 1;  // last attendable position (every row: one token)
+
+  float acc[64];
+  float run[WRITE_PARTIALS ? 1 : 64];
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, fold mode
+  if constexpr (!WRITE_PARTIALS) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) run[i] = 0.f;
+  }
+  float s[32];
+  uint32_t pa[16];
+
+  mbar_wait(bar.q_full(), 0);
+  const int j0 = first_step(w);
+  for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
+    // Every split from a fresh state (kernels.attention_kernel).
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
+    const int jb = sp * kStepsPerSplit, je = min(jb + kStepsPerSplit, w.n_kv);
+    for (int j = jb; j < je; ++j) {
+      const int k = j - j0, st = k % STAGES;
+      const uint32_t par = (k / STAGES) & 1;
+      const uint32_t k_base = smem + L::kOffK + st * kTile, v_base = smem + L::kOffV + st * kTile;
+      mbar_wait(bar.k_full(st), par);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHead / 16; ++kk) {
+        const uint32_t off = (kk / 4) * kHalf + (kk % 4) * 32;
+        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(s);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.k_empty(st));
+
+      const int kv0 = j * kStep;
+      float a_lo, a_hi;
+      compat_softmax(s, kv0, lim, lim, kv0 + kStep > w.ext, lane, p.qk_scale, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+      pack_p<BF16, 32>(s, pa);
+
+      mbar_wait(bar.v_full(st), par);
+      const int valid = w.seq_len - kv0;
+      if (valid < kStep) zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail);
+      scale_rows(acc, a_lo, a_hi);
+      wgmma_fence();
+#pragma unroll
+      for (int jj = 0; jj < kStep / 16; ++jj) {
+        const uint32_t a[4] = {pa[4 * jj], pa[4 * jj + 1], pa[4 * jj + 2], pa[4 * jj + 3]};
+        wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + jj * 16 * 128, kHalf, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(acc);
+      pin(pa);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.v_empty(st));
+    }
+    if constexpr (WRITE_PARTIALS) {
+      if (ok_lo) store_state(p, sp, t, head_lo, lane, acc, 0, m_lo, l_lo);
+      if (ok_hi) store_state(p, sp, t, head_hi, lane, acc, 2, m_hi, l_hi);
+    } else {
+      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
+    }
+  }
+  if constexpr (!WRITE_PARTIALS) {
+    if (ok_lo) store_out<BF16>(p, t, head_lo, lane, run, 0, finalize_inv(lr_lo));
+    if (ok_hi) store_out<BF16>(p, t, head_hi, lane, run, 2, finalize_inv(lr_hi));
+  }
+}
+
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+    decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                  const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  using L = Layout<STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x, t = blockIdx.y, chunk = blockIdx.z;
+  const Work w = work_of(p, t, chunk, WRITE_PARTIALS);
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar.q_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar.k_full(s), 1);
+      mbar_init(bar.v_full(s), 1);
+      mbar_init(bar.k_empty(s), 4);  // one arrival per consumer warp
+      mbar_init(bar.v_empty(s), 4);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<40>();
+    if (threadIdx.x < 32) produce<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
+  } else {
+    regs_alloc<MIN_BLOCKS == 1 ? 232 : 216>();
+    consume<BF16, STAGES, WRITE_PARTIALS>(p, w, smem_ptr, smem, bar, kvh, t);
+  }
+}
+
+// Split mode's second kernel: kernels.merge_kernel. One CTA per (token, KV head),
+// one thread per (query head, column): folds the n_split_grid states of each of
+// the GROUP rows left to right from the neutral state, then finalizes.
+constexpr int kMergeHeads = 8;  // query heads merged side by side (blockDim.y)
+template <bool BF16>
+__global__ void __launch_bounds__(128 * kMergeHeads) merge_kernel(const Params p) {
+  const int t = blockIdx.x, kvh = blockIdx.y, d = threadIdx.x;
+  for (int g = threadIdx.y; g < p.group; g += blockDim.y) {
+    const int head = kvh * p.group + g;
+    float m = kMInit, l = 0.f, acc = 0.f;
+    const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+    const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
+    constexpr int kUnroll = 8;
+    for (int s0 = 0; s0 < p.n_split_grid; s0 += kUnroll) {
+      float mb[kUnroll], lb[kUnroll], ab[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {  // loads first, several in flight
+        const bool in = s0 + u < p.n_split_grid;
+        const int64_t row = row0 + (in ? s0 + u : 0) * split_stride;
+        mb[u] = in ? p.ws_m[row] : kMInit;
+        lb[u] = in ? p.ws_l[row] : 0.f;
+        ab[u] = in ? p.ws_acc[row * kHead + d] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {  // kernels.fold, a first then b
+        const float m2 = fmaxf(m, mb[u]);
+        const float al = select_ex2(m, m2), be = select_ex2(mb[u], m2);
+        l = __fmaf_rn(l, al, __fmul_rn(lb[u], be));
+        acc = __fmaf_rn(acc, al, __fmul_rn(ab[u], be));
+        m = m2;
+      }
+    }
+    const float o = __fmul_rn(acc, finalize_inv(l));
+    char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                                 static_cast<int64_t>(head) * p.out_head_stride + d);
+    if constexpr (BF16)
+      *reinterpret_cast<__nv_bfloat16*>(out) = __float2bfloat16_rn(o);
+    else
+      *reinterpret_cast<__half*>(out) = __float2half_rn(o);
+  }
+}
+
+// ---- host ----------------------------------------------------------------------
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_fn() {
+  static EncodeTiled fn = nullptr;
+  if (!fn) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  }
+  return fn;
+}
+
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS>
+int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+           cudaStream_t stream) {
+  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS>;
+  constexpr int bytes = Layout<STAGES>::kBytes;
+  // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
+  static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
+  merge_kernel<BF16><<<dim3(p.num_tokens, grid.x), dim3(128, p.group < kMergeHeads ? p.group : kMergeHeads), 0,
+                       stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Residency variants (the same arithmetic and bits): STAGES 64-position stages
+// of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM.
+template <bool BF16, bool WRITE_PARTIALS>
+int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+                   const Params& p, dim3 grid, cudaStream_t st) {
+  switch (variant) {
+    case 0: return launch<BF16, 4, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
+    case 1: return launch<BF16, 2, WRITE_PARTIALS, 2>(tq, tk, tv, p, grid, st);
+    case 2: return launch<BF16, 6, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
+    case 3: return launch<BF16, 3, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
+    default: return -5;
+  }
+}
+
+}  // namespace
+}  // namespace dhp
+
+// C entry point (ctypes). Strides in elements. ws_* may be null in fold mode
+// (spp == 0). Returns 0 or an error code: a cudaError_t, or -1 (no
+// cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V rejected), -5 (unknown
+// variant), -6 (grid too large), -7 (query heads per KV head not in 1..64).
+// Split mode when spp > 0: CTAs take splits [chunk * spp, ...) of n_split_grid,
+// grid.z = ceil(n_split_grid / spp); fold mode otherwise (grid.z = 1).
+extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
+                               const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
+                               int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
+                               const int* block_table, int64_t bt_stride, const int* seq_lens,
+                               const int* query_start_loc, int num_seqs, int num_q_rows, int num_tokens,
+                               int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
+                               int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
+                               int spp, void* stream) {
+  using namespace dhp;
+  EncodeTiled encode = encode_fn();
+  if (!encode) return -1;
+  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
+  const CUtensorMapDataType dt = is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  CUtensorMap tq, tk, tv;
+  {
+    const cuuint64_t dims[3] = {kHead, static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(num_q_rows)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(q_head_stride * 2), static_cast<cuuint64_t>(q_tok_stride * 2)};
+    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group), 1};
+    if (encode(&tq, dt, 3, const_cast<void*>(q), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return -2;
+  }
+  const int box_rows = block_size < kStep ? block_size : kStep;
+  const cuuint64_t kv_dims[4] = {kHead, static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
+                                 static_cast<cuuint64_t>(num_blocks)};
+  const cuuint64_t kv_strides[3] = {static_cast<cuuint64_t>(kv_tok_stride * 2),
+                                    static_cast<cuuint64_t>(kv_head_stride * 2),
+                                    static_cast<cuuint64_t>(kv_block_stride * 2)};
+  const cuuint32_t kv_box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  if (encode(&tk, dt, 4, const_cast<void*>(k), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return -3;
+  if (encode(&tv, dt, 4, const_cast<void*>(v), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return -4;
+
+  Params p;
+  p.out = out;
+  p.out_tok_stride = out_tok_stride;
+  p.out_head_stride = out_head_stride;
+  p.ws_acc = ws_acc;
+  p.ws_m = ws_m;
+  p.ws_l = ws_l;
+  p.block_table = block_table;
+  p.bt_stride = bt_stride;
+  p.seq_lens = seq_lens;
+  p.query_start_loc = query_start_loc;
+  p.num_heads = num_heads;
+  p.block_size = block_size;
+  p.box_rows = box_rows;
+  p.num_seqs = num_seqs;
+  p.num_tokens = num_tokens;
+  p.group = group;
+  p.n_split_grid = n_split_grid;
+  p.spp = spp;
+  p.qk_scale = qk_scale;
+  p.causal = causal;
+  const bool split = spp > 0;
+  const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
+  if (num_tokens <= 0) return 0;
+  if (num_tokens > 65535 || chunks > 65535) return -6;
+  const dim3 grid(num_kv_heads, num_tokens, chunks);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (is_bf16)
+    return split ? launch_variant<true, true>(variant, tq, tk, tv, p, grid, st)
+                 : launch_variant<true, false>(variant, tq, tk, tv, p, grid, st);
+  return split ? launch_variant<false, true>(variant, tq, tk, tv, p, grid, st)
+               : launch_variant<false, false>(variant, tq, tk, tv, p, grid, st);
+}

@@ -1,0 +1,171 @@
+"""The csrc Hopper decode kernel against FA3 and DHP's Triton kernel, same tensors, same run.
+
+    python -m dhp_backend.bench.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
+
+``--probe`` runs every variant in both split modes on small steps and exits
+non-zero unless all are right and bit-equal to the Triton kernel (policy off):
+the first thing a device call runs (in a subprocess with a timeout, so a hung
+kernel costs seconds).
+
+Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, one query token per
+request, NaN in every cache slot no request owns, a random block table (the
+steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
+bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
+replay (decode launches are microseconds), two input sets alternating.
+Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, rel_err, sdpa_ref, triton_off_fn
+from dhp_backend.ops.cuda_decode import VARIANTS
+
+
+def _shape(name: str) -> tuple[int, int]:
+    b, ctx = name.split("-")
+    return int(b[1:]), int(ctx[:-1]) * 1024
+
+
+SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
+                                     (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))]
+DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in VARIANTS)
+
+
+def kv_bytes(reqs) -> int:
+    return sum(s for _, s in reqs) * HKV * D * 2 * 2
+
+
+def cuda_fn(st, variant, mode=None):
+    from dhp_backend.ops.cuda_decode import decode_sm90
+    out = torch.full_like(st["q"], float("nan"))
+    args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
+    decode_sm90(*args, scale=SCALE, causal=True, variant=variant, mode=mode)  # the metadata checked once
+    return lambda: decode_sm90(*args, scale=SCALE, causal=True, variant=variant, mode=mode, check=False)
+
+
+def probe() -> bool:
+    """Every variant and split mode right and bit-equal to Triton on small steps (and not hung)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    errs, same = {}, {}
+    for lens in ((1,), (17, 64, 513), (1000, 5000, 63, 2)):
+        st = make_step([(1, s) for s in lens], gen)
+        ref = sdpa_ref(st, True)
+        tri = triton_off_fn(st, True)()
+        for variant in VARIANTS:
+            for mode in ("split", "fold"):
+                o = cuda_fn(st, variant, mode)()
+                torch.cuda.synchronize()
+                key = f"{lens} {variant}/{mode}"
+                errs[key] = rel_err(o, ref)
+                same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
+    ok = all(e < 2e-2 for e in errs.values()) and all(same.values())
+    print(f"probe: {'OK' if ok else 'WRONG'} errs " + json.dumps(errs) + " bits==triton " + json.dumps(same),
+          flush=True)
+    return ok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="B<batch>-<ctx>k, e.g. B1-32k")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--probe", action="store_true", help="only check the kernel on small steps (exit 1 if wrong)")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from dhp_backend.ops.cuda_common import unavailable_reason
+    reason = unavailable_reason() if torch.cuda.is_available() else "no CUDA device"
+    if reason:
+        ap.error(f"needs an sm_90 GPU ({reason})")
+    t0 = time.time()
+    ok = probe()
+    print(f"probe done in {time.time() - t0:.0f}s (includes the nvcc build on first use)", flush=True)
+    if not ok:
+        print("the CUDA decode kernel is wrong on the probe steps: nothing timed")
+        return 1
+    if args.probe:
+        return 0
+
+    from dhp_backend.bench.timer import CudaTimer, capture_graphs
+    timer = CudaTimer(reps=args.reps, warmup=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    names = args.variants.split(",")
+    rows = []
+    shapes = args.shapes.split(",")
+    for k, shape in enumerate(shapes):
+        B, ctx = _shape(shape)
+        reqs = [(1, ctx)] * B
+        nbytes = kv_bytes(reqs)
+        sets = [make_step(reqs, gen) for _ in range(2)]
+        ref = sdpa_ref(sets[0], True)
+        outs = {}
+        for name in names:
+            row = dict(shape=shape, batch=B, ctx=ctx, variant=name, us=None, tb_s=None, rel_err=None)
+            try:
+                if name == "fa3":
+                    fns = [fa3_fn(s, True) for s in sets]
+                elif name == "triton_off":
+                    fns = [triton_off_fn(s, True) for s in sets]
+                elif name.startswith("cuda_") and name[5:] in VARIANTS:
+                    fns = [cuda_fn(s, name[5:]) for s in sets]
+                else:
+                    raise LookupError(f"unknown variant {name}")
+                if fns[0] is None:
+                    row["error"] = "not available"
+                else:
+                    o = fns[0]()
+                    torch.cuda.synchronize()
+                    outs[name] = o.clone()
+                    row["rel_err"] = rel_err(o, ref)
+                    if row["rel_err"] < 2e-2:
+                        replays, _, graphs = capture_graphs(fns)
+                        row["us"] = timer.measure(replays).median_ms * 1e3
+                        row["tb_s"] = nbytes / row["us"] / 1e6
+                        del graphs
+                    else:
+                        row["error"] = "wrong result"
+            except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+        mine = rows[-len(names):]
+        if "triton_off" in outs:
+            for r in mine:
+                if r["variant"].startswith("cuda_") and r["variant"] in outs:
+                    r["bits_equal_triton"] = bool(torch.equal(outs[r["variant"]].view(torch.int16),
+                                                              outs["triton_off"].view(torch.int16)))
+        fa = next((r["us"] for r in mine if r["variant"] == "fa3"), None)
+        for r in mine:
+            r["fa3_over"] = fa / r["us"] if fa and r["us"] else None
+        print(f"[{k + 1}/{len(shapes)} {time.time() - t0:5.0f}s] {shape}: " + ", ".join(
+            f"{r['variant']} {r['us'] and round(r['us'], 1)} us ({r['fa3_over'] and round(r['fa3_over'], 3)} x FA3)"
+            + (f" [{r['error']}]" if r.get("error") else "") + ("" if r.get("bits_equal_triton", True) else " [BITS]")
+            for r in mine), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+    print(f"\n{'shape':10s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'x FA3':>6s} {'rel err':>8s} bits==triton")
+    for r in rows:
+        us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
+        bw = f"{r['tb_s']:6.2f}" if r["tb_s"] else f"{'-':>6s}"
+        fx = f"{r['fa3_over']:6.3f}" if r["fa3_over"] else f"{'-':>6s}"
+        er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
+        print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {r.get('bits_equal_triton', '')} "
+              f"{r.get('error', '')}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    commit=os.environ.get("DHP_COMMIT", ""), date=time.strftime("%Y-%m-%d"))
+        with open(os.path.join(args.out, "cuda_decode.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, separators=(",", ":"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

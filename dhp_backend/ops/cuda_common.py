@@ -1,0 +1,119 @@
+"""What the csrc kernels (`cuda_prefill`, `cuda_decode`) share on the host side:
+the problems they accept, the device they need, the argument checks, and the
+meaning of their C entry points' error codes."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+HEAD_SIZE = 128
+BLOCK_SIZES = (16, 32, 64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+
+# The C entry points' negative return codes (csrc/*.cu; positive: a cudaError_t).
+_LAUNCH_ERRORS = {
+    -1: "cuTensorMapEncodeTiled not found in the driver",
+    -2: "the TMA map of query was rejected",
+    -3: "the TMA map of key_cache was rejected",
+    -4: "the TMA map of value_cache was rejected",
+    -5: "unknown variant",
+    -6: "the grid is too large",
+    -7: "query heads per KV head outside what the kernel accepts",
+}
+
+
+def launch_error(rc: int) -> str:
+    return _LAUNCH_ERRORS.get(rc, f"CUDA error {rc}")
+
+
+def unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the csrc kernels cannot run here (None when they can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return _capability_reason(torch.cuda.current_device() if device is None else torch.device(device).index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_reason(index: int | None) -> str | None:
+    # Once per device, not per launch.
+    cap = torch.cuda.get_device_capability(index)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]}; the kernel is built for sm_90a (H100/H200) only"
+    return None
+
+
+def common_route_refusal(spec, source: str) -> str | None:
+    """Why a problem (`dispatch.ProblemSpec`) cannot go to a csrc kernel for any
+    of the reasons the kernels share (None when nothing shared stands in the way)."""
+    if spec.device_type != "cuda" or tuple(spec.device_capability or ()) != (9, 0):
+        return "not an sm_90 GPU"
+    if spec.head_size != HEAD_SIZE:
+        return f"head size {spec.head_size} (the kernel has {HEAD_SIZE})"
+    if spec.dtype not in ("bfloat16", "float16"):
+        return f"dtype {spec.dtype}"
+    if spec.block_size not in BLOCK_SIZES:
+        return f"block size {spec.block_size}"
+    from dhp_backend.ops.cuda_build import find_nvcc
+    if find_nvcc() is None:
+        return f"no nvcc to build csrc/{source}"
+    return None
+
+
+def validate_common(who: str, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+                    num_tokens) -> None:
+    """Shapes, dtypes, devices and strides every csrc kernel needs (no device values are read)."""
+    def fail(what: str, got: str, accepted: str) -> None:
+        raise ValueError(f"{who}: {what} is {got}; accepted: {accepted}")
+
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out),
+                    ("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            fail(name, f"a {type(t).__name__}", "a torch.Tensor")
+        if t.device.type != "cuda":
+            fail(f"{name}'s device", str(t.device), "a CUDA device (sm_90)")
+    if query.dim() != 3 or query.shape[2] != HEAD_SIZE:
+        fail("query's shape", str(tuple(query.shape)), f"[num_tokens, num_heads, {HEAD_SIZE}]")
+    if query.dtype not in DTYPES:
+        fail("query's dtype", str(query.dtype), "torch.bfloat16 or torch.float16")
+    T, H, D = query.shape
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dim() != 4 or t.shape[3] != D or t.dtype != query.dtype:
+            fail(f"{name} ({t.dtype}, shape {tuple(t.shape)})", "not matching the query",
+                 f"[num_blocks, num_kv_heads, block_size, {D}] in {query.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        fail("value_cache", f"shape {tuple(value_cache.shape)} strides {value_cache.stride()}",
+             f"key_cache's shape {tuple(key_cache.shape)} and strides {key_cache.stride()}")
+    nb, Hkv, bs, _ = key_cache.shape
+    if bs not in BLOCK_SIZES:
+        fail("the block size", str(bs), ", ".join(map(str, BLOCK_SIZES)))
+    if Hkv == 0 or H % Hkv:
+        fail("the number of KV heads", f"{Hkv} for {H} query heads", "a divisor of the number of query heads")
+    if not isinstance(num_tokens, int) or not 0 <= num_tokens <= T:
+        fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
+    if out.shape[1:] != query.shape[1:] or out.dtype != query.dtype or out.shape[0] < num_tokens:
+        fail("out", f"{out.dtype} of shape {tuple(out.shape)}", f"{query.dtype} of shape [>= {num_tokens}, {H}, {D}]")
+    for name, t in (("query", query), ("out", out)):
+        if t.stride(-1) != 1 or t.stride(-2) != D:
+            fail(f"{name}'s strides", str(t.stride()),
+                 "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
+                 "16-byte aligned base and strides (a TMA requirement)")
+    if key_cache.stride(-1) != 1:
+        fail("key_cache's strides", str(key_cache.stride()), "a contiguous last dimension (any other strides "
+             "that are multiples of 16 bytes, e.g. vLLM's K/V-interleaved cache views)")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            fail(f"{name}'s dtype", str(t.dtype), "torch.int32")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        fail("block_table", f"shape {tuple(block_table.shape)} strides {block_table.stride()}",
+             "[num_seqs, max_blocks] with contiguous rows")
+    n = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (n + 1,) or block_table.shape[0] < n:
+        fail("the metadata", f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}, "
+             f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
+    if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
+        fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")

@@ -1,0 +1,156 @@
+"""Paged decode attention on Hopper from ``csrc/decode_sm90.cu`` (policy ``off``), with the Triton kernels' bits.
+
+Decode steps (one query token per tile, the Triton launcher's token tiling) are
+bytes: the Triton decode binary reached 0.71-0.95 of FA3's bandwidth on an H200
+(docs/perf-notes.md). The csrc kernel streams K/V pages by TMA from a producer
+warp into a ring of 64-position stages and computes each row with the Triton
+kernels' arithmetic (csrc/compat_arith.cuh), so `ops.paged_attention` may run
+policy-``off`` decode steps on it without a row's bits depending on the kernel
+(batch invariance across step kinds; GPU test).
+
+- Semantics of `ops.paged_attention` under policy ``off``: true lengths, causal
+  with cached context (a request may have several query tokens, e.g. drafts),
+  GQA/MQA with 1..64 query heads per KV head.
+- Split-KV like the Triton launcher: the same `launch.plan` (splits of 512
+  positions at absolute multiples of 512; "split" mode writes each split's
+  state to the shared workspace and a merge kernel folds them left to right,
+  "fold" mode folds inside each CTA) — both give the same bits.
+- Not constant-time (it walks the true lengths).
+- Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
+  refused with a message saying what is accepted.
+
+Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
+rows past ``query_start_loc[-1]`` (as the Triton kernels do); nothing beyond.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+
+from dhp_backend.ops.cuda_build import load
+from dhp_backend.ops.cuda_common import common_route_refusal, launch_error, unavailable_reason, validate_common
+
+MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
+# Residency variants of the binary (csrc: launch_variant): K/V stages of 64
+# positions per CTA and CTAs per SM. The same arithmetic, the same bits.
+VARIANTS = {"s4": (0, 1), "s2x2": (1, 2), "s6": (2, 1), "s3": (3, 1)}
+DEFAULT_VARIANT = "s4"
+MODES = (None, "fold", "split")
+
+
+def _fail(what: str, got: str, accepted: str) -> None:
+    raise ValueError(f"cuda_decode: {what} is {got}; accepted: {accepted}")
+
+
+def routes_decode(spec) -> tuple[bool, str]:
+    """Whether `ops.paged_attention` runs policy-``off`` decode steps of ``spec``
+    (a `dispatch.ProblemSpec`) here, and why not. ``DHP_CUDA_DECODE=0`` turns it
+    off (the Triton kernels then run those steps, with the same bits)."""
+    if os.environ.get("DHP_CUDA_DECODE", "1") == "0":
+        return False, "disabled by DHP_CUDA_DECODE=0"
+    why = common_route_refusal(spec, "decode_sm90.cu")
+    if why:
+        return False, why
+    g = spec.num_heads // max(1, spec.num_kv_heads)
+    if g > MAX_GROUP:
+        return False, f"{g} query heads per KV head (the kernel takes at most {MAX_GROUP})"
+    return True, "policy off, decode steps: csrc/decode_sm90.cu"
+
+
+@functools.lru_cache(maxsize=None)
+def _entry():
+    # Loaded and typed once, not per launch.
+    fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
+    i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
+                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p]
+    fn.restype = i32
+    return fn
+
+
+def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
+    """Shapes, dtypes, devices and strides (no device values are read)."""
+    validate_common("cuda_decode", query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+                    num_tokens)
+    H, Hkv = query.shape[1], key_cache.shape[1]
+    if H // Hkv > MAX_GROUP:
+        _fail("the number of KV heads", f"{Hkv} for {H} query heads",
+              f"at most {MAX_GROUP} query heads per KV head (one 64-row tile holds a token's group)")
+    if num_tokens > 65535:
+        _fail("num_tokens", str(num_tokens), "at most 65535 (one CTA row per token)")
+
+
+def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
+         variant: str, mode: str | None) -> dict:
+    """Split mode and chunks by the Triton launcher's `launch.plan` (token tiles,
+    the variant's residency), from public values only."""
+    from dhp_backend.ops.triton import config as kcfg
+    from dhp_backend.ops.triton import launch
+
+    cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
+    cfg = dataclasses.replace(cfg, resident=VARIANTS[variant][1])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
+                       head_size=128, cfg=cfg, ext_grid=capacity, num_sms=launch._num_sms(dev), mode=mode,
+                       tiling="token")
+
+
+def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
+                causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
+                mode: str | None = None, check: bool = True) -> torch.Tensor:
+    """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
+
+    ``variant``: one of `VARIANTS` (residency; same bits). ``mode``: None picks
+    split or fold by occupancy as the Triton launcher does; "split"/"fold" force
+    one (tests; same bits). ``check`` reads the metadata on the host first (the
+    facts `ops.paged_attention` checks with ``check_values``; a device sync).
+    """
+    num_tokens = query.shape[0] if num_tokens is None else num_tokens
+    validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
+    if variant not in VARIANTS:
+        _fail("variant", repr(variant), ", ".join(VARIANTS))
+    if mode not in MODES:
+        _fail("mode", repr(mode), "None, 'fold', 'split'")
+    reason = unavailable_reason(query.device)
+    if reason:
+        raise RuntimeError(f"cuda_decode: cannot run here: {reason}")
+    if check:
+        from dhp_backend.ops.attention import _check_values
+
+        _check_values(query_start_loc, seq_lens, block_table, None, num_tokens, key_cache.shape[0],
+                      key_cache.shape[2])
+    if num_tokens == 0:
+        return out
+    T, H, D = query.shape
+    nb, Hkv, bs, _ = key_cache.shape
+    num_reqs = seq_lens.shape[0]
+    dtype_name = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
+    with torch.cuda.device(query.device):
+        p = plan(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, variant, mode)
+        null = ctypes.c_void_p(0)
+        ws_acc = ws_m = ws_l = null
+        spp = 0
+        if p["split"]:
+            from dhp_backend.ops.triton import launch
+            from dhp_backend.ops.triton import workspace as wsp
+
+            ws, _, _ = wsp.reserve_workspace(query.device)
+            acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
+            ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = _entry()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
+                      value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,
+                      out.data_ptr(), out.stride(0), out.stride(1), block_table.data_ptr(), block_table.stride(0),
+                      seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
+                      float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
+                      int(bool(causal)), int(query.dtype == torch.bfloat16), VARIANTS[variant][0], ws_acc, ws_m,
+                      ws_l, p["n_split_grid"], spp, stream)
+    if rc != 0:
+        raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
+    return out

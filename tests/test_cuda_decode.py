@@ -1,0 +1,82 @@
+"""ops.cuda_decode without a GPU: argument validation says what is wrong and what
+is accepted; ops.step_kernel routes exactly the policy-off decode steps to it; the
+csrc kernel compiles for sm_90a where nvcc exists."""
+
+import pytest
+import torch
+
+import dhp_backend.ops.attention as attn
+from dhp_backend.ops import cuda_build, dispatch, step_kernel
+from dhp_backend.ops.cuda_decode import decode_sm90, validate
+
+
+def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, T=4):
+    q = torch.zeros(T, H, D, dtype=dtype)
+    kc = torch.zeros(4, Hkv, bs, D, dtype=dtype)
+    return (q, kc, kc.clone(), torch.zeros(T, 4, dtype=torch.int32), torch.arange(T + 1, dtype=torch.int32),
+            torch.full((T,), 10, dtype=torch.int32), torch.zeros_like(q))
+
+
+def test_cpu_tensors_refused_with_the_accepted_device():
+    with pytest.raises(ValueError, match=r"cuda_decode: query's device is cpu; accepted: a CUDA device"):
+        decode_sm90(*cpu_step(), scale=0.1)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(D=64), r"query's shape is \(4, 32, 64\); accepted: \[num_tokens, num_heads, 128\]"),
+    (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
+    (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
+    (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads; accepted: a divisor"),
+    (dict(H=128, Hkv=1), r"the number of KV heads is 1 for 128 query heads; accepted: at most 64"),
+])
+def test_shapes_refused(monkeypatch, kw, pattern):
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=pattern):
+        validate(*cpu_step(**kw), num_tokens=4)
+
+
+def test_variant_and_mode_refused(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: s4, s2x2, s6, s3"):
+        decode_sm90(*cpu_step(), scale=0.1, variant="fast")
+    with pytest.raises(ValueError, match=r"mode is 'both'; accepted: None, 'fold', 'split'"):
+        decode_sm90(*cpu_step(), scale=0.1, mode="both")
+
+
+SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                            block_size=16, causal=True, device_capability=(9, 0))
+
+
+@pytest.fixture
+def with_nvcc(monkeypatch):
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
+    attn._cuda_routes.cache_clear()
+    yield
+    attn._cuda_routes.cache_clear()
+
+
+def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
+    assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE  # 64 requests x 1 token
+    assert step_kernel(SPEC, "off", 65, 64) == attn.CUDA_DECODE  # one request with 2 tokens: still token tiles
+    assert step_kernel(SPEC, "off", 3 * 16, 16) == dispatch.TRITON  # 3 tokens each: request tiles (mixed)
+    assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
+    assert step_kernel(SPEC, "off", 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
+    for policy in ("strict", "batch", "request"):
+        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON  # constant-time: never csrc
+    import dataclasses
+    for other in (dict(head_size=64), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
+                  dict(device_capability=(8, 0))):
+        assert step_kernel(dataclasses.replace(SPEC, **other), "off", 64, 64) == dispatch.TRITON, other
+
+
+def test_step_kernel_decode_routing_can_be_turned_off(with_nvcc, monkeypatch):
+    monkeypatch.setenv("DHP_CUDA_DECODE", "0")
+    assert step_kernel(SPEC, "off", 64, 64) == dispatch.TRITON
+    assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="no nvcc on this machine (CI): built on the GPU machine")
+def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path))
+    lib = cuda_build.build("dhp_decode_sm90", "decode_sm90.cu")
+    assert lib.is_file() and lib.stat().st_size > 100_000

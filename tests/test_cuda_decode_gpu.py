@@ -1,0 +1,194 @@
+"""The csrc Hopper decode kernel (ops.cuda_decode) on an sm_90 GPU: accuracy
+against the reference over random decode steps (GQA 1-32, fp16/bf16, block sizes
+16-128, lengths across page, step and split boundaries, NaN/inf garbage in every
+cache slot and block-table entry no request owns), padding rows zero and rows past
+num_tokens untouched, and its bits equal to DHP's Triton kernel under policy off in
+every variant and both split modes (what lets ops.paged_attention route decode
+steps to it: batch invariance across step kinds); repeatable bits, batch
+invariance, several query tokens per request (drafts), vLLM's K/V-interleaved
+cache views, and the routing in ops.paged_attention.
+
+Needs nvcc (the kernel is built on first use). Run:
+``pytest -m gpu tests/test_cuda_decode_gpu.py``.
+"""
+
+import random
+
+import pytest
+import torch
+
+from triton_steps import assemble, bits, make_request, reference, rel_err
+
+from dhp_backend.ops import paged_attention, step_kernel
+from dhp_backend.ops.cuda_build import find_nvcc
+from dhp_backend.ops.cuda_decode import VARIANTS, decode_sm90
+from dhp_backend.ops.cuda_common import unavailable_reason
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or unavailable_reason() is not None,
+                       reason="needs an sm_90 GPU"),
+    pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/"),
+]
+
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+SCALE = 0.0883
+# Lengths at and around page (16), step (64) and split (512) boundaries.
+EDGE_LENS = (1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2100)
+
+
+def run(step, causal=True, variant="s4", mode=None, out=None):
+    out = torch.full_like(step.query, float("nan")) if out is None else out
+    return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
+                       mode=mode)
+
+
+def run_triton(step, causal=True, mode=None):
+    from dhp_backend.ops.triton.launch import paged_attention_triton
+    out = torch.full_like(step.query, float("nan"))
+    return paged_attention_triton(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens,
+                                  policy="off", bucket=None, _mode=mode)
+
+
+def decode_step(rng, gen, n, H, Hkv, dtype, bs, lens=None, pad_tokens=0):
+    lens = lens or [rng.choice(EDGE_LENS + (rng.randint(1, 3000),)) for _ in range(n)]
+    reqs = [make_request(1, s, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen) for s in lens]
+    return assemble(reqs, block_size=bs, gen=gen, pad_tokens=pad_tokens, extra_rows=3)
+
+
+@pytest.mark.parametrize("H,Hkv,dtype,bs", [
+    (32, 8, torch.bfloat16, 16), (32, 8, torch.float16, 16), (16, 16, torch.bfloat16, 32),
+    (8, 1, torch.float16, 64), (32, 2, torch.bfloat16, 128), (12, 4, torch.bfloat16, 16),
+])
+def test_matches_reference_and_triton_bits(H, Hkv, dtype, bs):
+    rng = random.Random(H * 1000 + Hkv * 10 + bs)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(3):
+        step = decode_step(rng, gen, rng.randint(1, 9), H, Hkv, dtype, bs, pad_tokens=rng.choice([0, 3]))
+        n = int(step.query_start_loc[-1])
+        ref = reference(step, scale=SCALE, causal=True)
+        triton_bits = bits(run_triton(step)[: step.num_tokens])
+        for mode in ("split", "fold"):
+            for variant in VARIANTS:
+                out = run(step, variant=variant, mode=mode)
+                err = rel_err(out, ref, n)
+                assert err < TOL[dtype], f"trial {trial} {variant}/{mode}: rel err {err:.2e} for {step.seq_lens}"
+                assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
+                assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
+                assert torch.equal(bits(out[: step.num_tokens]), triton_bits), (
+                    f"{variant}/{mode} differs from the Triton kernel's bits, lengths {step.seq_lens.tolist()}")
+        again = run(step)
+        assert torch.equal(bits(again[: step.num_tokens]), triton_bits), "not repeatable bit for bit"
+
+
+def test_long_contexts_and_split_modes_agree():
+    """Many splits (32K context), every split mode and variant, against Triton's bits."""
+    rng = random.Random(3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    step = decode_step(rng, gen, 3, 32, 8, torch.bfloat16, 16, lens=[32768, 9000, 4097])
+    ref = reference(step, scale=SCALE, causal=True)
+    want = bits(run_triton(step, mode="split")[:3])
+    assert torch.equal(want, bits(run_triton(step, mode="fold")[:3]))
+    for mode in ("split", "fold"):
+        for variant in VARIANTS:
+            out = run(step, variant=variant, mode=mode)
+            assert rel_err(out, ref, 3) < TOL[torch.bfloat16]
+            assert torch.equal(bits(out[:3]), want), f"{variant}/{mode}"
+
+
+def test_draft_tokens_causal_and_full():
+    """Token tiles of requests with several query tokens (speculative drafts):
+    each token sees its own causal prefix; non-causal sees all."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((3, 700), (1, 64),
+                                                                                               (4, 513))]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=2)
+    n = int(step.query_start_loc[-1])
+    for causal in (True, False):
+        ref = reference(step, scale=SCALE, causal=causal)
+        out = run(step, causal=causal)
+        assert rel_err(out, ref, n) < TOL[torch.bfloat16]
+        assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, causal=causal)[: step.num_tokens]))
+
+
+def test_batch_invariant():
+    rng = random.Random(7)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    target = make_request(1, 3000, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+    alone = run(assemble([target], block_size=16, gen=gen))[:1]
+    for n_other in (1, 5, 40):
+        others = [make_request(1, rng.randint(1, 5000), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+                  for _ in range(n_other)]
+        pos = rng.randint(0, n_other)
+        step = assemble(others[:pos] + [target] + others[pos:], block_size=16, gen=gen)
+        got = run(step)[pos: pos + 1]
+        assert torch.equal(bits(got), bits(alone)), f"request's bits changed with {n_other} others at {pos}"
+
+
+def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
+    """ops.paged_attention (path auto, policy off) runs a decode step on the csrc
+    decode kernel with the Triton kernel's bits; strict stays on Triton."""
+    import dhp_backend.ops.attention as attn
+    from dhp_backend.ops import dispatch
+
+    calls = []
+    real = attn._CSRC_RUNNERS[attn.CUDA_DECODE]
+
+    def spy():
+        fn = real()
+
+        def wrapped(*a, **k):
+            calls.append(a[0].shape[0])
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_DECODE, spy)
+    rng = random.Random(11)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    step = decode_step(rng, gen, 6, 32, 8, torch.bfloat16, 16, pad_tokens=2)
+    spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                                block_size=16, causal=True, device_capability=(9, 0))
+    assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE
+    assert step_kernel(spec, "strict", step.num_tokens, 6) == dispatch.TRITON
+    out = torch.full_like(step.query, float("nan"))
+    paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="off", num_tokens=step.num_tokens)
+    assert calls, "a policy-off decode step did not run on the csrc decode kernel"
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
+    calls.clear()
+    strict = torch.full_like(step.query, float("nan"))
+    paged_attention(*step.args(), strict, scale=SCALE, causal=True, policy="strict",
+                    bucket=step.bucket("strict"), num_tokens=step.num_tokens)
+    assert not calls, "a strict step was routed to the csrc kernel (not constant-time)"
+    assert torch.equal(bits(strict[: step.num_tokens]), bits(out[: step.num_tokens]))
+
+
+def test_interleaved_kv_cache_views():
+    """vLLM's cache layout: K and V of a slot side by side ([blocks, Hkv, bs, 2, D])."""
+    rng = random.Random(5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    step = decode_step(rng, gen, 4, 32, 8, torch.bfloat16, 16, lens=[500, 64, 1, 1300])
+    kv = torch.stack([step.key_cache, step.value_cache], dim=3)
+    k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    out = torch.full_like(step.query, float("nan"))
+    decode_sm90(step.query, k, v, step.block_table, step.query_start_loc, step.seq_lens, out, scale=SCALE,
+                causal=True, num_tokens=step.num_tokens)
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
+
+
+def test_graph_capture_replays_new_lengths():
+    """Captured once (vLLM's full CUDA graphs of decode steps), replayed after the
+    lengths and block ids change in place: the same bits as an eager launch."""
+    rng = random.Random(13)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    step = decode_step(rng, gen, 8, 32, 8, torch.bfloat16, 16, lens=[4000] * 8)
+    out = torch.full_like(step.query, float("nan"))
+    run(step, out=out)  # build and warm up outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(step, out=out)
+    new_lens = torch.tensor([rng.randint(1, 4000) for _ in range(8)], dtype=torch.int32, device="cuda")
+    step.seq_lens.copy_(new_lens)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
