@@ -124,24 +124,35 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_h
   }
 }
 
-// kernels.fold: this split's state (m, l, acc) folded into the running state
-// (mr, lr, run), a first then b, with the explicit fma of the Triton kernel.
+// kernels.fold, a first then b with the explicit fma of the Triton kernel, in
+// two pieces so that every holder of a running state (registers, shared memory,
+// the split merge) runs the same operations: fold_stats updates one row's (m, l)
+// and returns the row's coefficients, fold_value folds one accumulator value.
+struct FoldCoef {
+  float al, be;
+};
+__device__ __forceinline__ FoldCoef fold_stats(float& mr, float& lr, float m, float l) {
+  const float m2 = fmaxf(mr, m);
+  const FoldCoef c{select_ex2(mr, m2), select_ex2(m, m2)};
+  lr = __fmaf_rn(lr, c.al, __fmul_rn(l, c.be));
+  mr = m2;
+  return c;
+}
+__device__ __forceinline__ float fold_value(float run, float acc, FoldCoef c) {
+  return __fmaf_rn(run, c.al, __fmul_rn(acc, c.be));
+}
+
+// This split's state (m, l, acc) of rows lo/hi folded into the running state (mr, lr, run).
 __device__ __forceinline__ void fold_rows(float (&run)[64], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
                                           const float (&acc)[64], float m_lo, float m_hi, float l_lo, float l_hi) {
-  const float m2_lo = fmaxf(mr_lo, m_lo), m2_hi = fmaxf(mr_hi, m_hi);
-  const float al_lo = select_ex2(mr_lo, m2_lo), al_hi = select_ex2(mr_hi, m2_hi);
-  const float be_lo = select_ex2(m_lo, m2_lo), be_hi = select_ex2(m_hi, m2_hi);
-  lr_lo = __fmaf_rn(lr_lo, al_lo, __fmul_rn(l_lo, be_lo));
-  lr_hi = __fmaf_rn(lr_hi, al_hi, __fmul_rn(l_hi, be_hi));
+  const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    run[4 * i] = __fmaf_rn(run[4 * i], al_lo, __fmul_rn(acc[4 * i], be_lo));
-    run[4 * i + 1] = __fmaf_rn(run[4 * i + 1], al_lo, __fmul_rn(acc[4 * i + 1], be_lo));
-    run[4 * i + 2] = __fmaf_rn(run[4 * i + 2], al_hi, __fmul_rn(acc[4 * i + 2], be_hi));
-    run[4 * i + 3] = __fmaf_rn(run[4 * i + 3], al_hi, __fmul_rn(acc[4 * i + 3], be_hi));
+    run[4 * i] = fold_value(run[4 * i], acc[4 * i], lo);
+    run[4 * i + 1] = fold_value(run[4 * i + 1], acc[4 * i + 1], lo);
+    run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], hi);
+    run[4 * i + 3] = fold_value(run[4 * i + 3], acc[4 * i + 3], hi);
   }
-  mr_lo = m2_lo;
-  mr_hi = m2_hi;
 }
 
 // kernels.finalize's reciprocal: 1 / l with l > 0 selected (div.full); rows

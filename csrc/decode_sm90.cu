@@ -29,10 +29,10 @@
 //   split  (WRITE_PARTIALS true): each split's state (m, l, acc) goes to the
 //          workspace in the Triton kernels' layout; merge_kernel then folds the
 //          splits of each row left to right and finalizes.
-// Warpgroup 0: warp 0 is the producer (lane 0 issues the TMA, the warp reads a
-// split's block ids one split ahead, one lane per page); warpgroup 1 is the
-// consumer (S = Q K^T by m64n64k16 wgmma from shared memory, the compat
-// softmax, O += P V by m64n128k16 wgmma with P from registers).
+// Warps 0-3 are the consumer warpgroup (S = Q K^T by m64n64k16 wgmma from
+// shared memory, the compat softmax, O += P V by m64n128k16 wgmma with P from
+// registers); warp 4 is the producer (lane 0 issues the TMA, the warp reads a
+// split's block ids one split ahead, one lane per page).
 // Token tiles: token t of the step belongs to request r = the number of
 // query_start_loc[1..num_seqs] <= t (kernels.locate with token tiles); r ==
 // num_seqs is the padding pseudo-request (seq_len 0: neutral states, zeros out).
@@ -57,16 +57,43 @@ constexpr int kStep = kStepKV;                // KV positions per stage (64)
 constexpr int kHalf = 64 * 128;               // one 64-column half of a 64-row 16-bit tile (8 KB)
 constexpr int kTile = 2 * kHalf;              // a 64 x 128 16-bit tile (16 KB)
 constexpr int kStepsPerSplit = kSplitKV / kStep;
-constexpr int kThreads = 256;                 // producer warpgroup + consumer warpgroup
+// Consumer warpgroup (warps 0-3: wgmma needs an aligned warpgroup) + one producer
+// warp (warp 4). No setmaxnreg: every thread gets the same budget, 65536 / (160
+// x CTAs per SM) registers, which the consumer needs and the producer wastes
+// less of than a producer warpgroup would.
+constexpr int kThreads = 160;
 constexpr uint32_t kBarVTail = 1;
-static_assert(kRows == kStep, "Q, K and V tiles share the 64 x 128 layout");
+static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 
-// Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
-template <int STAGES>
+// The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
+// SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
+// (2 KB instead of 16 KB) and the descriptor's stride between 8-row groups is 0,
+// so every group of 8 rows reads the same 8 rows (rows 8-63 repeat rows 0-7;
+// each output row depends on its own A row only). The 14 KB saved let three
+// CTAs share an SM.
+template <bool SMALL_Q>
+struct QTile {
+  static constexpr int kHalfBytes = SMALL_Q ? 8 * 128 : kHalf;
+  static constexpr int kBytes = 2 * kHalfBytes;
+  static constexpr uint32_t kSbo = SMALL_Q ? 0 : 1024;
+};
+
+// Fold mode's running state of the 8 rows of a small Q tile (fp32, 8 x 128):
+// in shared memory rather than a second 64-register accumulator, which spills
+// at two or three CTAs per SM. Larger groups keep it in registers.
+template <bool SMALL_Q, bool WRITE_PARTIALS>
+struct RunState {
+  static constexpr bool kInSmem = SMALL_Q && !WRITE_PARTIALS;
+  static constexpr int kBytes = kInSmem ? 8 * kHead * 4 : 0;
+};
+
+// Shared memory: Q | K stages | V stages | running state | mbarriers, 1 KB aligned (swizzle atoms).
+template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS>
 struct Layout {
-  static constexpr int kOffK = kTile;
+  static constexpr int kOffK = QTile<SMALL_Q>::kBytes;
   static constexpr int kOffV = kOffK + STAGES * kTile;
-  static constexpr int kOffBar = kOffV + STAGES * kTile;
+  static constexpr int kOffRun = kOffV + STAGES * kTile;
+  static constexpr int kOffBar = kOffRun + RunState<SMALL_Q, WRITE_PARTIALS>::kBytes;
   static constexpr int kBytes = kOffBar + 8 * (1 + 4 * STAGES) + 1024;  // + barriers + alignment slack
 };
 
@@ -139,16 +166,16 @@ __device__ __forceinline__ int first_step(const Work& w) { return min(w.s_lo, w.
 __device__ __forceinline__ int end_step(const Work& w) { return min(w.s_hi * kStepsPerSplit, w.n_kv); }
 
 // ---- producer (one warp) ---------------------------------------------------------
-template <int STAGES>
+template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
   const int lane = threadIdx.x % 32;
   if (lane == 0) {  // Q: 64 columns x GROUP heads x 1 token, twice (the two column halves)
     mbar_arrive_expect_tx(bar.q_full(), 2 * p.group * 128);
     tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, t);
-    tma_load_3d(smem + kHalf, tm_q, bar.q_full(), 64, kvh * p.group, t);
+    tma_load_3d(smem + QTile<SMALL_Q>::kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, t);
   }
   const int j0 = first_step(w), j1 = end_step(w);
   if (j0 >= j1) return;
@@ -235,10 +262,12 @@ __device__ __forceinline__ void store_out(const Params& p, int t, int head, int 
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
+  using Q = QTile<SMALL_Q>;
+  constexpr bool kRunSmem = RunState<SMALL_Q, WRITE_PARTIALS>::kInSmem;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's two tile rows
   const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
@@ -246,9 +275,16 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   const int lim = w.ext - 1;  // last attendable position (every row: one token)
 
   float acc[64];
-  float run[WRITE_PARTIALS ? 1 : 64];
+  float run[WRITE_PARTIALS || kRunSmem ? 1 : 64];
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, fold mode
-  if constexpr (!WRITE_PARTIALS) {
+  // kRunSmem: row r_lo's running accumulator (r_lo < 8: warp 0) at run_row[8 * i + 2 * (lane % 4)].
+  float2* run_row = reinterpret_cast<float2*>(smem_ptr + L::kOffRun) + (r_lo % 8) * (kHead / 2) + lane % 4;
+  if constexpr (kRunSmem) {
+    if (warp == 0) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) run_row[4 * i] = make_float2(0.f, 0.f);
+    }
+  } else if constexpr (!WRITE_PARTIALS) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) run[i] = 0.f;
   }
@@ -271,8 +307,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kHead / 16; ++kk) {
-        const uint32_t off = (kk / 4) * kHalf + (kk % 4) * 32;
-        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
+        const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
+        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
+                                 kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -305,21 +342,42 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     if constexpr (WRITE_PARTIALS) {
       if (ok_lo) store_state(p, sp, t, head_lo, lane, acc, 0, m_lo, l_lo);
       if (ok_hi) store_state(p, sp, t, head_hi, lane, acc, 2, m_hi, l_hi);
+    } else if constexpr (kRunSmem) {
+      if (warp == 0) {  // the small Q tile's 8 rows are the lo rows of warp 0
+        const FoldCoef c = fold_stats(mr_lo, lr_lo, m_lo, l_lo);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float2 r = run_row[4 * i];
+          run_row[4 * i] = make_float2(fold_value(r.x, acc[4 * i], c), fold_value(r.y, acc[4 * i + 1], c));
+        }
+      }
     } else {
       fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
     }
   }
-  if constexpr (!WRITE_PARTIALS) {
+  if constexpr (kRunSmem) {
+    if (ok_lo) {
+      const float inv = finalize_inv(lr_lo);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<char*>(p.out) +
+                                                  2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                                       static_cast<int64_t>(head_lo) * p.out_head_stride));
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float2 r = run_row[4 * i];
+        dst[4 * i + lane % 4] = pack2<BF16>(__fmul_rn(r.x, inv), __fmul_rn(r.y, inv));
+      }
+    }
+  } else if constexpr (!WRITE_PARTIALS) {
     if (ok_lo) store_out<BF16>(p, t, head_lo, lane, run, 0, finalize_inv(lr_lo));
     if (ok_hi) store_out<BF16>(p, t, head_hi, lane, run, 2, finalize_inv(lr_hi));
   }
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -340,13 +398,10 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     mbar_fence_init();
   }
   __syncthreads();
-  if (threadIdx.x < 128) {
-    regs_dealloc<40>();
-    if (threadIdx.x < 32) produce<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
-  } else {
-    regs_alloc<MIN_BLOCKS == 1 ? 232 : 216>();
-    consume<BF16, STAGES, WRITE_PARTIALS>(p, w, smem_ptr, smem, bar, kvh, t);
-  }
+  if (threadIdx.x >= 128)
+    produce<STAGES, SMALL_Q, WRITE_PARTIALS>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
+  else
+    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q>(p, w, smem_ptr, smem, bar, kvh, t);
 }
 
 // Split mode's second kernel: kernels.merge_kernel. One CTA per (token, KV head),
@@ -373,13 +428,7 @@ __global__ void __launch_bounds__(128 * kMergeHeads) merge_kernel(const Params p
         ab[u] = in ? p.ws_acc[row * kHead + d] : 0.f;
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {  // kernels.fold, a first then b
-        const float m2 = fmaxf(m, mb[u]);
-        const float al = select_ex2(m, m2), be = select_ex2(mb[u], m2);
-        l = __fmaf_rn(l, al, __fmul_rn(lb[u], be));
-        acc = __fmaf_rn(acc, al, __fmul_rn(ab[u], be));
-        m = m2;
-      }
+      for (int u = 0; u < kUnroll; ++u) acc = fold_value(acc, ab[u], fold_stats(m, l, mb[u], lb[u]));
     }
     const float o = __fmul_rn(acc, finalize_inv(l));
     char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
@@ -409,11 +458,11 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS>;
-  constexpr int bytes = Layout<STAGES>::kBytes;
+  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q>;
+  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>::kBytes;
   // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
   static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
   static bool configured = false;
@@ -431,15 +480,23 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 }
 
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
-// of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM.
+// of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
+// need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
+  const bool small_q = p.group <= 8;
   switch (variant) {
-    case 0: return launch<BF16, 4, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
-    case 1: return launch<BF16, 2, WRITE_PARTIALS, 2>(tq, tk, tv, p, grid, st);
-    case 2: return launch<BF16, 6, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
-    case 3: return launch<BF16, 3, WRITE_PARTIALS, 1>(tq, tk, tv, p, grid, st);
+    case 0: return launch<BF16, 4, WRITE_PARTIALS, 1, false>(tq, tk, tv, p, grid, st);
+    case 1:
+      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
+    case 2:
+      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 3, true>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
+    case 3:
+      return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
 }

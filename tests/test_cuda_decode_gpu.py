@@ -37,7 +37,7 @@ SCALE = 0.0883
 EDGE_LENS = (1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2100)
 
 
-def run(step, causal=True, variant="s4", mode=None, out=None):
+def run(step, causal=True, variant="s2x2", mode=None, out=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
                        mode=mode)
@@ -145,7 +145,9 @@ def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_DECODE, spy)
     rng = random.Random(11)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    step = decode_step(rng, gen, 6, 32, 8, torch.bfloat16, 16, pad_tokens=2)
+    # No padding tokens: 2 on 6 requests would make it a "mixed" step by the
+    # launcher's tiling rule (vLLM pads num_reqs with the tokens for its graphs).
+    step = decode_step(rng, gen, 6, 32, 8, torch.bfloat16, 16)
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, causal=True, device_capability=(9, 0))
     assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE

@@ -106,7 +106,7 @@ def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
     import dhp_backend.ops.attention as attn
 
     calls = []
-    real = attn._cuda_prefill_runner
+    real = attn._CSRC_RUNNERS[attn.CUDA_PREFILL]
 
     def spy():
         run = real()
@@ -116,7 +116,7 @@ def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
             return run(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(attn, "_cuda_prefill_runner", spy)
+    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_PREFILL, spy)
     gen = torch.Generator(device="cuda").manual_seed(11)
     reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((700, 900), (300, 300))]
     step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4)

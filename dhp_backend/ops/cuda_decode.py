@@ -38,9 +38,11 @@ from dhp_backend.ops.cuda_common import common_route_refusal, launch_error, unav
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
 # Residency variants of the binary (csrc: launch_variant): K/V stages of 64
-# positions per CTA and CTAs per SM. The same arithmetic, the same bits.
-VARIANTS = {"s4": (0, 1), "s2x2": (1, 2), "s6": (2, 1), "s3": (3, 1)}
-DEFAULT_VARIANT = "s4"
+# positions per CTA x CTAs per SM. The same arithmetic, the same bits. Three CTAs
+# per SM need the 2 KB Q tile of GROUP <= 8; with larger groups "s2x3" and
+# "s3x2" run as "s2x2".
+VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2)}
+DEFAULT_VARIANT = "s2x2"
 MODES = (None, "fold", "split")
 
 
@@ -94,7 +96,10 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
     from dhp_backend.ops.triton import launch
 
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
-    cfg = dataclasses.replace(cfg, resident=VARIANTS[variant][1])
+    code, resident = VARIANTS[variant]
+    if num_heads // num_kv_heads > 8 and code >= 2:
+        resident = 2  # the csrc fallback for groups without the small Q tile
+    cfg = dataclasses.replace(cfg, resident=resident)
     dev = torch.device("cuda", torch.cuda.current_device())
     return launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
                        head_size=128, cfg=cfg, ext_grid=capacity, num_sms=launch._num_sms(dev), mode=mode,
