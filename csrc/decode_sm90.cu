@@ -262,7 +262,7 @@ __device__ __forceinline__ void store_out(const Params& p, int t, int head, int 
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, bool OVERLAP>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
   using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
@@ -292,7 +292,32 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   uint32_t pa[16];
 
   mbar_wait(bar.q_full(), 0);
-  const int j0 = first_step(w);
+  const int j0 = first_step(w), j1 = end_step(w);
+  // S = Q K^T of the stage holding step j into s (asynchronous: wgmma_wait before
+  // reading s). The wait for the stage's K is the caller's.
+  auto issue_qk = [&](int j) {
+    const uint32_t k_base = smem + L::kOffK + ((j - j0) % STAGES) * kTile;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHead / 16; ++kk) {
+      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
+      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
+                               kk > 0);
+    }
+    wgmma_commit();
+  };
+  auto wait_k = [&](int j) { mbar_wait(bar.k_full((j - j0) % STAGES), ((j - j0) / STAGES) & 1); };
+  // OVERLAP: the QK^T of step j + 1 is issued right behind the PV of step j (its
+  // K stage is ready long before), so it runs while this warpgroup waits for the
+  // PV and writes split states; S does not depend on the softmax state, so the
+  // operations on every row, and the bits, are those of the plain schedule.
+  // The wgmmas are issued unconditionally (ptxas serialises wgmmas issued on a
+  // divergent path): with no step left, a throwaway QK^T reads the current
+  // stage, which the producer no longer refills; its S is never read.
+  if constexpr (OVERLAP) {
+    if (j0 < j1) wait_k(j0);
+    issue_qk(j0);
+  }
   for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
     // Every split from a fresh state (kernels.attention_kernel).
 #pragma unroll
@@ -302,17 +327,12 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     for (int j = jb; j < je; ++j) {
       const int k = j - j0, st = k % STAGES;
       const uint32_t par = (k / STAGES) & 1;
-      const uint32_t k_base = smem + L::kOffK + st * kTile, v_base = smem + L::kOffV + st * kTile;
-      mbar_wait(bar.k_full(st), par);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHead / 16; ++kk) {
-        const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
-        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
-                                 kk > 0);
+      const uint32_t v_base = smem + L::kOffV + st * kTile;
+      if constexpr (!OVERLAP) {
+        wait_k(j);
+        issue_qk(j);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // S of step j (the PV of step j - 1 was waited for below)
       pin(s);
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.k_empty(st));
@@ -333,7 +353,13 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
         wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + jj * 16 * 128, kHalf, 1024));
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      if constexpr (OVERLAP) {
+        if (j + 1 < j1) wait_k(j + 1);
+        issue_qk(min(j + 1, j1 - 1));
+        wgmma_wait<1>();  // the PV of step j (groups complete in order); S of j + 1 may still run
+      } else {
+        wgmma_wait<0>();
+      }
       pin(acc);
       pin(pa);
       __syncwarp();
@@ -355,6 +381,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
     }
   }
+  if constexpr (OVERLAP) {
+    wgmma_wait<0>();  // the last (throwaway) QK^T
+    pin(s);
+  }
   if constexpr (kRunSmem) {
     if (ok_lo) {
       const float inv = finalize_inv(lr_lo);
@@ -373,7 +403,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -401,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   if (threadIdx.x >= 128)
     produce<STAGES, SMALL_Q, WRITE_PARTIALS>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
   else
-    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q>(p, w, smem_ptr, smem, bar, kvh, t);
+    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP>(p, w, smem_ptr, smem, bar, kvh, t);
 }
 
 // Split mode's second kernel: kernels.merge_kernel. One CTA per (token, KV head),
@@ -458,10 +488,10 @@ EncodeTiled encode_fn() {
   return fn;
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q>;
+  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP>;
   constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>::kBytes;
   // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
   static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
@@ -482,6 +512,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
 // of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
+// 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
@@ -497,6 +528,12 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
     case 3:
       return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true>(tq, tk, tv, p, grid, st)
                      : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
+    case 4:
+      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true>(tq, tk, tv, p, grid, st);
+    case 5:
+      return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
 }

@@ -37,7 +37,7 @@ def test_shapes_refused(monkeypatch, kw, pattern):
 
 def test_variant_and_mode_refused(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: s4x1, s2x2, s2x3, s3x2"):
+    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: s4x1, s2x2, s2x3, s3x2, s2x2o, s3x2o"):
         decode_sm90(*cpu_step(), scale=0.1, variant="fast")
     with pytest.raises(ValueError, match=r"mode is 'both'; accepted: None, 'fold', 'split'"):
         decode_sm90(*cpu_step(), scale=0.1, mode="both")

@@ -37,10 +37,10 @@ SCALE = 0.0883
 EDGE_LENS = (1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2100)
 
 
-def run(step, causal=True, variant="s2x2", mode=None, out=None):
+def run(step, causal=True, variant="s2x2", mode=None, out=None, check=True):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
-                       mode=mode)
+                       mode=mode, check=check)
 
 
 def run_triton(step, causal=True, mode=None):
@@ -188,7 +188,7 @@ def test_graph_capture_replays_new_lengths():
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run(step, out=out)
+        run(step, out=out, check=False)  # no host reads under capture (as ops.paged_attention calls it)
     new_lens = torch.tensor([rng.randint(1, 4000) for _ in range(8)], dtype=torch.int32, device="cuda")
     step.seq_lens.copy_(new_lens)
     g.replay()

@@ -37,11 +37,12 @@ from dhp_backend.ops.cuda_build import load
 from dhp_backend.ops.cuda_common import common_route_refusal, launch_error, unavailable_reason, validate_common
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
-# Residency variants of the binary (csrc: launch_variant): K/V stages of 64
-# positions per CTA x CTAs per SM. The same arithmetic, the same bits. Three CTAs
-# per SM need the 2 KB Q tile of GROUP <= 8; with larger groups "s2x3" and
-# "s3x2" run as "s2x2".
-VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2)}
+# Variants of the binary (csrc: launch_variant): K/V stages of 64 positions per
+# CTA x CTAs per SM, and "o": the next step's QK^T overlapped with this step's PV.
+# The same arithmetic, the same bits. Three CTAs per SM need the 2 KB Q tile of
+# GROUP <= 8 (and leave ptxas too few registers to keep the wgmmas asynchronous);
+# with larger groups "s2x3" and "s3x2" run as "s2x2", "s3x2o" as "s2x2o".
+VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2)}
 DEFAULT_VARIANT = "s2x2"
 MODES = (None, "fold", "split")
 
@@ -97,8 +98,8 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
 
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
     code, resident = VARIANTS[variant]
-    if num_heads // num_kv_heads > 8 and code >= 2:
-        resident = 2  # the csrc fallback for groups without the small Q tile
+    if num_heads // num_kv_heads > 8:
+        resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
     dev = torch.device("cuda", torch.cuda.current_device())
     return launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
