@@ -43,7 +43,7 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # GROUP <= 8 (and leave ptxas too few registers to keep the wgmmas asynchronous);
 # with larger groups "s2x3" and "s3x2" run as "s2x2", "s3x2o" as "s2x2o".
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2)}
-DEFAULT_VARIANT = "s2x2"
+DEFAULT_VARIANT = "s2x2o"
 MODES = (None, "fold", "split")
 
 
