@@ -54,6 +54,7 @@
 
 #include "compat_arith.cuh"
 #include "sm90_primitives.cuh"
+#include "tma_maps.h"
 
 namespace dhp {
 namespace {
@@ -629,23 +630,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- host ----------------------------------------------------------------------
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_fn() {
-  static EncodeTiled fn = nullptr;
-  if (!fn) {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiled>(ptr);
-  }
-  return fn;
-}
-
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
@@ -714,38 +698,21 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 void* stream) {
   using namespace dhp;
-  EncodeTiled encode = encode_fn();
+  const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
-  const CUtensorMapDataType dt = is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap tq, tk, tv;
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
   if (group <= 0 || group > kRows || (group & (group - 1)) || group * num_kv_heads != num_heads) return -7;
   int group_shift = 0;
   while ((1 << group_shift) < group) ++group_shift;
   const int block_q = kRows / group;
-  const cuuint32_t ones[4] = {1, 1, 1, 1};
-  {
-    const cuuint64_t dims[3] = {kHead, static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(num_tokens)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(q_head_stride * 2), static_cast<cuuint64_t>(q_tok_stride * 2)};
-    const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group), static_cast<cuuint32_t>(block_q)};
-    if (encode(&tq, dt, 3, const_cast<void*>(q), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-      return -2;
-  }
-  const cuuint64_t kv_dims[4] = {kHead, static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
-                                 static_cast<cuuint64_t>(num_blocks)};
-  const cuuint64_t kv_strides[3] = {static_cast<cuuint64_t>(kv_tok_stride * 2),
-                                    static_cast<cuuint64_t>(kv_head_stride * 2),
-                                    static_cast<cuuint64_t>(kv_block_stride * 2)};
-  const cuuint32_t kv_box[4] = {64, static_cast<cuuint32_t>(block_size), 1, 1};
-  if (encode(&tk, dt, 4, const_cast<void*>(k), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, group, block_q))
+    return -2;
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, block_size))
     return -3;
-  if (encode(&tv, dt, 4, const_cast<void*>(v), kv_dims, kv_strides, kv_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (!tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, block_size))
     return -4;
 
   Params p;
