@@ -258,6 +258,14 @@ def _child_run(args, spec) -> dict:
         if sync:
             sync()
         elapsed = time.perf_counter() - t0
+        kernel_profile = None
+        if args.profile_kernels:
+            from integration import kernel_profile as kp
+
+            # fresh prompts, same lengths: no prefix-cache hits from the timed run
+            again = [{"prompt_token_ids": p} for p in
+                     make_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab, args.seed + 2)]
+            kernel_profile = kp.profile_generate(lambda: llm.generate(again, params, use_tqdm=False))
     finally:
         _shutdown(llm)
 
@@ -304,6 +312,7 @@ def _child_run(args, spec) -> dict:
         "device_name": device_name,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
+        "kernel_profile": kernel_profile,
     }
 
 
@@ -692,6 +701,13 @@ def markdown(report: dict) -> str:
         lines += ["", "Bitwise-identical outputs (groups by tokens hash): "
                   + "; ".join("{" + ", ".join(g) + "}" for g in groups)]
     lines += ["", *("- " + n for n in h["notes"]), ""]
+    profiled = [r for r in report["results"] if r.get("kernel_profile")]
+    if profiled:
+        from integration import kernel_profile as kp
+
+        lines += ["## Kernel time (--profile-kernels: one more generate of fresh prompts, torch.profiler)", ""]
+        for r in profiled:
+            lines += kp.markdown(r["config"], r["kernel_profile"])
     return "\n".join(lines)
 
 
@@ -789,7 +805,8 @@ def parent_main(args: argparse.Namespace) -> int:
 CHILD_FORWARDED = ("model_config", "device", "dtype", "num_requests", "min_prompt", "max_prompt", "output_len",
                    "seed", "max_model_len", "gpu_memory_utilization", "eager", "cudagraph",
                    "max_cudagraph_capture_size", "warmup_requests", "warmup_output_len", "max_num_seqs",
-                   "max_num_batched_tokens", "block_size", "no_prefix_caching", "dhp_allow_fallback")
+                   "max_num_batched_tokens", "block_size", "no_prefix_caching", "dhp_allow_fallback",
+                   "profile_kernels")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -827,6 +844,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--profile-kernels", action="store_true",
+                    help="after the timed run, one more generate (fresh prompts) under torch.profiler: GPU time "
+                         "by kernel and kind in the report (runs the engine in-process: multiprocessing 0)")
     ap.add_argument("--dhp-allow-fallback", type=int, default=None,
                     help="let DHP's constant-time policies use the reference fallback (default 0 on cuda: a "
                          "shape the kernels miss fails the row; 1 on cpu, where there is no other path)")
@@ -869,6 +889,13 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.max_prompt + args.output_len > args.max_model_len:
         raise ConfigError(f"--max-prompt {args.max_prompt} + --output-len {args.output_len} exceeds "
                           f"--max-model-len {args.max_model_len}")
+    if args.profile_kernels:
+        if cpu:
+            raise ConfigError("--profile-kernels profiles CUDA kernels: it needs --device cuda")
+        if args.multiprocessing == 1:
+            raise ConfigError("--profile-kernels needs the engine in the profiled process: "
+                              "--multiprocessing 0 (or leave it unset)")
+        args.multiprocessing = 0
     if args.num_requests < 1 or args.output_len < 1:
         raise ConfigError("--num-requests and --output-len must be >= 1")
     args.child_argv = []

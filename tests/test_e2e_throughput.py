@@ -250,3 +250,35 @@ def test_defaults_fit_the_workload():
     assert a.configs.split(",")[-1] == "flashinfer"
     with pytest.raises(et.ConfigError, match="exceeds"):
         _args("--max-model-len", "1024")
+
+
+def test_profile_kernels_runs_the_engine_in_process():
+    a = _args("--profile-kernels")
+    assert a.multiprocessing == 0 and "--profile-kernels" in a.child_argv
+    with pytest.raises(et.ConfigError, match="multiprocessing 0"):
+        _args("--profile-kernels", "--multiprocessing", "1")
+    with pytest.raises(et.ConfigError, match="needs --device cuda"):
+        et.resolve_defaults(et.parser().parse_args(["--device", "cpu", "--profile-kernels"]))
+
+
+def test_kernel_profile_sums_by_name_and_kind():
+    from integration import kernel_profile as kp
+
+    assert kp.kind_of("void vllm::reshape_and_cache_flash_kernel<...>") == "kv_cache_update"
+    assert kp.kind_of("void flash::FlashAttnFwdSm90<...>") == "attention"
+    assert kp.kind_of("dhp_decode_sm90_kernel") == "attention"
+    assert kp.kind_of("attention_kernel") == "attention"
+    assert kp.kind_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert kp.kind_of("void vllm::rms_norm_kernel<...>") == "norm_act_rope"
+    assert kp.kind_of("void at::native::elementwise_kernel<...>") == "sampling_other"
+    events = [("attention_kernel", 0.002), ("nvjet_x", 0.005), ("attention_kernel", 0.001),
+              ("void vllm::reshape_and_cache_flash_kernel", 0.0005)]
+    s = kp.summarize(events, wall_s=0.01)
+    assert s["gpu_busy_s"] == pytest.approx(0.0085)
+    assert s["busy_share_of_wall"] == pytest.approx(0.85)
+    assert list(s["kinds"]) == ["gemm", "attention", "kv_cache_update"]  # by time, largest first
+    assert s["kinds"]["attention"] == {"calls": 2, "seconds": pytest.approx(0.003),
+                                       "share_of_busy": pytest.approx(0.003 / 0.0085, abs=1e-4)}
+    assert s["top_kernels"][0]["name"] == "nvjet_x" and s["top_kernels"][1]["calls"] == 2
+    text = "\n".join(kp.markdown("dhp-off", s))
+    assert "| attention | 2 | 0.003 |" in text and "`nvjet_x`" in text
