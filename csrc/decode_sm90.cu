@@ -113,6 +113,7 @@ struct Params {
   int n_split_grid, spp;                    // split mode: splits in the workspace, splits per CTA
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
+  const int* order;                         // fold mode: token of grid row y (longest walk first); or null
 };
 
 template <int STAGES>
@@ -415,7 +416,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
-  const int kvh = blockIdx.x, t = blockIdx.y, chunk = blockIdx.z;
+  const int kvh = blockIdx.x, chunk = blockIdx.z;
+  const int t = p.order != nullptr ? p.order[blockIdx.y] : blockIdx.y;
   const Work w = work_of(p, t, chunk, WRITE_PARTIALS);
 
   if (threadIdx.x == 0) {
@@ -433,6 +435,69 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     produce<STAGES, SMALL_Q, WRITE_PARTIALS>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
   else
     consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP>(p, w, smem_ptr, smem, bar, kvh, t);
+}
+
+// Fold mode's schedule (policy off: the lengths are public). The hardware
+// starts CTAs in grid order as slots free up; with requests of different
+// lengths, a long walk started last is a tail in which most SMs idle. The
+// longest-first order (LPT) ends the launch with the shortest walks. One CTA
+// counting-sorts the step's tokens by their number of 64-position steps
+// (descending; bins past kOrderBins - 1 share the last) into order[]; ties land
+// in atomic order, which moves timing only: every CTA computes its own row with
+// the same operations wherever it runs, so the bits do not depend on the order.
+constexpr int kOrderThreads = 1024;
+constexpr int kOrderBins = 2 * kOrderThreads;  // walks up to 2047 steps (131 K positions) sorted exactly
+
+// Visit every token of the step with its sort key (the walk's steps, capped).
+// Requests are read directly (no search): token q0 + i of request r attends
+// positions [0, min(seq_len, seq_len - q_len + i + 1)) under causal masking.
+template <typename F>
+__device__ __forceinline__ void for_each_token_key(const Params& p, F&& f) {
+  for (int r = threadIdx.x; r < p.num_seqs; r += blockDim.x) {
+    const int q0 = p.query_start_loc[r], q1 = p.query_start_loc[r + 1], seq_len = p.seq_lens[r];
+    for (int t = q0; t < q1 && t < p.num_tokens; ++t) {
+      const int limit = p.causal ? seq_len - (q1 - q0) + (t - q0) + 1 : seq_len;
+      const int n_kv = (max(0, min(seq_len, limit)) + kStep - 1) / kStep;
+      f(t, kOrderBins - 1 - min(n_kv, kOrderBins - 1));  // bin 0: the longest walks
+    }
+  }
+  // padding tokens (the pseudo-request, no positions): the last bin
+  for (int t = p.query_start_loc[p.num_seqs] + threadIdx.x; t < p.num_tokens; t += blockDim.x) f(t, kOrderBins - 1);
+}
+
+__global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, int* order) {
+  __shared__ int start[kOrderBins];
+  __shared__ int warp_sum[kOrderThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int b = tid; b < kOrderBins; b += kOrderThreads) start[b] = 0;
+  __syncthreads();
+  for_each_token_key(p, [&](int, int bin) { atomicAdd(&start[bin], 1); });
+  __syncthreads();
+  // Exclusive scan of the counts: thread tid owns bins 2 tid and 2 tid + 1.
+  const int c0 = start[2 * tid], c1 = start[2 * tid + 1];
+  int incl = c0 + c1;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int v = __shfl_up_sync(0xffffffff, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sum[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int v = __shfl_up_sync(0xffffffff, w, o);
+      if (lane >= o) w += v;
+    }
+    warp_sum[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = incl - (c0 + c1) + (warp > 0 ? warp_sum[warp - 1] : 0);
+  start[2 * tid] = before;
+  start[2 * tid + 1] = before + c0;
+  __syncthreads();
+  for_each_token_key(p, [&](int t, int bin) { order[atomicAdd(&start[bin], 1)] = t; });
 }
 
 // Split mode's second kernel: kernels.merge_kernel. One CTA per (token, KV head),
@@ -485,6 +550,11 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
     if (e != cudaSuccess) return static_cast<int>(e);
     configured = true;
   }
+  if (p.order != nullptr) {
+    order_kernel<<<1, kOrderThreads, 0, stream>>>(p, const_cast<int*>(p.order));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
@@ -531,6 +601,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // variant), -6 (grid too large), -7 (query heads per KV head not in 1..64).
 // Split mode when spp > 0: CTAs take splits [chunk * spp, ...) of n_split_grid,
 // grid.z = ceil(n_split_grid / spp); fold mode otherwise (grid.z = 1).
+// order_ws (fold mode only; may be null): num_tokens int32 of device memory for
+// the longest-first schedule (order_kernel), written then read in stream order.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -538,7 +610,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                const int* query_start_loc, int num_seqs, int num_q_rows, int num_tokens,
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
-                               int spp, void* stream) {
+                               int spp, int* order_ws, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -577,6 +649,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.qk_scale = qk_scale;
   p.causal = causal;
   const bool split = spp > 0;
+  p.order = split ? nullptr : order_ws;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
   if (num_tokens > 65535 || chunks > 65535) return -6;

@@ -80,3 +80,12 @@ def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path))
     lib = cuda_build.build("dhp_decode_sm90", "decode_sm90.cu")
     assert lib.is_file() and lib.stat().st_size > 100_000
+
+
+def test_longest_first_only_in_fold_mode_past_one_wave():
+    from dhp_backend.ops.cuda_decode import longest_first
+
+    fold = {"split": False, "slots": 264}
+    assert longest_first(fold, 256, 8)  # 2048 CTAs: ~8 waves, a tail to cut
+    assert not longest_first(fold, 33, 8)  # 264 CTAs: one wave, nothing to reorder
+    assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking

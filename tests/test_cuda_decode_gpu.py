@@ -37,10 +37,10 @@ SCALE = 0.0883
 EDGE_LENS = (1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2100)
 
 
-def run(step, causal=True, variant="s2x2", mode=None, out=None, check=True):
+def run(step, causal=True, variant="s2x2", mode=None, out=None, check=True, order=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
-                       mode=mode, check=check)
+                       mode=mode, check=check, order=order)
 
 
 def run_triton(step, causal=True, mode=None):
@@ -68,9 +68,9 @@ def test_matches_reference_and_triton_bits(H, Hkv, dtype, bs):
         n = int(step.query_start_loc[-1])
         ref = reference(step, scale=SCALE, causal=True)
         triton_bits = bits(run_triton(step)[: step.num_tokens])
-        for mode in ("split", "fold"):
+        for mode, order in (("split", None), ("fold", False), ("fold", True)):
             for variant in VARIANTS:
-                out = run(step, variant=variant, mode=mode)
+                out = run(step, variant=variant, mode=mode, order=order)
                 err = rel_err(out, ref, n)
                 assert err < TOL[dtype], f"trial {trial} {variant}/{mode}: rel err {err:.2e} for {step.seq_lens}"
                 assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
@@ -191,6 +191,45 @@ def test_graph_capture_replays_new_lengths():
         run(step, out=out, check=False)  # no host reads under capture (as ops.paged_attention calls it)
     new_lens = torch.tensor([rng.randint(1, 4000) for _ in range(8)], dtype=torch.int32, device="cuda")
     step.seq_lens.copy_(new_lens)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
+
+
+def test_longest_first_schedule_keeps_the_bits():
+    """Fold mode's longest-first schedule (order_kernel: tokens counting-sorted by
+    their walk) moves timing only: every row, padding rows and the rows past
+    num_tokens are those of the grid order and of the Triton kernel, with drafts
+    (several tokens per request), padding tokens and lengths of every size; also
+    when picked by the rule (more CTAs than one wave) and under graph replay."""
+    from dhp_backend.ops.cuda_decode import longest_first, plan
+
+    rng = random.Random(17)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q_lens = [rng.choice([1, 1, 1, 3]) for _ in range(70)]
+    reqs = [make_request(q, max(q, rng.choice(EDGE_LENS + (rng.randint(1, 9000), 8192))), H=32, Hkv=8, D=128,
+                         dtype=torch.bfloat16, gen=gen) for q in q_lens]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=5, extra_rows=3)
+    n = int(step.query_start_loc[-1])
+    p = plan(step.num_tokens, 70, 32, 8, step.block_table.shape[1] * 16, "bfloat16", "s2x2o", None)
+    assert longest_first(p, step.num_tokens, 8), f"the rule should pick the schedule here: {p}"
+    want = bits(run_triton(step)[: step.num_tokens])
+    ref = reference(step, scale=SCALE, causal=True)
+    for variant in VARIANTS:
+        for order in (None, True, False):
+            out = run(step, variant=variant, mode="fold", order=order)
+            assert rel_err(out, ref, n) < TOL[torch.bfloat16], f"{variant} order={order}"
+            assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
+            assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
+            assert torch.equal(bits(out[: step.num_tokens]), want), f"{variant} order={order}: bits differ"
+    out = torch.full_like(step.query, float("nan"))
+    run(step, out=out, order=True)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(step, out=out, check=False, order=True)
+    new_lens = [rng.randint(q, s) for q, s in zip(q_lens, step.seq_lens.tolist())]
+    step.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32, device="cuda"))
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -29,26 +30,42 @@ from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, rel
 from dhp_backend.ops.cuda_decode import VARIANTS
 
 
-def _shape(name: str) -> tuple[int, int]:
+def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
+    """``B<batch>-<ctx>k``: every request at ctx; ``B<batch>-r<ctx>k``: lengths uniform
+    in [ctx / 8, ctx], seeded (vLLM's decode batches: requests of many lengths)."""
     b, ctx = name.split("-")
-    return int(b[1:]), int(ctx[:-1]) * 1024
+    B = int(b[1:])
+    if ctx.startswith("r"):
+        hi = int(ctx[1:-1]) * 1024
+        rng = random.Random(name)
+        return B, hi, [(1, rng.randint(hi // 8, hi)) for _ in range(B)]
+    return B, int(ctx[:-1]) * 1024, [(1, int(ctx[:-1]) * 1024)] * B
 
 
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
-                                     (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))]
+                                     (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in VARIANTS)
+# cuda_<variant>[:grid|:lpt]: fold mode's schedule forced off (grid order) or on (longest first).
+ORDERS = {"": None, "grid": False, "lpt": True}
 
 
 def kv_bytes(reqs) -> int:
     return sum(s for _, s in reqs) * HKV * D * 2 * 2
 
 
-def cuda_fn(st, variant, mode=None):
+def cuda_fn(st, variant, mode=None, order=None):
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    decode_sm90(*args, scale=SCALE, causal=True, variant=variant, mode=mode)  # the metadata checked once
-    return lambda: decode_sm90(*args, scale=SCALE, causal=True, variant=variant, mode=mode, check=False)
+    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order)
+    decode_sm90(*args, **kw)  # the metadata checked once
+    return lambda: decode_sm90(*args, **kw, check=False)
+
+
+def _cuda_variant(name: str):
+    """``cuda_<variant>[:grid|:lpt]`` -> (variant, order), or None for another name."""
+    v, _, o = name[5:].partition(":")
+    return (v, ORDERS[o]) if name.startswith("cuda_") and v in VARIANTS and o in ORDERS else None
 
 
 def probe() -> bool:
@@ -60,10 +77,10 @@ def probe() -> bool:
         ref = sdpa_ref(st, True)
         tri = triton_off_fn(st, True)()
         for variant in VARIANTS:
-            for mode in ("split", "fold"):
-                o = cuda_fn(st, variant, mode)()
+            for mode, order in (("split", None), ("fold", False), ("fold", True)):
+                o = cuda_fn(st, variant, mode, order)()
                 torch.cuda.synchronize()
-                key = f"{lens} {variant}/{mode}"
+                key = f"{lens} {variant}/{mode}{'/lpt' if order else ''}"
                 errs[key] = rel_err(o, ref)
                 same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
     ok = all(e < 2e-2 for e in errs.values()) and all(same.values())
@@ -74,7 +91,8 @@ def probe() -> bool:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="B<batch>-<ctx>k, e.g. B1-32k")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="B<batch>-<ctx>k (e.g. B1-32k) or B<batch>-r<ctx>k (random lengths)")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--probe", action="store_true", help="only check the kernel on small steps (exit 1 if wrong)")
     ap.add_argument("--reps", type=int, default=100)
@@ -100,8 +118,7 @@ def main(argv=None):
     rows = []
     shapes = args.shapes.split(",")
     for k, shape in enumerate(shapes):
-        B, ctx = _shape(shape)
-        reqs = [(1, ctx)] * B
+        B, ctx, reqs = _shape(shape)
         nbytes = kv_bytes(reqs)
         sets = [make_step(reqs, gen) for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
@@ -113,8 +130,8 @@ def main(argv=None):
                     fns = [fa3_fn(s, True) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, True) for s in sets]
-                elif name.startswith("cuda_") and name[5:] in VARIANTS:
-                    fns = [cuda_fn(s, name[5:]) for s in sets]
+                elif _cuda_variant(name):
+                    fns = [cuda_fn(s, *_cuda_variant(name)) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 if fns[0] is None:

@@ -72,7 +72,7 @@ def _entry():
     fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p]
+                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p, p]
     fn.restype = i32
     return fn
 
@@ -92,7 +92,7 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
          variant: str, mode: str | None) -> dict:
     """Split mode and chunks by the Triton launcher's `launch.plan` (token tiles,
-    the variant's residency), from public values only."""
+    the variant's residency), from public values only; plus ``slots``, the CTAs one wave holds."""
     from dhp_backend.ops.triton import config as kcfg
     from dhp_backend.ops.triton import launch
 
@@ -101,21 +101,30 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
     if num_heads // num_kv_heads > 8:
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    return launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
-                       head_size=128, cfg=cfg, ext_grid=capacity, num_sms=launch._num_sms(dev), mode=mode,
-                       tiling="token")
+    num_sms = launch.num_sms_of(torch.device("cuda", torch.cuda.current_device()))
+    p = launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
+                    head_size=128, cfg=cfg, ext_grid=capacity, num_sms=num_sms, mode=mode, tiling="token")
+    return dict(p, slots=cfg.programs_per_sm * num_sms)
+
+
+def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
+    """Whether a fold-mode launch takes the longest-first schedule: when its CTAs
+    (one per token and KV head) fill more than one wave of the GPU's slots, so
+    that walks of different lengths can leave a tail (csrc: order_kernel)."""
+    return not p["split"] and num_tokens * num_kv_heads > p["slots"]
 
 
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
-                mode: str | None = None, check: bool = True) -> torch.Tensor:
+                mode: str | None = None, order: bool | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant``: one of `VARIANTS` (residency; same bits). ``mode``: None picks
     split or fold by occupancy as the Triton launcher does; "split"/"fold" force
-    one (tests; same bits). ``check`` reads the metadata on the host first (the
-    facts `ops.paged_attention` checks with ``check_values``; a device sync).
+    one (tests; same bits). ``order``: fold mode's longest-first schedule, None =
+    by `longest_first`, True/False force it (split mode ignores it; timing only,
+    same bits). ``check`` reads the metadata on the host first (the facts
+    `ops.paged_attention` checks with ``check_values``; a device sync).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
@@ -140,15 +149,21 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     with torch.cuda.device(query.device):
         p = plan(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, variant, mode)
         null = ctypes.c_void_p(0)
-        ws_acc = ws_m = ws_l = null
+        ws_acc = ws_m = ws_l = order_ws = null
         spp = 0
+        from dhp_backend.ops.triton import workspace as wsp
+
         if p["split"]:
             from dhp_backend.ops.triton import launch
-            from dhp_backend.ops.triton import workspace as wsp
 
             ws, _, _ = wsp.reserve_workspace(query.device)
             acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
             ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
+        elif order or (order is None and longest_first(p, num_tokens, Hkv)):
+            # Fold mode leaves the split area unused: its head holds the schedule
+            # (num_tokens int32, written and read in stream order by this launch).
+            ws, _, _ = wsp.reserve_workspace(query.device)
+            order_ws = ws[:num_tokens].view(torch.int32).data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         rc = _entry()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
                       value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,
@@ -156,7 +171,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                       int(bool(causal)), int(query.dtype == torch.bfloat16), VARIANTS[variant][0], ws_acc, ws_m,
-                      ws_l, p["n_split_grid"], spp, stream)
+                      ws_l, p["n_split_grid"], spp, order_ws, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out

@@ -25,7 +25,7 @@ _CPU_SMS = 4  # interpreter: a small "device" so that tests reach the split path
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms_of(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _CPU_SMS
@@ -231,7 +231,7 @@ def paged_attention_triton(
                                  const_time=const_time)
         _tiling = "token"
     p = plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
-             head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=_num_sms(device), mode=_mode,
+             head_size=head_size, cfg=cfg, ext_grid=ext_grid, num_sms=num_sms_of(device), mode=_mode,
              tiling=_tiling)
 
     ws, sink, zero = wsp.reserve_workspace(device)
