@@ -131,7 +131,8 @@ def main(argv=None):
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, True) for s in sets]
                 elif _cuda_variant(name):
-                    fns = [cuda_fn(s, *_cuda_variant(name)) for s in sets]
+                    variant, order = _cuda_variant(name)
+                    fns = [cuda_fn(s, variant, order=order) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 if fns[0] is None:
