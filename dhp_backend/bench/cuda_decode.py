@@ -96,6 +96,10 @@ def main(argv=None):
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--probe", action="store_true", help="only check the kernel on small steps (exit 1 if wrong)")
     ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--spread", type=int, default=1,
+                    help="cache of N x the used blocks, used ones scattered over it (a serving engine's cache)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="K and V of a (block, head) side by side, the DHP vLLM backend's cache layout")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from dhp_backend.ops.cuda_common import unavailable_reason
@@ -120,7 +124,7 @@ def main(argv=None):
     for k, shape in enumerate(shapes):
         B, ctx, reqs = _shape(shape)
         nbytes = kv_bytes(reqs)
-        sets = [make_step(reqs, gen) for _ in range(2)]
+        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved) for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
         outs = {}
         for name in names:
@@ -178,7 +182,8 @@ def main(argv=None):
               f"{r.get('error', '')}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, spread=args.spread,
+                    interleaved=args.interleaved,
                     commit=os.environ.get("DHP_COMMIT", ""), date=time.strftime("%Y-%m-%d"))
         with open(os.path.join(args.out, "cuda_decode.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, separators=(",", ":"))

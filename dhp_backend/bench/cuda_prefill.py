@@ -60,13 +60,22 @@ def useful_flop(reqs, causal: bool) -> float:
     return 4.0 * H * D * f
 
 
-def make_step(reqs, gen, dtype=torch.bfloat16):
-    """A packed step in ops.paged_attention's layout with NaN in every unowned slot."""
+def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: bool = False):
+    """A packed step in ops.paged_attention's layout with NaN in every unowned slot.
+
+    ``spread``: the cache holds ``spread`` times the blocks the step uses, and the
+    used ones are scattered over all of it (a serving engine's cache: a working set
+    spread over GBs). ``interleaved``: K and V of a (block, head) side by side, as in
+    the DHP vLLM backend's cache ([blocks, Hkv, 2, bs, D]); else two tensors."""
     dev = "cuda"
     nblk = [-(-s // BS) for _, s in reqs]
-    num_blocks = sum(nblk) + 8
-    kc = torch.full((num_blocks, HKV, BS, D), float("nan"), device=dev, dtype=dtype)
-    vc = torch.full_like(kc, float("nan"))
+    num_blocks = spread * sum(nblk) + 8
+    if interleaved:
+        kv = torch.full((num_blocks, HKV, 2, BS, D), float("nan"), device=dev, dtype=dtype)
+        kc, vc = kv[:, :, 0], kv[:, :, 1]
+    else:
+        kc = torch.full((num_blocks, HKV, BS, D), float("nan"), device=dev, dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
     perm = torch.randperm(num_blocks, generator=gen, device=dev).to(torch.int32)
     table = torch.zeros(len(reqs), max(nblk) + 1, dtype=torch.int32, device=dev)
     used = 0
