@@ -113,7 +113,7 @@ struct Params {
   int n_split_grid, spp;                    // split mode: splits in the workspace, splits per CTA
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
-  const int* order;                         // fold mode: token of grid row y (longest walk first); or null
+  const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
 };
 
 template <int STAGES>
@@ -136,18 +136,35 @@ struct Work {
   int n_split;               // splits with positions (the rest are neutral)
 };
 
-__device__ __forceinline__ Work work_of(const Params& p, int t, int chunk, bool write_partials) {
-  // r = number of query_start_loc[1..num_seqs] <= t (non-decreasing: binary search).
-  int lo = 0, hi = p.num_seqs;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+// req: token t's request when the caller knows it (the longest-first schedule), else -1.
+__device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, bool write_partials) {
+  // r = the last index in [0, num_seqs] with query_start_loc[r] <= t (non-decreasing).
+  // Decode steps of one token per request have query_start_loc[t] == t: two
+  // independent loads settle it, where the binary search is ~log2(num_seqs)
+  // dependent loads at the head of every CTA's critical path.
+  int lo = req, q0 = 0, q1 = 0;
+  if (lo < 0 && t < p.num_seqs) {
+    q0 = p.query_start_loc[t];
+    q1 = p.query_start_loc[t + 1];
+    if (q0 == t && q1 == t + 1) lo = t;
+  }
+  if (lo < 0) {
+    int hi = p.num_seqs;
+    lo = 0;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    q0 = -1;
   }
   Work w;
   w.req = lo;
   const bool pad = lo == p.num_seqs;
-  const int q0 = p.query_start_loc[lo];
-  const int q_len = (pad ? p.num_tokens : p.query_start_loc[lo + 1]) - q0;
+  if (q0 != lo || q1 != lo + 1) {  // not the one-token fast path: read the request's span
+    q0 = p.query_start_loc[lo];
+    q1 = pad ? p.num_tokens : p.query_start_loc[lo + 1];
+  }
+  const int q_len = q1 - q0;
   w.seq_len = pad ? 0 : p.seq_lens[lo];
   const int limit = p.causal ? w.seq_len - q_len + (t - q0) + 1 : w.seq_len;
   w.ext = max(0, min(w.seq_len, limit));
@@ -417,8 +434,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x, chunk = blockIdx.z;
-  const int t = p.order != nullptr ? p.order[blockIdx.y] : blockIdx.y;
-  const Work w = work_of(p, t, chunk, WRITE_PARTIALS);
+  int t = blockIdx.y, req = -1;
+  if (p.order != nullptr) {
+    const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
+    t = e.x;
+    req = e.y;
+  }
+  const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
   if (threadIdx.x == 0) {
     mbar_init(bar.q_full(), 1);
@@ -442,7 +464,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 // lengths, a long walk started last is a tail in which most SMs idle. The
 // longest-first order (LPT) ends the launch with the shortest walks. One CTA
 // counting-sorts the step's tokens by their number of 64-position steps
-// (descending; bins past kOrderBins - 1 share the last) into order[]; ties land
+// (descending; bins past kOrderBins - 1 share the last) into order[] as
+// (token, request) pairs (the CTA then needs no search for its request); ties land
 // in atomic order, which moves timing only: every CTA computes its own row with
 // the same operations wherever it runs, so the bits do not depend on the order.
 constexpr int kOrderThreads = 1024;
@@ -458,20 +481,21 @@ __device__ __forceinline__ void for_each_token_key(const Params& p, F&& f) {
     for (int t = q0; t < q1 && t < p.num_tokens; ++t) {
       const int limit = p.causal ? seq_len - (q1 - q0) + (t - q0) + 1 : seq_len;
       const int n_kv = (max(0, min(seq_len, limit)) + kStep - 1) / kStep;
-      f(t, kOrderBins - 1 - min(n_kv, kOrderBins - 1));  // bin 0: the longest walks
+      f(t, r, kOrderBins - 1 - min(n_kv, kOrderBins - 1));  // bin 0: the longest walks
     }
   }
   // padding tokens (the pseudo-request, no positions): the last bin
-  for (int t = p.query_start_loc[p.num_seqs] + threadIdx.x; t < p.num_tokens; t += blockDim.x) f(t, kOrderBins - 1);
+  for (int t = p.query_start_loc[p.num_seqs] + threadIdx.x; t < p.num_tokens; t += blockDim.x)
+    f(t, p.num_seqs, kOrderBins - 1);
 }
 
-__global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, int* order) {
+__global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, int2* order) {
   __shared__ int start[kOrderBins];
   __shared__ int warp_sum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   for (int b = tid; b < kOrderBins; b += kOrderThreads) start[b] = 0;
   __syncthreads();
-  for_each_token_key(p, [&](int, int bin) { atomicAdd(&start[bin], 1); });
+  for_each_token_key(p, [&](int, int, int bin) { atomicAdd(&start[bin], 1); });
   __syncthreads();
   // Exclusive scan of the counts: thread tid owns bins 2 tid and 2 tid + 1.
   const int c0 = start[2 * tid], c1 = start[2 * tid + 1];
@@ -497,7 +521,7 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, in
   start[2 * tid] = before;
   start[2 * tid + 1] = before + c0;
   __syncthreads();
-  for_each_token_key(p, [&](int t, int bin) { order[atomicAdd(&start[bin], 1)] = t; });
+  for_each_token_key(p, [&](int t, int r, int bin) { order[atomicAdd(&start[bin], 1)] = make_int2(t, r); });
 }
 
 // Split mode's second kernel: kernels.merge_kernel. One CTA per (token, KV head),
@@ -551,7 +575,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
     configured = true;
   }
   if (p.order != nullptr) {
-    order_kernel<<<1, kOrderThreads, 0, stream>>>(p, const_cast<int*>(p.order));
+    order_kernel<<<1, kOrderThreads, 0, stream>>>(p, reinterpret_cast<int2*>(const_cast<int*>(p.order)));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
   }
@@ -601,7 +625,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // variant), -6 (grid too large), -7 (query heads per KV head not in 1..64).
 // Split mode when spp > 0: CTAs take splits [chunk * spp, ...) of n_split_grid,
 // grid.z = ceil(n_split_grid / spp); fold mode otherwise (grid.z = 1).
-// order_ws (fold mode only; may be null): num_tokens int32 of device memory for
+// order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
 // the longest-first schedule (order_kernel), written then read in stream order.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,

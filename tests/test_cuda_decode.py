@@ -86,6 +86,8 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
     from dhp_backend.ops.cuda_decode import longest_first
 
     fold = {"split": False, "slots": 264}
-    assert longest_first(fold, 256, 8)  # 2048 CTAs: ~8 waves, a tail to cut
+    assert longest_first(fold, 64, 8)  # 512 CTAs: ~2 waves, a late long walk is a long tail
+    assert longest_first(fold, 132, 8)  # exactly 4 waves
+    assert not longest_first(fold, 133, 8)  # past 4 waves the tail is short: not worth the launch
     assert not longest_first(fold, 33, 8)  # 264 CTAs: one wave, nothing to reorder
     assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking

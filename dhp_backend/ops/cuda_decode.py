@@ -107,11 +107,19 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
     return dict(p, slots=cfg.programs_per_sm * num_sms)
 
 
+# The longest-first schedule costs a small launch (~4 us on an H200) and pays where a
+# long walk started late leaves a tail: measured (docs/perf-notes.md, change 19) on
+# random lengths at 2-4 waves (B64 4K-32K: 0.79 -> 0.98 of FA3, B128 512-4K: 0.90 ->
+# 0.98), a loss at ~8 waves (B256 256-2K: 0.95 -> 0.94) where the tail is short.
+LONGEST_FIRST_MAX_WAVES = 4
+
+
 def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
-    """Whether a fold-mode launch takes the longest-first schedule: when its CTAs
-    (one per token and KV head) fill more than one wave of the GPU's slots, so
-    that walks of different lengths can leave a tail (csrc: order_kernel)."""
-    return not p["split"] and num_tokens * num_kv_heads > p["slots"]
+    """Whether a fold-mode launch takes the longest-first schedule (csrc:
+    order_kernel): when its CTAs (one per token and KV head) fill more than one
+    wave of the GPU's slots and at most `LONGEST_FIRST_MAX_WAVES`."""
+    ctas = num_tokens * num_kv_heads
+    return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
@@ -161,9 +169,9 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
         elif order or (order is None and longest_first(p, num_tokens, Hkv)):
             # Fold mode leaves the split area unused: its head holds the schedule
-            # (num_tokens int32, written and read in stream order by this launch).
+            # ((token, request) int32 pairs, written and read in stream order by this launch).
             ws, _, _ = wsp.reserve_workspace(query.device)
-            order_ws = ws[:num_tokens].view(torch.int32).data_ptr()
+            order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         rc = _entry()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
                       value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,
