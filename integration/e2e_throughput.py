@@ -34,6 +34,10 @@ GPU machine (``. /root/gpu-stack/env.sh`` sourced, ``pip install -e .`` done):
         --configs fa3,dhp-off,fa3-bi,dhp-strict-bi,dhp-strict,triton,flashinfer
 
 CPU smoke (what CI runs): ``--device cpu --model-config tiny --configs cpu-attn,dhp-off``.
+
+Where the time goes: ``--profile-kernels`` adds, after the timed run, one more
+generate of fresh prompts under torch.profiler (engine in-process) and reports
+GPU time by kernel and kind per configuration (`integration.kernel_profile`).
 """
 
 from __future__ import annotations
