@@ -439,6 +439,12 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
     req = e.y;
+    // order_kernel lists every token of [0, num_tokens) once when the metadata
+    // holds its contract (query_start_loc[0] == 0, non-decreasing); never index
+    // outside the step with an entry it did not write.
+    if (static_cast<unsigned>(t) >= static_cast<unsigned>(p.num_tokens) ||
+        static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
+      return;
   }
   const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
