@@ -15,6 +15,8 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
   positions at absolute multiples of 512; "split" mode writes each split's
   state to the shared workspace and a merge kernel folds them left to right,
   "fold" mode folds inside each CTA) — both give the same bits.
+- Fold-mode launches of 1-4 waves run the step's walks longest first (a
+  counting sort on the device; `longest_first`): timing only, same bits.
 - Not constant-time (it walks the true lengths).
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
@@ -140,6 +142,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("variant", repr(variant), ", ".join(VARIANTS))
     if mode not in MODES:
         _fail("mode", repr(mode), "None, 'fold', 'split'")
+    if order not in (None, True, False):
+        _fail("order", repr(order), "None (by longest_first), True, False")
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_decode: cannot run here: {reason}")
