@@ -66,6 +66,24 @@ constexpr int kThreads = 160;
 constexpr uint32_t kBarVTail = 1;
 static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 
+// Binary options (the variant code's high bits, see launch_variant).
+//   kPairedV        V pages by one TMA box holding both 64-column halves
+//                   (tma::encode_kv_paired): the V stage is [box][half][box_rows][64]
+//                   instead of [half][64][64], and the PV descriptors step by box.
+//                   Same operands, same arithmetic, same bits; half the V TMAs.
+//   kDiagLoadsOnly  diagnostic, WRONG on purpose: the consumer only waits for each
+//                   stage and releases it (no wgmma, no softmax, no stores): the load
+//                   path's own rate.
+//   kDiagNoLoads    diagnostic, WRONG on purpose: after the first STAGES steps the
+//                   producer releases stages without loading them (the consumer
+//                   recomputes stale tiles): the consumer's own rate.
+//   kPdlLaunch      host only (no binary of its own): the decode kernel after the
+//                   schedule and the merge after the decode kernel are launched as
+//                   programmatic dependents (PDL), so their CTAs start while the
+//                   previous grid drains and wait (griddepcontrol.wait) before
+//                   reading what it wrote. Timing only.
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kPdlLaunch = 8;
+
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
 // (2 KB instead of 16 KB) and the descriptor's stride between 8-row groups is 0,
@@ -114,6 +132,7 @@ struct Params {
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
+  int pdl;                                  // host: launch the dependent grids with PDL (kPdlLaunch)
 };
 
 template <int STAGES>
@@ -185,7 +204,7 @@ __device__ __forceinline__ int first_step(const Work& w) { return min(w.s_lo, w.
 __device__ __forceinline__ int end_step(const Work& w) { return min(w.s_hi * kStepsPerSplit, w.n_kv); }
 
 // ---- producer (one warp) ---------------------------------------------------------
-template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS>
+template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, int OPT>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
@@ -228,8 +247,10 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       row[b] = pos % bs;
     }
     const int boxes = kStep / rows;
+    const bool no_load = (OPT & kDiagNoLoads) && k >= STAGES;
     if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
-    if (lane == 0) {
+    if (lane == 0 && no_load) mbar_arrive(bar.k_full(st));
+    if (lane == 0 && !no_load) {
       mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
@@ -240,13 +261,18 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       }
     }
     if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
-    if (lane == 0) {
+    if (lane == 0 && no_load) mbar_arrive(bar.v_full(st));
+    if (lane == 0 && !no_load) {
       mbar_arrive_expect_tx(bar.v_full(st), kTile);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         if (b < boxes) {
-          tma_load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
-          tma_load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+          if constexpr (OPT & kPairedV) {
+            tma_load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
+          } else {
+            tma_load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
+            tma_load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+          }
         }
       }
     }
@@ -281,7 +307,18 @@ __device__ __forceinline__ void store_out(const Params& p, int t, int head, int 
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, bool OVERLAP>
+// zero_v_tail for the kPairedV stage layout ([box][half][box_rows][64]).
+__device__ __forceinline__ void zero_v_tail_paired(uint8_t* v_tile, int valid_rows, int box_rows, int tid) {
+  for (int idx = tid; idx < (kStep - valid_rows) * 16; idx += 128) {
+    const int row = valid_rows + idx / 16, c = idx % 16;
+    uint8_t* line = v_tile + (row / box_rows) * (2 * box_rows * 128) + (c / 8) * (box_rows * 128) + (row % box_rows) * 128;
+    reinterpret_cast<uint4*>(line)[c % 8] = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier(kBarVTail, 128);
+}
+
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, bool OVERLAP, int OPT>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
   using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
@@ -312,6 +349,27 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
   mbar_wait(bar.q_full(), 0);
   const int j0 = first_step(w), j1 = end_step(w);
+  if constexpr (OPT & kDiagLoadsOnly) {
+    for (int j = j0; j < j1; ++j) {
+      const int k = j - j0, st = k % STAGES;
+      mbar_wait(bar.k_full(st), (k / STAGES) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.k_empty(st));
+      mbar_wait(bar.v_full(st), (k / STAGES) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.v_empty(st));
+    }
+    return;
+  }
+  // The B operand of the PV wgmma for positions [16 jj, 16 jj + 16) of a V stage.
+  auto v_desc = [&](uint32_t v_base, int jj) {
+    if constexpr (OPT & kPairedV) {
+      const int rows = p.box_rows, pos = 16 * jj;
+      return desc_sw128(v_base + (pos / rows) * (2 * rows * 128) + (pos % rows) * 128, rows * 128, 1024);
+    } else {
+      return desc_sw128(v_base + jj * 16 * 128, kHalf, 1024);
+    }
+  };
   // S = Q K^T of the stage holding step j into s (asynchronous: wgmma_wait before
   // reading s). The wait for the stage's K is the caller's.
   auto issue_qk = [&](int j) {
@@ -363,13 +421,18 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
       mbar_wait(bar.v_full(st), par);
       const int valid = w.seq_len - kv0;
-      if (valid < kStep) zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail);
+      if (valid < kStep) {
+        if constexpr (OPT & kPairedV)
+          zero_v_tail_paired(smem_ptr + L::kOffV + st * kTile, valid, p.box_rows, tid);
+        else
+          zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail);
+      }
       scale_rows(acc, a_lo, a_hi);
       wgmma_fence();
 #pragma unroll
       for (int jj = 0; jj < kStep / 16; ++jj) {
         const uint32_t a[4] = {pa[4 * jj], pa[4 * jj + 1], pa[4 * jj + 2], pa[4 * jj + 3]};
-        wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + jj * 16 * 128, kHalf, 1024));
+        wgmma_m64n128k16_rs<BF16>(acc, a, v_desc(v_base, jj));
       }
       wgmma_commit();
       if constexpr (OVERLAP) {
@@ -422,7 +485,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -435,6 +498,12 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x, chunk = blockIdx.z;
   int t = blockIdx.y, req = -1;
+  // PDL: the merge may start its CTAs once every CTA of this grid has started
+  // (it waits for this grid's completion before reading); and nothing written by
+  // the previous grid (the schedule, or any kernel before this launch) is read
+  // before it has completed. Both are no-ops for a launch without PDL.
+  grid_launch_dependents();
+  grid_wait_prerequisites();
   if (p.order != nullptr) {
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
@@ -460,9 +529,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   }
   __syncthreads();
   if (threadIdx.x >= 128)
-    produce<STAGES, SMALL_Q, WRITE_PARTIALS>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
+    produce<STAGES, SMALL_Q, WRITE_PARTIALS, OPT>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
   else
-    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP>(p, w, smem_ptr, smem, bar, kvh, t);
+    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
 }
 
 // Fold mode's schedule (policy off: the lengths are public). The hardware
@@ -496,6 +565,7 @@ __device__ __forceinline__ void for_each_token_key(const Params& p, F&& f) {
 }
 
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, int2* order) {
+  grid_launch_dependents();  // PDL: the decode grid waits for this one's completion before reading order[]
   __shared__ int start[kOrderBins];
   __shared__ int warp_sum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -537,6 +607,7 @@ constexpr int kMergeHeads = 8;  // query heads merged side by side (blockDim.y)
 template <bool BF16>
 __global__ void __launch_bounds__(128 * kMergeHeads) merge_kernel(const Params p) {
   const int t = blockIdx.x, kvh = blockIdx.y, d = threadIdx.x;
+  grid_wait_prerequisites();  // PDL: the split states of the decode grid
   for (int g = threadIdx.y; g < p.group; g += blockDim.y) {
     const int head = kvh * p.group + g;
     float m = kMInit, l = 0.f, acc = 0.f;
@@ -567,10 +638,11 @@ __global__ void __launch_bounds__(128 * kMergeHeads) merge_kernel(const Params p
 }
 
 // ---- host ----------------------------------------------------------------------
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP = false>
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP = false,
+          int OPT = 0>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP>;
+  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP, OPT>;
   constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>::kBytes;
   // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
   static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
@@ -585,22 +657,57 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
   }
-  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
-  cudaError_t e = cudaGetLastError();
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = pdl;
+  cfg.numAttrs = p.pdl && p.order != nullptr ? 1 : 0;  // dependent of the schedule only
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, tq, tk, tv, p);
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
-  merge_kernel<BF16><<<dim3(p.num_tokens, grid.x), dim3(128, p.group < kMergeHeads ? p.group : kMergeHeads), 0,
-                       stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  cfg.gridDim = dim3(p.num_tokens, grid.x);
+  cfg.blockDim = dim3(128, p.group < kMergeHeads ? p.group : kMergeHeads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  e = cudaLaunchKernelEx(&cfg, merge_kernel<BF16>, p);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  return static_cast<int>(e);
 }
 
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
 // of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
+// Codes 8 x opt + 4: variant 4 with the binary options `opt` (kPairedV; the
+// diagnostics bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
   const bool small_q = p.group <= 8;
+  if (variant >= 8) {
+    if (variant % 8 != 4) return -5;
+    switch (variant / 8) {
+      case kPairedV:
+        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV>(tq, tk, tv, p, grid, st)
+                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV>(tq, tk, tv, p, grid, st);
+      case kDiagLoadsOnly:
+      case kDiagNoLoads:
+        if constexpr (BF16) {
+          if (variant / 8 == kDiagLoadsOnly)
+            return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
+                           : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
+          return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kDiagNoLoads>(tq, tk, tv, p, grid, st)
+                         : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kDiagNoLoads>(tq, tk, tv, p, grid, st);
+        }
+        return -5;
+      default: return -5;
+    }
+  }
   switch (variant) {
     case 0: return launch<BF16, 4, WRITE_PARTIALS, 1, false>(tq, tk, tv, p, grid, st);
     case 1:
@@ -653,8 +760,13 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, box_rows))
     return -3;
-  if (!tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, box_rows))
+  const bool pdl = variant >= 8 && ((variant / 8) & kPdlLaunch);
+  if (pdl) variant -= 8 * kPdlLaunch;
+  const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
+  if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
+                                         kv_block_stride, kv_head_stride, kv_tok_stride, box_rows)
+                 : tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                                  kv_head_stride, kv_tok_stride, box_rows)))
     return -4;
 
   Params p;
@@ -678,6 +790,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.spp = spp;
   p.qk_scale = qk_scale;
   p.causal = causal;
+  p.pdl = pdl;
   const bool split = spp > 0;
   p.order = split ? nullptr : order_ws;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;

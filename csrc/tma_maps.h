@@ -60,4 +60,22 @@ inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const v
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The same cache with both 64-column halves of box_rows slots in ONE box (a
+// 5-d view: column in half, slot, half, head, block; the half's stride is 128 B):
+// shared memory receives [half][box_rows][64], 2 x box_rows x 128 B, so a
+// 16-token page of one head is one TMA instead of two.
+inline bool encode_kv_paired(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* cache, int block_size,
+                             int num_kv_heads, int num_blocks, int64_t block_stride, int64_t head_stride,
+                             int64_t tok_stride, int box_rows) {
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(block_size), 2, static_cast<cuuint64_t>(num_kv_heads),
+                              static_cast<cuuint64_t>(num_blocks)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(tok_stride * 2), 128,
+                                 static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(block_stride * 2)};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 2, 1, 1};
+  return encode(map, dtype(is_bf16), 5, const_cast<void*>(cache), dims, strides, box, ones,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace dhp::tma

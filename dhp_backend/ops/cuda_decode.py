@@ -44,8 +44,20 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # The same arithmetic, the same bits. Three CTAs per SM need the 2 KB Q tile of
 # GROUP <= 8 (and leave ptxas too few registers to keep the wgmmas asynchronous);
 # with larger groups "s2x3" and "s3x2" run as "s2x2", "s3x2o" as "s2x2o".
-VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2)}
+# Options on "s2x2o" (csrc code 4 + 8 x option bits): "_pv" loads each V page with
+# one TMA box holding both 64-column halves (half the V TMAs; same operands, same
+# bits); "_pdl" launches the merge (split mode) and the decode grid after the
+# schedule (longest first) as programmatic dependents, so their CTAs start while
+# the previous grid drains (timing only).
+VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
+            "s2x2o_pv": (4 + 8, 2), "s2x2o_pdl": (4 + 64, 2), "s2x2o_pv_pdl": (4 + 8 + 64, 2)}
 DEFAULT_VARIANT = "s2x2o"
+# Timing-by-difference binaries of "s2x2o" (csrc: kDiagLoadsOnly, kDiagNoLoads):
+# WRONG results on purpose, bf16 only: the load path alone (the consumer only
+# waits and releases each stage), the consumer alone (stale stages, no loads
+# after the first two). For the bench's "where the time goes" rows.
+DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 16, 2), "diag_noloads": (4 + 32, 2)}
+_ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
 
 
@@ -99,7 +111,7 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
     from dhp_backend.ops.triton import launch
 
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
-    code, resident = VARIANTS[variant]
+    code, resident = _ALL_VARIANTS[variant]
     if num_heads // num_kv_heads > 8:
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
@@ -129,7 +141,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 mode: str | None = None, order: bool | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
-    ``variant``: one of `VARIANTS` (residency; same bits). ``mode``: None picks
+    ``variant``: one of `VARIANTS` (residency; same bits), or of
+    `DIAGNOSTIC_VARIANTS` (wrong results on purpose; timing only). ``mode``: None picks
     split or fold by occupancy as the Triton launcher does; "split"/"fold" force
     one (tests; same bits). ``order``: fold mode's longest-first schedule, None =
     by `longest_first`, True/False force it (split mode ignores it; timing only,
@@ -138,8 +151,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
-    if variant not in VARIANTS:
-        _fail("variant", repr(variant), ", ".join(VARIANTS))
+    if variant not in _ALL_VARIANTS:
+        _fail("variant", repr(variant), ", ".join(_ALL_VARIANTS))
     if mode not in MODES:
         _fail("mode", repr(mode), "None, 'fold', 'split'")
     if order not in (None, True, False):
@@ -182,7 +195,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       out.data_ptr(), out.stride(0), out.stride(1), block_table.data_ptr(), block_table.stride(0),
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
-                      int(bool(causal)), int(query.dtype == torch.bfloat16), VARIANTS[variant][0], ws_acc, ws_m,
+                      int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_VARIANTS[variant][0], ws_acc, ws_m,
                       ws_l, p["n_split_grid"], spp, order_ws, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
