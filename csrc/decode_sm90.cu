@@ -705,6 +705,18 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
                          : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kDiagNoLoads>(tq, tk, tv, p, grid, st);
         }
         return -5;
+      case kDiagLoadsOnly + 64:  // the load path at other depths: 3 x 2, 4 x 1, 6 x 1 stages x CTAs per SM
+      case kDiagLoadsOnly + 128:
+      case kDiagLoadsOnly + 192:
+        if constexpr (BF16) {
+          if (variant / 8 == kDiagLoadsOnly + 64)
+            return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
+                           : -5;
+          if (variant / 8 == kDiagLoadsOnly + 128)
+            return launch<BF16, 4, WRITE_PARTIALS, 1, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
+          return launch<BF16, 6, WRITE_PARTIALS, 1, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
+        }
+        return -5;
       default: return -5;
     }
   }
@@ -762,6 +774,12 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
     return -3;
   const bool pdl = variant >= 8 && ((variant / 8) & kPdlLaunch);
   if (pdl) variant -= 8 * kPdlLaunch;
+  // Experiment (host only): the K/V maps' L2 promotion, 256 B by default; code bits 16 / 32: none / 128 B.
+  const int l2 = variant >= 8 ? (variant / 8) & 48 : 0;
+  variant -= 8 * l2;
+  tma::kv_l2_promotion = l2 == 16 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                         : l2 == 32 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                    : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
                                          kv_block_stride, kv_head_stride, kv_tok_stride, box_rows)

@@ -27,6 +27,9 @@ inline EncodeTiled encode_fn() {
   return fn;
 }
 
+// The K/V maps' L2 promotion (an experiment knob of decode_sm90's variants; 256 B otherwise).
+inline CUtensorMapL2promotion kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+
 inline CUtensorMapDataType dtype(int is_bf16) {
   return is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
@@ -56,7 +59,7 @@ inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const v
                                  static_cast<cuuint64_t>(block_stride * 2)};
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
   return encode(map, dtype(is_bf16), 4, const_cast<void*>(cache), dims, strides, box, ones,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, kv_l2_promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -74,7 +77,7 @@ inline bool encode_kv_paired(EncodeTiled encode, CUtensorMap* map, int is_bf16, 
                                  static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(block_stride * 2)};
   const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 2, 1, 1};
   return encode(map, dtype(is_bf16), 5, const_cast<void*>(cache), dims, strides, box, ones,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, kv_l2_promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
