@@ -51,7 +51,7 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # the previous grid drains (timing only).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pdl": (4 + 64, 2), "s2x2o_pv_pdl": (4 + 8 + 64, 2),
-            "s2x2o_pv_l2none": (4 + 8 * 17, 2), "s2x2o_pv_l2_128": (4 + 8 * 33, 2)}
+            "s2x2o_pv_l2_256": (4 + 8 * 17, 2)}
 DEFAULT_VARIANT = "s2x2o"
 # Timing-by-difference binaries of "s2x2o" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
