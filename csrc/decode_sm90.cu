@@ -768,16 +768,16 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   CUtensorMap tq, tk, tv;
   if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_q_rows, q_head_stride, q_tok_stride, group, 1))
     return -2;
-  const int box_rows = block_size < kStep ? block_size : kStep;
-  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, box_rows, l2))
-    return -3;
   const bool pdl = variant >= 8 && ((variant / 8) & kPdlLaunch);
   if (pdl) variant -= 8 * kPdlLaunch;
   // Experiment (host only): code bit 8 x 16 maps K/V with the former 256 B L2 promotion.
   const bool l2_256 = variant >= 8 && ((variant / 8) & 16);
   if (l2_256) variant -= 8 * 16;
   const CUtensorMapL2promotion l2 = l2_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : tma::kKvL2Promotion;
+  const int box_rows = block_size < kStep ? block_size : kStep;
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, box_rows, l2))
+    return -3;
   const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
                                          kv_block_stride, kv_head_stride, kv_tok_stride, box_rows, l2)
