@@ -82,7 +82,13 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   programmatic dependents (PDL), so their CTAs start while the
 //                   previous grid drains and wait (griddepcontrol.wait) before
 //                   reading what it wrote. Timing only.
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kPdlLaunch = 8;
+//   kPairedK        K pages likewise (block size 16 only: the C entry drops the bit
+//                   otherwise): the K stage is [box][half][16][64], whose 8-row
+//                   groups are not evenly spaced across boxes, so S = Q K^T is four
+//                   m64n16k16 wgmmas per k16 slice (one per page) instead of one
+//                   m64n64k16; each S element is the same k16-ordered fp32 sum, so
+//                   the bits are those of the m64n64 form.
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kPdlLaunch = 8, kPairedK = 32;
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -254,7 +260,9 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        if (b < boxes) {
+        if constexpr (OPT & kPairedK) {  // block size 16: four boxes
+          tma_load_5d(k_dst + b * 2 * 16 * 128, tm_k, bar.k_full(st), 0, row[b], 0, kvh, blk[b]);
+        } else if (b < boxes) {
           tma_load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
           tma_load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
         }
@@ -377,9 +385,21 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
-      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
-                               kk > 0);
+      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32;
+      if constexpr (OPT & kPairedK) {
+        // Page b (positions 16 b..16 b + 15) -> S columns 16 b.., i.e. the m64n64
+        // accumulator's column groups 2 b and 2 b + 1: registers s[8 b..8 b + 7].
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+          wgmma_m64n16k16_ss<BF16>(s + 8 * b, desc_sw128(smem + q_off, 16, Q::kSbo),
+                                   desc_sw128(k_base + b * 2 * 16 * 128 + (kk / 4) * 16 * 128 + (kk % 4) * 32, 16,
+                                              1024),
+                                   kk > 0);
+      } else {
+        const uint32_t k_off = (kk / 4) * kHalf + (kk % 4) * 32;
+        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
+                                 kk > 0);
+      }
     }
     wgmma_commit();
   };
@@ -695,6 +715,16 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV:
         return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV>(tq, tk, tv, p, grid, st)
                        : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV>(tq, tk, tv, p, grid, st);
+      case kPairedV | kPairedK:
+        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kPairedK>(tq, tk, tv, p, grid, st)
+                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kPairedK>(tq, tk, tv, p, grid, st);
+      case kPairedV | kPairedK | kDiagLoadsOnly:
+        if constexpr (BF16)
+          return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kPairedK | kDiagLoadsOnly>(
+                               tq, tk, tv, p, grid, st)
+                         : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kPairedK | kDiagLoadsOnly>(
+                               tq, tk, tv, p, grid, st);
+        return -5;
       case kDiagLoadsOnly:
       case kDiagNoLoads:
         if constexpr (BF16) {
@@ -775,8 +805,13 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   if (l2_256) variant -= 8 * 16;
   const CUtensorMapL2promotion l2 = l2_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : tma::kKvL2Promotion;
   const int box_rows = block_size < kStep ? block_size : kStep;
-  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, box_rows, l2))
+  // kPairedK is a block-size-16 binary; other block sizes run the same variant without it.
+  if (variant >= 8 && ((variant / 8) & kPairedK) && block_size != 16) variant -= 8 * kPairedK;
+  const bool paired_k = variant >= 8 && ((variant / 8) & kPairedK);
+  if (!(paired_k ? tma::encode_kv_paired(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks,
+                                         kv_block_stride, kv_head_stride, kv_tok_stride, box_rows, l2)
+                 : tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                                  kv_head_stride, kv_tok_stride, box_rows, l2)))
     return -3;
   const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,

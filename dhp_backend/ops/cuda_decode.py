@@ -51,7 +51,7 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # the previous grid drains (timing only).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pdl": (4 + 64, 2), "s2x2o_pv_pdl": (4 + 8 + 64, 2),
-            "s2x2o_pv_l2_256": (4 + 8 * 17, 2)}
+            "s2x2o_pv_l2_256": (4 + 8 * 17, 2), "s2x2o_pvk": (4 + 8 * 33, 2)}
 DEFAULT_VARIANT = "s2x2o"
 # Timing-by-difference binaries of "s2x2o" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
@@ -59,7 +59,7 @@ DEFAULT_VARIANT = "s2x2o"
 # after the first two). For the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 16, 2), "diag_noloads": (4 + 32, 2),
                        "diag_loadsonly_s3x2": (4 + 8 * 66, 2), "diag_loadsonly_s4x1": (4 + 8 * 130, 1),
-                       "diag_loadsonly_s6x1": (4 + 8 * 194, 1)}
+                       "diag_loadsonly_s6x1": (4 + 8 * 194, 1), "diag_loadsonly_pvk": (4 + 8 * 35, 2)}
 _ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
 
