@@ -70,25 +70,16 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //   kPairedV        V pages by one TMA box holding both 64-column halves
 //                   (tma::encode_kv_paired): the V stage is [box][half][box_rows][64]
 //                   instead of [half][64][64], and the PV descriptors step by box.
-//                   Same operands, same arithmetic, same bits; half the V TMAs.
+//                   Same operands, same arithmetic, same bits; half the V TMAs, and
+//                   with the maps' 128 B L2 promotion 1-5 % more bandwidth at
+//                   B >= 16 on an H200 (docs/perf-notes.md, change 20).
 //   kDiagLoadsOnly  diagnostic, WRONG on purpose: the consumer only waits for each
 //                   stage and releases it (no wgmma, no softmax, no stores): the load
 //                   path's own rate.
 //   kDiagNoLoads    diagnostic, WRONG on purpose: after the first STAGES steps the
 //                   producer releases stages without loading them (the consumer
 //                   recomputes stale tiles): the consumer's own rate.
-//   kPdlLaunch      host only (no binary of its own): the decode kernel after the
-//                   schedule and the merge after the decode kernel are launched as
-//                   programmatic dependents (PDL), so their CTAs start while the
-//                   previous grid drains and wait (griddepcontrol.wait) before
-//                   reading what it wrote. Timing only.
-//   kPairedK        K pages likewise (block size 16 only: the C entry drops the bit
-//                   otherwise): the K stage is [box][half][16][64], whose 8-row
-//                   groups are not evenly spaced across boxes, so S = Q K^T is four
-//                   m64n16k16 wgmmas per k16 slice (one per page) instead of one
-//                   m64n64k16; each S element is the same k16-ordered fp32 sum, so
-//                   the bits are those of the m64n64 form.
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kPdlLaunch = 8, kPairedK = 32;
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4;
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -138,7 +129,6 @@ struct Params {
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
-  int pdl;                                  // host: launch the dependent grids with PDL (kPdlLaunch)
 };
 
 template <int STAGES>
@@ -260,9 +250,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        if constexpr (OPT & kPairedK) {  // block size 16: four boxes
-          tma_load_5d(k_dst + b * 2 * 16 * 128, tm_k, bar.k_full(st), 0, row[b], 0, kvh, blk[b]);
-        } else if (b < boxes) {
+        if (b < boxes) {
           tma_load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
           tma_load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
         }
@@ -385,21 +373,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32;
-      if constexpr (OPT & kPairedK) {
-        // Page b (positions 16 b..16 b + 15) -> S columns 16 b.., i.e. the m64n64
-        // accumulator's column groups 2 b and 2 b + 1: registers s[8 b..8 b + 7].
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          wgmma_m64n16k16_ss<BF16>(s + 8 * b, desc_sw128(smem + q_off, 16, Q::kSbo),
-                                   desc_sw128(k_base + b * 2 * 16 * 128 + (kk / 4) * 16 * 128 + (kk % 4) * 32, 16,
-                                              1024),
-                                   kk > 0);
-      } else {
-        const uint32_t k_off = (kk / 4) * kHalf + (kk % 4) * 32;
-        wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
-                                 kk > 0);
-      }
+      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
+      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
+                               kk > 0);
     }
     wgmma_commit();
   };
@@ -518,12 +494,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x, chunk = blockIdx.z;
   int t = blockIdx.y, req = -1;
-  // PDL: the merge may start its CTAs once every CTA of this grid has started
-  // (it waits for this grid's completion before reading); and nothing written by
-  // the previous grid (the schedule, or any kernel before this launch) is read
-  // before it has completed. Both are no-ops for a launch without PDL.
-  grid_launch_dependents();
-  grid_wait_prerequisites();
   if (p.order != nullptr) {
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
@@ -585,7 +555,6 @@ __device__ __forceinline__ void for_each_token_key(const Params& p, F&& f) {
 }
 
 __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, int2* order) {
-  grid_launch_dependents();  // PDL: the decode grid waits for this one's completion before reading order[]
   __shared__ int start[kOrderBins];
   __shared__ int warp_sum[kOrderThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -627,7 +596,6 @@ constexpr int kMergeHeads = 8;  // query heads merged side by side (blockDim.y)
 template <bool BF16>
 __global__ void __launch_bounds__(128 * kMergeHeads) merge_kernel(const Params p) {
   const int t = blockIdx.x, kvh = blockIdx.y, d = threadIdx.x;
-  grid_wait_prerequisites();  // PDL: the split states of the decode grid
   for (int g = threadIdx.y; g < p.group; g += blockDim.y) {
     const int head = kvh * p.group + g;
     float m = kMInit, l = 0.f, acc = 0.f;
@@ -677,34 +645,20 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return static_cast<int>(e);
   }
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.attrs = pdl;
-  cfg.numAttrs = p.pdl && p.order != nullptr ? 1 : 0;  // dependent of the schedule only
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, tq, tk, tv, p);
-  if (e == cudaSuccess) e = cudaGetLastError();
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
-  cfg.gridDim = dim3(p.num_tokens, grid.x);
-  cfg.blockDim = dim3(128, p.group < kMergeHeads ? p.group : kMergeHeads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  e = cudaLaunchKernelEx(&cfg, merge_kernel<BF16>, p);
-  if (e == cudaSuccess) e = cudaGetLastError();
-  return static_cast<int>(e);
+  merge_kernel<BF16><<<dim3(p.num_tokens, grid.x), dim3(128, p.group < kMergeHeads ? p.group : kMergeHeads), 0,
+                       stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
 }
 
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
 // of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
-// Codes 8 x opt + 4: variant 4 with the binary options `opt` (kPairedV; the
-// diagnostics bf16 only).
+// Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (variant 6
+// in ops.cuda_decode's names, "s2x2o_pv"), and with it the two diagnostics (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
@@ -715,36 +669,17 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV:
         return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV>(tq, tk, tv, p, grid, st)
                        : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV>(tq, tk, tv, p, grid, st);
-      case kPairedV | kPairedK:
-        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kPairedK>(tq, tk, tv, p, grid, st)
-                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kPairedK>(tq, tk, tv, p, grid, st);
-      case kPairedV | kPairedK | kDiagLoadsOnly:
-        if constexpr (BF16)
-          return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kPairedK | kDiagLoadsOnly>(
-                               tq, tk, tv, p, grid, st)
-                         : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kPairedK | kDiagLoadsOnly>(
-                               tq, tk, tv, p, grid, st);
-        return -5;
-      case kDiagLoadsOnly:
-      case kDiagNoLoads:
+      case kPairedV | kDiagLoadsOnly:
+      case kPairedV | kDiagNoLoads:
         if constexpr (BF16) {
-          if (variant / 8 == kDiagLoadsOnly)
-            return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
-                           : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
-          return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kDiagNoLoads>(tq, tk, tv, p, grid, st)
-                         : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kDiagNoLoads>(tq, tk, tv, p, grid, st);
-        }
-        return -5;
-      case kDiagLoadsOnly + 64:  // the load path at other depths: 3 x 2, 4 x 1, 6 x 1 stages x CTAs per SM
-      case kDiagLoadsOnly + 128:
-      case kDiagLoadsOnly + 192:
-        if constexpr (BF16) {
-          if (variant / 8 == kDiagLoadsOnly + 64)
-            return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
-                           : -5;
-          if (variant / 8 == kDiagLoadsOnly + 128)
-            return launch<BF16, 4, WRITE_PARTIALS, 1, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
-          return launch<BF16, 6, WRITE_PARTIALS, 1, false, true, kDiagLoadsOnly>(tq, tk, tv, p, grid, st);
+          if (variant / 8 == (kPairedV | kDiagLoadsOnly))
+            return small_q
+                       ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
+                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kDiagLoadsOnly>(tq, tk, tv, p, grid,
+                                                                                                   st);
+          return small_q
+                     ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kDiagNoLoads>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kDiagNoLoads>(tq, tk, tv, p, grid, st);
         }
         return -5;
       default: return -5;
@@ -798,26 +733,15 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   CUtensorMap tq, tk, tv;
   if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_q_rows, q_head_stride, q_tok_stride, group, 1))
     return -2;
-  const bool pdl = variant >= 8 && ((variant / 8) & kPdlLaunch);
-  if (pdl) variant -= 8 * kPdlLaunch;
-  // Experiment (host only): code bit 8 x 16 maps K/V with the former 256 B L2 promotion.
-  const bool l2_256 = variant >= 8 && ((variant / 8) & 16);
-  if (l2_256) variant -= 8 * 16;
-  const CUtensorMapL2promotion l2 = l2_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : tma::kKvL2Promotion;
   const int box_rows = block_size < kStep ? block_size : kStep;
-  // kPairedK is a block-size-16 binary; other block sizes run the same variant without it.
-  if (variant >= 8 && ((variant / 8) & kPairedK) && block_size != 16) variant -= 8 * kPairedK;
-  const bool paired_k = variant >= 8 && ((variant / 8) & kPairedK);
-  if (!(paired_k ? tma::encode_kv_paired(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks,
-                                         kv_block_stride, kv_head_stride, kv_tok_stride, box_rows, l2)
-                 : tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                                  kv_head_stride, kv_tok_stride, box_rows, l2)))
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, box_rows))
     return -3;
   const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
-                                         kv_block_stride, kv_head_stride, kv_tok_stride, box_rows, l2)
+                                         kv_block_stride, kv_head_stride, kv_tok_stride, box_rows)
                  : tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                                  kv_head_stride, kv_tok_stride, box_rows, l2)))
+                                  kv_head_stride, kv_tok_stride, box_rows)))
     return -4;
 
   Params p;
@@ -841,7 +765,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.spp = spp;
   p.qk_scale = qk_scale;
   p.causal = causal;
-  p.pdl = pdl;
   const bool split = spp > 0;
   p.order = split ? nullptr : order_ws;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;

@@ -708,14 +708,11 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   const int block_q = kRows / group;
   if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, group, block_q))
     return -2;
-  // Experiment (host only): variant bit 128 maps K/V with the former 256 B L2 promotion.
-  const CUtensorMapL2promotion l2 = (variant & 128) ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : tma::kKvL2Promotion;
-  variant &= ~128;
   if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, block_size, l2))
+                      kv_head_stride, kv_tok_stride, block_size))
     return -3;
   if (!tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, block_size, l2))
+                      kv_head_stride, kv_tok_stride, block_size))
     return -4;
 
   Params p;

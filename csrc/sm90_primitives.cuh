@@ -76,15 +76,6 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Programmatic dependent launch (PTX griddepcontrol; no-ops unless the grid was
-// launched with cudaLaunchAttributeProgrammaticStreamSerialization). A grid's
-// launch_dependents lets the next PDL-launched grid start its CTAs early; that
-// grid's wait blocks until this one has completed and its writes are visible.
-__device__ __forceinline__ void grid_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void grid_wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // Register budget per warpgroup (needs a register cap at entry: __launch_bounds__(threads, 1)).
 template <uint32_t N>
 __device__ __forceinline__ void regs_dealloc() {
@@ -173,25 +164,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t da, 
         "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DHP_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
         : DHP_ACC32_OPS(d)
-        : "l"(da), "l"(db), "r"(accumulate));
-  }
-}
-
-// D[64x16] (+)= A[64x16] * B[16x16]; A and B from shared memory, both K-major.
-// d: 8 registers, the same per-thread layout as 2 of an m64n64's 8 column groups.
-template <bool BF16>
-__device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, uint64_t da, uint64_t db, int accumulate) {
-  if constexpr (BF16) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "l"(da), "l"(db), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
         : "l"(da), "l"(db), "r"(accumulate));
   }
 }

@@ -27,10 +27,10 @@ inline EncodeTiled encode_fn() {
   return fn;
 }
 
-// The K/V maps' L2 promotion. A box row is 128 B (64 columns of one head); with
-// 256 B promotion every row request also pulled the row's other half, which the
-// other box of the pair asks for anyway: decode ran 3-6 % slower on an H200 than
-// with 128 B or none (docs/perf-notes.md, change 20).
+// The K/V maps' L2 promotion: 128 B, a box row of one 64-column half. With 256 B
+// promotion the decode kernel read 3-6 % slower on an H200 (same run, same
+// kernel; none and 128 B measured alike; docs/perf-notes.md, change 20). Prefill
+// did not move either way.
 constexpr CUtensorMapL2promotion kKvL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
 
 inline CUtensorMapDataType dtype(int is_bf16) {
@@ -54,7 +54,7 @@ inline bool encode_q(EncodeTiled encode, CUtensorMap* map, int is_bf16, const vo
 // boxes of 64 columns x box_rows slots of one page of one head.
 inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* cache, int block_size,
                       int num_kv_heads, int num_blocks, int64_t block_stride, int64_t head_stride, int64_t tok_stride,
-                      int box_rows, CUtensorMapL2promotion l2 = kKvL2Promotion) {
+                      int box_rows) {
   const cuuint32_t ones[4] = {1, 1, 1, 1};
   const cuuint64_t dims[4] = {128, static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
                               static_cast<cuuint64_t>(num_blocks)};
@@ -62,7 +62,7 @@ inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const v
                                  static_cast<cuuint64_t>(block_stride * 2)};
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
   return encode(map, dtype(is_bf16), 4, const_cast<void*>(cache), dims, strides, box, ones,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, kKvL2Promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -72,7 +72,7 @@ inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const v
 // 16-token page of one head is one TMA instead of two.
 inline bool encode_kv_paired(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* cache, int block_size,
                              int num_kv_heads, int num_blocks, int64_t block_stride, int64_t head_stride,
-                             int64_t tok_stride, int box_rows, CUtensorMapL2promotion l2 = kKvL2Promotion) {
+                             int64_t tok_stride, int box_rows) {
   const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
   const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(block_size), 2, static_cast<cuuint64_t>(num_kv_heads),
                               static_cast<cuuint64_t>(num_blocks)};
@@ -80,7 +80,7 @@ inline bool encode_kv_paired(EncodeTiled encode, CUtensorMap* map, int is_bf16, 
                                  static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(block_stride * 2)};
   const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 2, 1, 1};
   return encode(map, dtype(is_bf16), 5, const_cast<void*>(cache), dims, strides, box, ones,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, kKvL2Promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

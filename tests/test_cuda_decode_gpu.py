@@ -234,32 +234,3 @@ def test_longest_first_schedule_keeps_the_bits():
     torch.cuda.synchronize()
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
 
-
-def test_pdl_launches_keep_the_bits_under_graph_replay():
-    """The "_pdl" variants launch the merge (split mode) and the decode grid after
-    the schedule (fold mode, longest first) as programmatic dependents: inside a
-    captured graph too, each dependent must still see everything its predecessor
-    wrote (griddepcontrol.wait), so replays after the lengths change give the
-    Triton kernel's bits in both modes."""
-    rng = random.Random(23)
-    gen = torch.Generator(device="cuda").manual_seed(23)
-    reqs = [make_request(1, rng.choice((1, 511, 513, 4000, 20000)), H=32, Hkv=8, D=128, dtype=torch.bfloat16,
-                         gen=gen) for _ in range(40)]
-    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=3)
-    for variant in ("s2x2o_pdl", "s2x2o_pv_pdl"):
-        for mode, order in (("split", None), ("fold", True)):
-            out = torch.full_like(step.query, float("nan"))
-            run(step, variant=variant, mode=mode, order=order, out=out)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run(step, variant=variant, mode=mode, order=order, out=out, check=False)
-            for trial in range(3):
-                lens = [rng.randint(1, s) for s in step.seq_lens.tolist()]
-                step.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
-                out.fill_(float("nan"))
-                g.replay()
-                torch.cuda.synchronize()
-                want = bits(run_triton(step)[: step.num_tokens])
-                assert torch.equal(bits(out[: step.num_tokens]), want), f"{variant}/{mode} replay {trial}"
-            del g

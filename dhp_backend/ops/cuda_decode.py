@@ -44,22 +44,17 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # The same arithmetic, the same bits. Three CTAs per SM need the 2 KB Q tile of
 # GROUP <= 8 (and leave ptxas too few registers to keep the wgmmas asynchronous);
 # with larger groups "s2x3" and "s3x2" run as "s2x2", "s3x2o" as "s2x2o".
-# Options on "s2x2o" (csrc code 4 + 8 x option bits): "_pv" loads each V page with
-# one TMA box holding both 64-column halves (half the V TMAs; same operands, same
-# bits); "_pdl" launches the merge (split mode) and the decode grid after the
-# schedule (longest first) as programmatic dependents, so their CTAs start while
-# the previous grid drains (timing only).
+# "s2x2o_pv" (csrc code 4 + 8 x kPairedV): "s2x2o" with each V page loaded by one
+# TMA box holding both 64-column halves (half the V TMAs; same operands, same bits);
+# 1-5 % faster at B >= 16 on an H200 (docs/perf-notes.md, change 20).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
-            "s2x2o_pv": (4 + 8, 2), "s2x2o_pdl": (4 + 64, 2), "s2x2o_pv_pdl": (4 + 8 + 64, 2),
-            "s2x2o_pv_l2_256": (4 + 8 * 17, 2), "s2x2o_pvk": (4 + 8 * 33, 2)}
-DEFAULT_VARIANT = "s2x2o"
-# Timing-by-difference binaries of "s2x2o" (csrc: kDiagLoadsOnly, kDiagNoLoads):
+            "s2x2o_pv": (4 + 8, 2)}
+DEFAULT_VARIANT = "s2x2o_pv"
+# Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
 # waits and releases each stage), the consumer alone (stale stages, no loads
 # after the first two). For the bench's "where the time goes" rows.
-DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 16, 2), "diag_noloads": (4 + 32, 2),
-                       "diag_loadsonly_s3x2": (4 + 8 * 66, 2), "diag_loadsonly_s4x1": (4 + 8 * 130, 1),
-                       "diag_loadsonly_s6x1": (4 + 8 * 194, 1), "diag_loadsonly_pvk": (4 + 8 * 35, 2)}
+DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 8 * 3, 2), "diag_noloads": (4 + 8 * 5, 2)}
 _ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
 

@@ -61,7 +61,7 @@ COMPAT = "compat"
 # Triton's tile issues two m64n64 batches. The products are the same and so are
 # the bits (H200: every bench shape and the GPU tests), 4-5 % faster than the
 # m64n64 form, kept as "compat_n64" (code 32) for comparison.
-_CODES = {COMPAT: 33, "compat_n64": 32, "compat_l2_256": 33 + 128}  # + 128: K/V maps with 256 B L2 promotion
+_CODES = {COMPAT: 33, "compat_n64": 32}
 # Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
 # results on purpose, bf16 only, for the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
