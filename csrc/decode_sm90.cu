@@ -657,8 +657,8 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 // of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
-// Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (variant 6
-// in ops.cuda_decode's names, "s2x2o_pv"), and with it the two diagnostics (bf16 only).
+// Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (code 12,
+// "s2x2o_pv" in ops.cuda_decode), and with it the two diagnostics (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
