@@ -110,7 +110,7 @@ struct Layout {
   static constexpr int kOffV = kOffK + STAGES * kTile;
   static constexpr int kOffRun = kOffV + STAGES * kTile;
   static constexpr int kOffBar = kOffRun + RunState<SMALL_Q, WRITE_PARTIALS>::kBytes;
-  static constexpr int kBytes = kOffBar + 8 * (1 + 4 * STAGES) + 1024;  // + barriers + alignment slack
+  static constexpr int kBytes = kOffBar + 8 * RingBarriers<STAGES>::kCount + 1024;  // + barriers + alignment slack
 };
 
 struct Params {
@@ -132,14 +132,7 @@ struct Params {
 };
 
 template <int STAGES>
-struct Barriers {
-  uint32_t base;
-  __device__ uint32_t q_full() const { return base; }
-  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
-  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
-  __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
-  __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
-};
+using Barriers = RingBarriers<STAGES>;
 
 // What every warp of the CTA derives the same way from the metadata.
 struct Work {

@@ -83,6 +83,7 @@ struct Layout {
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kBytes = kOffBar + 128 + 1024;  // + barriers + alignment slack
+  static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<3>::kBytes <= 227 * 1024, "three stages must fit the 227 KB a block may use");
 
@@ -101,17 +102,8 @@ struct Params {
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
 };
 
-// mbarrier addresses, computed (an array indexed by the run-time stage would
-// live in local memory).
 template <int STAGES>
-struct Barriers {
-  uint32_t base;
-  __device__ uint32_t q_full() const { return base; }
-  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
-  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
-  __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
-  __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
-};
+using Barriers = RingBarriers<STAGES>;
 
 // Per-request facts every warp derives the same way.
 struct Work {

@@ -42,6 +42,22 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
+// The mbarriers of a producer/consumer pipeline with one operand loaded once (q)
+// and two rings of STAGES stages (k, v), each stage with a "full" barrier (TMA
+// bytes landed) and an "empty" one (consumers released it): 1 + 4 STAGES 8-byte
+// barriers from `base`. Addresses are computed, not stored (an array indexed by
+// the run-time stage would live in local memory).
+template <int STAGES>
+struct RingBarriers {
+  uint32_t base;
+  static constexpr int kCount = 1 + 4 * STAGES;
+  __device__ uint32_t q_full() const { return base; }
+  __device__ uint32_t k_full(int s) const { return base + 8 * (1 + s); }
+  __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+  __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+  __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+};
+
 // --- TMA tile loads (completion counted in bytes on an mbarrier) ------------
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, uint32_t bar, int c0, int c1, int c2) {
   asm volatile(

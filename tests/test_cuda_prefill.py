@@ -56,3 +56,21 @@ def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     compat = cuda_build.build("dhp_prefill_sm90_compat", "prefill_sm90.cu",
                               cuda_build.SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
     assert compat.is_file() and compat != lib and compat.stat().st_size < lib.stat().st_size
+
+
+def test_build_key_follows_every_source_and_header(tmp_path):
+    """A change to any .cu/.cuh/.h beside the kernels (tma_maps.h is a .h) makes a new
+    cache entry; prose beside them does not."""
+    for name, text in (("k.cu", "kernel"), ("p.cuh", "device"), ("maps.h", "host"), ("README.md", "prose")):
+        (tmp_path / name).write_text(text)
+    key = cuda_build.build_key(tmp_path, ("-O3",), "nvcc 13.0")
+    assert key == cuda_build.build_key(tmp_path, ("-O3",), "nvcc 13.0")
+    (tmp_path / "README.md").write_text("other prose")
+    assert cuda_build.build_key(tmp_path, ("-O3",), "nvcc 13.0") == key
+    seen = {key}
+    for name in ("k.cu", "p.cuh", "maps.h"):
+        (tmp_path / name).write_text("changed " + name)
+        seen.add(cuda_build.build_key(tmp_path, ("-O3",), "nvcc 13.0"))
+    seen.add(cuda_build.build_key(tmp_path, ("-O2",), "nvcc 13.0"))
+    seen.add(cuda_build.build_key(tmp_path, ("-O2",), "nvcc 12.8"))
+    assert len(seen) == 6

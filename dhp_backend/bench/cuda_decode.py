@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, rel_err, sdpa_ref, triton_off_fn
+from dhp_backend.bench import cuda_runs
+from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
+from dhp_backend.bench.inputs import rel_err
 from dhp_backend.ops.cuda_decode import DIAGNOSTIC_VARIANTS, VARIANTS
 
 
@@ -103,21 +105,19 @@ def main(argv=None):
                     help="K and V of a (block, head) side by side, the DHP vLLM backend's cache layout")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from dhp_backend.ops.cuda_common import unavailable_reason
-    reason = unavailable_reason() if torch.cuda.is_available() else "no CUDA device"
-    if reason:
-        ap.error(f"needs an sm_90 GPU ({reason})")
     t0 = time.time()
-    ok = probe()
-    print(f"probe done in {time.time() - t0:.0f}s (includes the nvcc build on first use)", flush=True)
-    if not ok:
-        print("the CUDA decode kernel is wrong on the probe steps: nothing timed")
-        return 1
-    if args.probe:
-        return 0
+    stop = cuda_runs.probe_first(ap, probe, "decode", args.probe)
+    if stop is not None:
+        return stop
 
     from dhp_backend.bench.timer import CudaTimer, capture_graphs
     timer = CudaTimer(reps=args.reps, warmup=3)
+
+    def graph_median_ms(fns):  # decode launches are microseconds: time CUDA-graph replays
+        replays, _, graphs = capture_graphs(fns)
+        ms = timer.measure(replays).median_ms
+        del graphs
+        return ms
     gen = torch.Generator(device="cuda").manual_seed(0)
     names = args.variants.split(",")
     rows = []
@@ -140,28 +140,12 @@ def main(argv=None):
                     fns = [cuda_fn(s, variant, order=order) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
-                if fns[0] is None:
-                    row["error"] = "not available"
-                else:
-                    o = fns[0]()
-                    torch.cuda.synchronize()
-                    row["rel_err"] = rel_err(o, ref)
-                    diag = name.startswith("cuda_") and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
-                    if not diag:
-                        outs[name] = o.clone()
-                    if diag:  # not compared, not checked: a timing by difference
-                        replays, _, graphs = capture_graphs(fns)
-                        row["us"] = timer.measure(replays).median_ms * 1e3
-                        row["tb_s"] = nbytes / row["us"] / 1e6
-                        row["error"] = "diagnostic (wrong on purpose), timed unchecked"
-                        del graphs
-                    elif row["rel_err"] < 2e-2:
-                        replays, _, graphs = capture_graphs(fns)
-                        row["us"] = timer.measure(replays).median_ms * 1e3
-                        row["tb_s"] = nbytes / row["us"] / 1e6
-                        del graphs
-                    else:
-                        row["error"] = "wrong result"
+                diag = name.startswith("cuda_") and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
+                o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms, diagnostic=diag)
+                if o is not None:
+                    outs[name] = o
+                if row["us"]:
+                    row["tb_s"] = nbytes / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -171,13 +155,9 @@ def main(argv=None):
                 if r["variant"].startswith("cuda_") and r["variant"] in outs:
                     r["bits_equal_triton"] = bool(torch.equal(outs[r["variant"]].view(torch.int16),
                                                               outs["triton_off"].view(torch.int16)))
-        fa = next((r["us"] for r in mine if r["variant"] == "fa3"), None)
-        for r in mine:
-            r["fa3_over"] = fa / r["us"] if fa and r["us"] else None
-        print(f"[{k + 1}/{len(shapes)} {time.time() - t0:5.0f}s] {shape}: " + ", ".join(
-            f"{r['variant']} {r['us'] and round(r['us'], 1)} us ({r['fa3_over'] and round(r['fa3_over'], 3)} x FA3)"
-            + (f" [{r['error']}]" if r.get("error") else "") + ("" if r.get("bits_equal_triton", True) else " [BITS]")
-            for r in mine), flush=True)
+        cuda_runs.fa3_ratios(mine)
+        cuda_runs.print_progress(k, len(shapes), t0, shape, mine,
+                                 lambda r: "" if r.get("bits_equal_triton", True) else " [BITS]")
         del sets
         torch.cuda.empty_cache()
 

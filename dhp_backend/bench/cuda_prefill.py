@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from dhp_backend.bench import cuda_runs
+from dhp_backend.bench.inputs import rel_err
 from dhp_backend.ops.cuda_prefill import COMPAT, DIAGNOSTIC_VARIANTS, V_DESC, VARIANTS
 
 H, HKV, D, BS = 32, 8, 128, 16
@@ -143,13 +145,6 @@ def fa3_fn(st, causal):
                                           softmax_scale=SCALE, block_table=st["table"], fa_version=3, out=out)
 
 
-def rel_err(o, ref):
-    o, ref = o.float(), ref.float()
-    if not torch.isfinite(o).all():
-        return float("inf")
-    return float((o - ref).norm() / ref.norm())
-
-
 def probe() -> bool:
     """Every binary right on small shapes (and not hung)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -174,21 +169,13 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from dhp_backend.ops.cuda_prefill import unavailable_reason
-    reason = unavailable_reason() if torch.cuda.is_available() else "no CUDA device"
-    if reason:
-        ap.error(f"needs an sm_90 GPU ({reason})")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
     t0 = time.time()
-    ok = probe()
-    print(f"probe done in {time.time() - t0:.0f}s (includes the nvcc build on first use)", flush=True)
-    if not ok:
-        print("the CUDA kernel is wrong on the probe shapes: nothing timed")
-        return 1
-    if args.probe:
-        return 0
+    stop = cuda_runs.probe_first(ap, probe, "prefill", args.probe)
+    if stop is not None:
+        return stop
 
     from dhp_backend.bench.timer import CudaTimer
     timer = CudaTimer(reps=args.reps, warmup=3)
@@ -213,22 +200,11 @@ def main(argv=None):
                     fns = [cuda_fn(s, causal, name[5:]) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
-                if fns[0] is None:
-                    row["error"] = "not available"
-                else:
-                    o = fns[0]()
-                    torch.cuda.synchronize()
-                    outs[name] = o[: ref.shape[0]].clone()
-                    row["rel_err"] = rel_err(outs[name], ref)
-                    if name[5:] in DIAGNOSTIC_VARIANTS:
-                        del outs[name]  # not compared, not checked: a timing by difference
-                        row["us"] = timer.measure(fns).median_ms * 1e3
-                        row["error"] = "diagnostic (wrong on purpose), timed unchecked"
-                    elif row["rel_err"] < 2e-2:
-                        row["us"] = timer.measure(fns).median_ms * 1e3
-                        row["tflops"] = flop / row["us"] / 1e6
-                    else:
-                        row["error"] = "wrong result"
+                o = cuda_runs.check_and_time(row, fns, ref, lambda f: timer.measure(f).median_ms,
+                                             diagnostic=name[5:] in DIAGNOSTIC_VARIANTS, rows_checked=ref.shape[0])
+                if o is not None:
+                    outs[name] = o
+                    row["tflops"] = flop / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -243,12 +219,8 @@ def main(argv=None):
                 same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
                 for r in rows[-len(names):]:
                     r[f"{cname}_bits_equal_triton"] = same
-        fa = next((r["us"] for r in rows[-len(names):] if r["variant"] == "fa3"), None)
-        for r in rows[-len(names):]:
-            r["fa3_over"] = fa / r["us"] if fa and r["us"] else None
-        print(f"[{k + 1}/{len(shapes)} {time.time() - t0:5.0f}s] {shape}: " + ", ".join(
-            f"{r['variant']} {r['us'] and round(r['us'], 1)} us ({r['fa3_over'] and round(r['fa3_over'], 3)} x FA3)"
-            + (f" [{r['error']}]" if r.get("error") else "") for r in rows[-len(names):]), flush=True)
+        cuda_runs.fa3_ratios(rows[-len(names):])
+        cuda_runs.print_progress(k, len(shapes), t0, shape, rows[-len(names):])
         del sets
         torch.cuda.empty_cache()
 

@@ -49,6 +49,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DHP_CUDA_CACHE", Path.home() / ".cache" / "dhp_backend" / "cuda"))
 
 
+# What a build depends on in csrc/: every source and header (tma_maps.h included:
+# a key over *.cu* alone kept a stale build when only a .h changed).
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp")
+
+
+def build_key(src_dir: Path, cmd_flags: tuple[str, ...], nvcc_version: str) -> str:
+    """The cache key of a build: the csrc sources and headers, the flags and nvcc's version."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in src_dir.iterdir() if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(cmd_flags).encode())
+    h.update(nvcc_version.encode())
+    return h.hexdigest()[:16]
+
+
 def build(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
     """Compile ``csrc/<source>`` (and the headers beside it) into ``lib<name>.so``; return its path."""
     nvcc = find_nvcc()
@@ -59,14 +74,9 @@ def build(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
     main = src_dir / source
     if not main.is_file():
         raise CudaBuildError(f"{main} does not exist")
-    h = hashlib.sha256()
-    for f in sorted(src_dir.glob("*.cu*")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
     cmd_flags = BASE_FLAGS + tuple(flags)
-    h.update(" ".join(cmd_flags).encode())
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    h.update(version.encode())
-    out_dir = cache_dir() / f"{name}-{h.hexdigest()[:16]}"
+    out_dir = cache_dir() / f"{name}-{build_key(src_dir, cmd_flags, version)}"
     lib = out_dir / f"lib{name}.so"
     if lib.is_file():
         return lib
