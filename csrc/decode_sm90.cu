@@ -296,17 +296,6 @@ __device__ __forceinline__ void store_out(const Params& p, int t, int head, int 
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
 }
 
-// zero_v_tail for the kPairedV stage layout ([box][half][box_rows][64]).
-__device__ __forceinline__ void zero_v_tail_paired(uint8_t* v_tile, int valid_rows, int box_rows, int tid) {
-  for (int idx = tid; idx < (kStep - valid_rows) * 16; idx += 128) {
-    const int row = valid_rows + idx / 16, c = idx % 16;
-    uint8_t* line = v_tile + (row / box_rows) * (2 * box_rows * 128) + (c / 8) * (box_rows * 128) + (row % box_rows) * 128;
-    reinterpret_cast<uint4*>(line)[c % 8] = make_uint4(0, 0, 0, 0);
-  }
-  fence_proxy_async();
-  named_barrier(kBarVTail, 128);
-}
-
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, bool OVERLAP, int OPT>
 __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int t) {
@@ -410,12 +399,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
       mbar_wait(bar.v_full(st), par);
       const int valid = w.seq_len - kv0;
-      if (valid < kStep) {
-        if constexpr (OPT & kPairedV)
-          zero_v_tail_paired(smem_ptr + L::kOffV + st * kTile, valid, p.box_rows, tid);
-        else
-          zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail);
-      }
+      if (valid < kStep)  // kPairedV stages are boxes of box_rows rows ([box][half][row])
+        zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
+                           (OPT & kPairedV) ? p.box_rows : kStep);
       scale_rows(acc, a_lo, a_hi);
       wgmma_fence();
 #pragma unroll
@@ -500,16 +486,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   }
   const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
-  if (threadIdx.x == 0) {
-    mbar_init(bar.q_full(), 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar.k_full(s), 1);
-      mbar_init(bar.v_full(s), 1);
-      mbar_init(bar.k_empty(s), 4);  // one arrival per consumer warp
-      mbar_init(bar.v_empty(s), 4);
-    }
-    mbar_fence_init();
-  }
+  if (threadIdx.x == 0) bar.init(4);  // one release per consumer warp
   __syncthreads();
   if (threadIdx.x >= 128)
     produce<STAGES, SMALL_Q, WRITE_PARTIALS, OPT>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);

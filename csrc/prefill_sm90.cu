@@ -597,16 +597,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Work w = work_of(p, req, g);
   if (w.tok0 >= w.q_len) return;  // whole CTA: a surplus tile of this request
 
-  if (threadIdx.x == 0) {
-    mbar_init(bar.q_full(), 1);
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar.k_full(s), 1);
-      mbar_init(bar.v_full(s), 1);
-      mbar_init(bar.k_empty(s), 8);  // one arrival per consumer warp
-      mbar_init(bar.v_empty(s), 8);
-    }
-    mbar_fence_init();
-  }
+  if (threadIdx.x == 0) bar.init(8);  // one release per consumer warp
   __syncthreads();
 
   if (threadIdx.x < 128) {

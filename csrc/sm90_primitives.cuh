@@ -56,6 +56,18 @@ struct RingBarriers {
   __device__ uint32_t v_full(int s) const { return base + 8 * (1 + STAGES + s); }
   __device__ uint32_t k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
   __device__ uint32_t v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+  // One thread, before the CTA's first barrier sync: the full barriers complete on
+  // one arrival (the producer's, with the TMA bytes), the empty ones on `releases`.
+  __device__ void init(uint32_t releases) const {
+    mbar_init(q_full(), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), releases);
+      mbar_init(v_empty(s), releases);
+    }
+    mbar_fence_init();
+  }
 };
 
 // --- TMA tile loads (completion counted in bytes on an mbarrier) ------------
