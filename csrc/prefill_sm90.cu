@@ -83,9 +83,20 @@ struct Layout {
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kBytes = kOffBar + 128 + 1024;  // + barriers + alignment slack
+  // CT only: 1 KB that the V cleaner's discarded stores go to (load_q_ct,
+  // clean_v_ct), 128-byte aligned so that a store there hits the banks the
+  // store it replaces would have hit.
+  static constexpr int kOffScratch = kOffBar + 128;
+  // CT only: the consumers' running (folded) state, 64 fp32 per thread, in shared
+  // memory rather than registers (the CT walk's extra live values pushed the
+  // register-resident form into local memory): [warpgroup][16][128 threads][4].
+  static constexpr int kOffRun = kOffScratch + 1024;
+  static constexpr int kRunBytes = 2 * 128 * 64 * 4;
+  static constexpr int kBytesCT = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<3>::kBytes <= 227 * 1024, "three stages must fit the 227 KB a block may use");
+static_assert(Layout<2>::kBytesCT <= 227 * 1024, "the CT binary's two stages and scratch fit");
 
 struct Params {
   void* out;
@@ -100,6 +111,16 @@ struct Params {
   float scale_log2;                              // softmax scale * log2(e) (qk_scale)
   int causal;
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
+  // Constant-time binary (CT) only: the public bucket and the decoy map.
+  int l_mode, l_scalar;                          // 0: one bucket l_scalar; 1: per-request buckets
+  const int* bucket;                             // [num_seqs] (l_mode 1)
+  int max_blocks, num_blocks;                    // block-table width, cache pages
+  uint32_t decoy_magic, decoy_mult;              // launch.decoy_magic / decoy_mult of num_blocks
+  const void* q;                                 // Q for the CT loader (LSU loads, see load_q_ct)
+  int64_t q_tok_stride, q_head_stride;           // elements
+  int q_rows;                                    // query.shape[0]
+  uint32_t q_magic;                              // Barrett constant of q_rows
+  void* sink;                                    // rows of no request go here (workspace sink)
 };
 
 template <int STAGES>
@@ -108,6 +129,7 @@ using Barriers = RingBarriers<STAGES>;
 // Per-request facts every warp derives the same way.
 struct Work {
   int q0, q_len, seq_len, tok0, n_steps;  // tok0: the tile's first query token (request-local)
+  int page_req, page_len;                 // whose pages the walk reads, and their true length (CT)
 };
 
 // The tiling of ops.paged_attention's Triton kernels (kernels.locate): request r
@@ -190,6 +212,192 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
         }
       }
     }
+  }
+}
+
+// ---- constant-time walk (CT: policies strict / batch / request) ------------------
+// The COMPAT arithmetic on the walk of the Triton kernels' CONST_TIME binaries
+// (kernels.attention_kernel; docs/kernels.md section 2): every CTA, whatever the
+// secret lengths, runs the same code path with the same trip counts and the same
+// number of loads and stores.
+//   - tile -> request: a count over all num_seqs keys (locate_ct), no search;
+//   - no early exit: padding and surplus tiles walk like real ones, their rows
+//     masked by selection and stored to the workspace sink;
+//   - the KV walk covers the public bucket L (n_steps = ceil(L / 128)); pages at
+//     positions >= the true length are decoys (decoy_block: real cache pages
+//     that miss L2 as real ones do), chosen by a branch-free select;
+//   - Q rows come by ordinary loads at in-range addresses (row mod q_rows): a TMA
+//     box at the step's end would be clipped, and a clipped box reads fewer bytes;
+//   - V rows at positions >= the true length are zeroed in every stage by two
+//     producer warps (clean_v_ct) with a select of the store address, so the
+//     consumers never branch on the length and 0 * NaN never reaches the output;
+//   - every score is masked by select (the off binary masks only the last steps).
+// Public facts the code may branch on: the bucket (l_scalar, or the per-request
+// buckets under policy request), num_seqs, the step geometry, block size, group.
+constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
+
+// c ? a : b without a branch the compiler could make of a ternary.
+__device__ __forceinline__ int select_int(bool c, int a, int b) { return b ^ ((a ^ b) & -static_cast<int>(c)); }
+__device__ __forceinline__ uint64_t select_u64(bool c, uint64_t a, uint64_t b) {
+  return b ^ ((a ^ b) & (0ull - static_cast<uint64_t>(c)));
+}
+
+// kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).
+__device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t magic) {
+  uint32_t y = x - __umulhi(x, magic) * n;
+#pragma unroll
+  for (int i = 0; i < 3; ++i) y -= n & (0u - static_cast<uint32_t>(y >= n));
+  return y;
+}
+
+// kernels.decoy_block: the page read in place of request r's logical block lb
+// past its true length (same map, so both kernels read the same decoys).
+__device__ __forceinline__ int decoy_block(const Params& p, int r, int lb) {
+  const uint32_t n = static_cast<uint32_t>(p.num_blocks);
+  const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(p.num_seqs + 1) +
+                                     static_cast<uint32_t>(r), n, p.decoy_magic);
+  return static_cast<int>(mod_barrett(x * p.decoy_mult, n, p.decoy_magic));
+}
+
+// kernels.locate (request tiles): r = #{i in 1..num_seqs : qsl[i] / BQ + i <= g},
+// counted by the whole CTA in chunks of kThreads keys; trip count
+// ceil(num_seqs / kThreads), one load per thread and chunk.
+__device__ __forceinline__ int locate_ct(const Params& p, int g) {
+  int count = 0;
+  for (int base = 1; base <= p.num_seqs; base += kThreads) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const bool in = i <= p.num_seqs;
+    const int qs = p.query_start_loc[min(i, p.num_seqs)];
+    count += __syncthreads_count(in & ((qs >> (7 - p.group_shift)) + i <= g));  // BQ = 128 / GROUP
+  }
+  return count;
+}
+
+// kernels.attention_kernel's per-tile facts (l_mode 0/1). Index num_seqs is the
+// padding pseudo-request: rows qsl[num_seqs] .. num_out_rows, true length 0; it
+// walks the pages of the last request (so its reads are re-reads, whatever the
+// lengths are) and its rows come out as 0.
+__device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
+  Work w;
+  const bool is_pad = req >= p.num_seqs;
+  const int r_row = min(req, p.num_seqs - 1);
+  w.q0 = p.query_start_loc[req];
+  const int q_next = p.query_start_loc[min(req + 1, p.num_seqs)];
+  w.q_len = select_int(is_pad, p.num_out_rows, q_next) - w.q0;
+  w.page_req = r_row;
+  w.page_len = p.seq_lens[r_row];
+  w.seq_len = select_int(is_pad, 0, w.page_len);
+  w.tok0 = (g - ((w.q0 >> (7 - p.group_shift)) + req)) * p.block_q;
+  int ext = p.l_scalar;
+  if (p.l_mode == 1) ext = select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
+  w.n_steps = (ext + kCols - 1) / kCols;
+  return w;
+}
+
+// Q tile by the producer warpgroup (128 threads, one tile row each) into the
+// layout the TMA box gives: [half][128 rows][64 columns], 128-byte swizzle.
+template <int STAGES>
+__device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_t* smem_ptr,
+                                          const Barriers<STAGES>& bar, int kvh) {
+  const int row = threadIdx.x;
+  const uint32_t tok = mod_barrett(static_cast<uint32_t>(w.q0 + w.tok0 + (row >> p.group_shift)),
+                                   static_cast<uint32_t>(p.q_rows), p.q_magic);
+  const int head = kvh * p.group + (row & (p.group - 1));
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.q) +
+                                                    2 * (tok * p.q_tok_stride + head * p.q_head_stride));
+  // Four 16-byte pieces in flight at a time: the producer warpgroup runs on 40 registers.
+#pragma unroll
+  for (int c0 = 0; c0 < 16; c0 += 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = src[c0 + c];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int piece = c0 + c;
+      *reinterpret_cast<uint4*>(smem_ptr + (piece / 8) * kHalfBytes + row * 128 + (((piece % 8) ^ (row % 8)) * 16)) =
+          v[c];
+    }
+  }
+  fence_proxy_async();
+  named_barrier(kBarQ, 128);
+  if (row == 0) mbar_arrive(bar.q_full());
+}
+
+// K/V pages of every step up to the bucket: the block-table entry where the page
+// holds a real position, a decoy page elsewhere (kernels.position_blocks, per page:
+// a 16-row TMA box is one page). One thread.
+template <int STAGES>
+__device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
+                                           const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,
+                                           int kvh) {
+  using L = Layout<STAGES>;
+  const int* table = p.block_table + static_cast<int64_t>(w.page_req) * p.bt_stride;
+  const int bs = p.block_size;
+  const int pages_per_step = kCols / bs;
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int s = t % STAGES;
+    const uint32_t parity = ((t / STAGES) - 1) & 1;
+    const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    int blk[8];
+#pragma unroll
+    for (int pg = 0; pg < 8; ++pg) {
+      const int lb = t * pages_per_step + pg;
+      const int entry = table[min(lb, p.max_blocks - 1)];
+      blk[pg] = select_int(lb * bs < w.page_len, entry, decoy_block(p, w.page_req, lb));
+    }
+    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
+#pragma unroll
+    for (int pg = 0; pg < 8; ++pg) {
+      if (pg < pages_per_step) {  // block size: public
+        tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk[pg]);
+        tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk[pg]);
+      }
+    }
+    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
+#pragma unroll
+    for (int pg = 0; pg < 8; ++pg) {
+      if (pg < pages_per_step) {
+        tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk[pg]);
+        tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk[pg]);
+      }
+    }
+  }
+}
+
+// The CT consumers wait for this barrier of a V stage instead of v_full: it
+// completes when both cleaner warps have zeroed the stage's rows past the true
+// length. After the RingBarriers.
+template <int STAGES>
+__device__ __forceinline__ uint32_t v_clean(const Barriers<STAGES>& bar, int s) {
+  return bar.base + 8 * (Barriers<STAGES>::kCount + s);
+}
+constexpr int kCleanThreads = 64;  // producer warps 1 and 2
+
+// Zero the V rows at positions >= seq_len of every stage: each thread writes its
+// 32 16-byte pieces of the 32 KB tile per step, to the tile where the row is
+// padding and to the scratch (same banks, never read) where it is real. The
+// pieces of one warp store are 512 contiguous bytes, so both targets are
+// conflict-free.
+template <int STAGES>
+__device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, const Barriers<STAGES>& bar, int tid) {
+  using L = Layout<STAGES>;
+  const uint64_t scratch = reinterpret_cast<uint64_t>(smem_ptr + L::kOffScratch);
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int s = t % STAGES;
+    mbar_wait(bar.v_full(s), (t / STAGES) & 1);
+    const uint64_t tile = reinterpret_cast<uint64_t>(smem_ptr + L::kOffV + s * kTileBytes);
+#pragma unroll 8
+    for (int it = 0; it < kTileBytes / 16 / kCleanThreads; ++it) {
+      const int idx = it * kCleanThreads + tid;  // 16-byte piece: [half][row][8 pieces]
+      const int row = (idx / 8) % kRows;
+      const uint64_t dst = select_u64(t * kCols + row >= w.seq_len, tile + idx * 16, scratch + ((idx * 16) & 1023));
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    __syncwarp();
+    if (tid % 32 == 0) mbar_arrive(v_clean(bar, s));
   }
 }
 
@@ -304,6 +512,23 @@ __device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi
   uint32_t* dst = reinterpret_cast<uint32_t*>(
       out + 2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
   const int c = lane % 4;  // column pair 2c within each 8-column group
+#pragma unroll
+  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+}
+
+// CT epilogue: every row is stored, to out[token, head] inside the request and
+// to the workspace sink outside it (kernels.attention_kernel: slot g mod
+// kSinkSlots, 256 elements per row); the address is selected, not the store.
+constexpr int kSinkSlots = 16, kSinkWidth = 256;  // ops/triton/workspace.py SINK_SLOTS, SINK_WIDTH
+template <bool BF16, int IDX>
+__device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int qi, int head, int g, int tile_row,
+                                             int lane, const float (&o)[64], float inv) {
+  const uint64_t real = reinterpret_cast<uint64_t>(static_cast<char*>(p.out) +
+      2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
+  const uint64_t sink = reinterpret_cast<uint64_t>(static_cast<char*>(p.sink) +
+      2 * (static_cast<int64_t>((g % kSinkSlots) * kRows + tile_row) * kSinkWidth));
+  uint32_t* dst = reinterpret_cast<uint32_t*>(select_u64(qi < w.q_len, real, sink));
+  const int c = lane % 4;
 #pragma unroll
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
@@ -462,23 +687,37 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 // halves, instead of two m64n64 batches (each element is the same dot product;
 // measured bit-equal to Triton's m64n64 on the H200, and 4-5 % faster; ops'
 // "compat" is this form).
-template <bool BF16, int STAGES, bool S_N128>
+template <bool BF16, int STAGES, bool S_N128, bool CT = false>
 __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                               const Barriers<STAGES>& bar, int kvh) {
+                                               const Barriers<STAGES>& bar, int kvh, int g) {
   using L = Layout<STAGES>;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
   // Triton's limit - 1 (positions p < limit are attended).
-  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;
-  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;
+  int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  if constexpr (CT) {  // rows outside the request attend nothing (kernels: limit = 0)
+    lim_lo = select_int(rw.qi_lo < w.q_len, lim_lo, -1);
+    lim_hi = select_int(rw.qi_hi < w.q_len, lim_hi, -1);
+  }
   const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
 
-  float run[64], acc[64];
+  float run[CT ? 1 : 64], acc[64];
+  // CT: this thread's running state, 16 float4 at a 2 KB pitch (a warp's float4
+  // are 512 contiguous bytes: no bank conflicts).
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) run[i] = acc[i] = 0.f;
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  if constexpr (CT) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) run[i] = 0.f;
+  }
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state
   // One 64-column half of the scores per 64-position step: sa = s[0..31], sb = s[32..63].
@@ -518,16 +757,25 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
     const int kv0 = t * kCols;
     float aa_lo, aa_hi, ab_lo, ab_hi;
-    compat_softmax(sa, kv0, lim_lo, lim_hi, kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi, aa_lo,
-                   aa_hi);
-    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, kv0 + 128 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
-                   ab_lo, ab_hi);
+    // CT: every step masked (the mask is a select; which steps need it is secret).
+    compat_softmax(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
+                   aa_lo, aa_hi);
+    // CT: the second half waits for the first (its scale carries + 0 * l, l finite): with
+    // every step masked the two halves are straight-line code that ptxas interleaves
+    // into local-memory spills; the off binary's mask branch keeps them apart.
+    const float scale_b = CT ? __fadd_rn(p.scale_log2, __fmul_rn(l_lo, 0.f)) : p.scale_log2;
+    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
+                   l_hi, ab_lo, ab_hi);
     pack_p<BF16, 32>(sa, pa);
     pack_p<BF16, 32>(sb, pb);
 
-    mbar_wait(bar.v_full(st), par);
-    const int valid = w.seq_len - kv0;
-    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if constexpr (CT) {
+      mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
+    } else {
+      mbar_wait(bar.v_full(st), par);
+      const int valid = w.seq_len - kv0;
+      if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    }
     scale_rows(acc, aa_lo, aa_hi);
     wgmma_fence();
 #pragma unroll
@@ -554,7 +802,17 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     if (lane == 0) mbar_arrive(bar.v_empty(st));
 
     if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
-      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
+      if constexpr (CT) {  // fold_rows, element for element, on the shared-memory state
+        const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float4 r = run_smem[128 * i];
+          run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
+                                          fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
+        }
+      } else {
+        fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
+      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
       m_lo = m_hi = kMInit;
@@ -564,11 +822,23 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
   // finalize: acc * (1 / l) with l > 0 selected (div.full), rounded once.
   const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
-  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, run, inv_lo);
-  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
+  if constexpr (CT) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
+      const float4 r = run_smem[128 * i];
+      acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+    }
+    const int r = 64 * cw + 16 * warp + lane / 4;
+    store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, g, r, lane, acc, inv_lo);
+    store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, g, r + 8, lane, acc, inv_hi);
+  } else {
+    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, run, inv_lo);
+    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
+  }
 }
 
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
+          bool CT = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -582,6 +852,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int kvh = blockIdx.x;
   const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);  // a request's longest causal tiles first
+  if constexpr (CT) {
+    // The m64n64 form of QK^T (code 32's): with the n128 form ptxas spilled ~200 B
+    // per thread in this binary, with this one 16 B (same products, same bits).
+    static_assert(COMPAT && !S_N128 && STAGES == 2 && !DIAG, "CT is a walk of the compat arithmetic");
+    static_assert(8 * (Barriers<STAGES>::kCount + STAGES) <= 128, "the barriers fit their 128 bytes");
+    const Work w = work_ct(p, locate_ct(p, g), g);  // every thread, no exit
+    if (threadIdx.x == 0) {
+      bar.init(8);
+      for (int s = 0; s < STAGES; ++s) mbar_init(v_clean(bar, s), kCleanThreads / 32);
+      mbar_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      regs_dealloc<40>();
+      load_q_ct(p, w, smem_ptr, bar, kvh);
+      if (threadIdx.x == 0) {
+        produce_ct<STAGES>(p, w, &tm_k, &tm_v, smem, bar, kvh);
+      } else if (threadIdx.x >= 32 && threadIdx.x < 32 + kCleanThreads) {
+        clean_v_ct<STAGES>(w, smem_ptr, bar, threadIdx.x - 32);
+      }
+    } else {
+      regs_alloc<232>();
+      consume_compat<BF16, STAGES, S_N128, true>(p, w, smem_ptr, smem, bar, kvh, g);
+    }
+    return;
+  }
   const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
   if (req == p.num_seqs) {  // padding rows: zeros, as the Triton kernels write them
     const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
@@ -606,18 +902,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     regs_alloc<232>();
     if constexpr (COMPAT)
-      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh);
+      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh, g);
     else
       consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
 // ---- host ----------------------------------------------------------------------
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false>
+template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
+          bool CT = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128>;
-  constexpr int bytes = Layout<STAGES>::kBytes;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT>;
+  constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -635,6 +932,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true>(tq, tk, tv, p, grid, st);
+  if (variant == 34) return launch<BF16, false, false, 2, 0, true, false, true>(tq, tk, tv, p, grid, st);
 #ifdef DHP_PREFILL_COMPAT_ONLY
   // The build ops.paged_attention loads: the compat binaries only (2 of 26
   // instances, a few seconds of nvcc on first use instead of ~20).
@@ -670,7 +968,9 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // KV head not a power of two <= 128).
 // variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
-// 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T. qk_scale = softmax scale * log2(e)
+// 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T,
+// 34 that arithmetic on the constant-time walk (CT: l_mode .. sink are its
+// arguments, ignored by the others; -8 when they are out of range). qk_scale = softmax scale * log2(e)
 // as the caller computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
@@ -679,7 +979,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
                                 int num_out_rows, int num_heads, int num_kv_heads, int block_size, float qk_scale,
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
-                                void* stream) {
+                                int l_mode, int l_scalar, const int* bucket, int max_blocks, unsigned decoy_magic,
+                                unsigned decoy_mult, int q_rows, unsigned q_magic, void* sink, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -719,7 +1020,23 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.causal = causal;
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
+  p.l_mode = l_mode;
+  p.l_scalar = l_scalar;
+  p.bucket = bucket;
+  p.max_blocks = max_blocks;
+  p.num_blocks = num_blocks;
+  p.decoy_magic = decoy_magic;
+  p.decoy_mult = decoy_mult;
+  p.q = q;
+  p.q_tok_stride = q_tok_stride;
+  p.q_head_stride = q_head_stride;
+  p.q_rows = q_rows;
+  p.q_magic = q_magic;
+  p.sink = sink;
   if (p.num_tiles > 65535) return -6;
+  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
+                        (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
+    return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (variant < 0) return -5;
