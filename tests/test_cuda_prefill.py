@@ -1,6 +1,8 @@
 """ops.cuda_prefill without a GPU: argument validation says what is wrong and what
 is accepted; the csrc kernel compiles for sm_90a where nvcc exists."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,3 +76,58 @@ def test_build_key_follows_every_source_and_header(tmp_path):
     seen.add(cuda_build.build_key(tmp_path, ("-O2",), "nvcc 13.0"))
     seen.add(cuda_build.build_key(tmp_path, ("-O2",), "nvcc 12.8"))
     assert len(seen) == 6
+
+
+def _on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(variant="compat_ct"), r"bucket is missing; accepted: a bucket with variant 'compat_ct' and none"),
+    (dict(variant="compat", bucket=64), r"bucket is given; accepted: a bucket with variant 'compat_ct'"),
+    (dict(variant="compat_ct", bucket=65), r"bucket is 65; accepted: an int in \[1, block_table.shape\[1\] \* "
+                                           r"block_size = 64\]"),
+    (dict(variant="compat_ct", bucket=0), r"bucket is 0; accepted: an int in \[1, "),
+    (dict(variant="compat_ct", bucket=True), r"bucket is True; accepted: an int in \[1, "),
+    (dict(variant="compat_ct", bucket=torch.tensor([64], dtype=torch.int64)),
+     r"bucket is a torch.int64 tensor of shape \(1,\) on cuda:0; accepted: an int, or an int32 tensor of 1 "),
+    (dict(variant="compat_ct", bucket=torch.tensor([64, 64], dtype=torch.int32)),
+     r"bucket is a torch.int32 tensor of shape \(2,\)"),
+    (dict(variant="nope"), r"variant is 'nope'; accepted: .*compat, compat_ct"),
+])
+def test_ct_bucket_refused(monkeypatch, kw, pattern):
+    """The constant-time binary needs the policy's public bucket (an int up to the
+    table's capacity, or int32 per-request buckets); the others refuse one."""
+    _on_cuda(monkeypatch)
+    with pytest.raises(ValueError, match=pattern):
+        prefill_sm90(*cpu_step(), scale=0.1, check=False, **kw)
+
+
+def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
+    """ops.step_kernel: prefill steps of strict/batch/request go to the csrc CT
+    binary when DHP_CUDA_PREFILL_CT=1 on an sm_90 GPU, else stay on Triton; decode
+    steps of those policies stay on Triton either way; policy off is unchanged."""
+    import dhp_backend.ops.attention as attn
+    from dhp_backend.ops import dispatch, step_kernel
+    from dhp_backend.ops.cuda_prefill import routes_prefill_ct
+
+    spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                                block_size=16, device_capability=(9, 0))
+    monkeypatch.delenv("DHP_CUDA_PREFILL_CT", raising=False)
+    attn._cuda_routes.cache_clear()
+    ok, why = routes_prefill_ct(spec)
+    assert not ok and "DHP_CUDA_PREFILL_CT=1" in why
+    assert step_kernel(spec, "strict", 4096, 2) == dispatch.TRITON
+    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "1")
+    attn._cuda_routes.cache_clear()
+    try:
+        assert routes_prefill_ct(spec)[0]
+        for policy in ("strict", "batch", "request"):
+            assert step_kernel(spec, policy, 4096, 2) == attn.CUDA_PREFILL_CT
+            assert step_kernel(spec, policy, 16, 16) == dispatch.TRITON  # a decode step
+        assert step_kernel(spec, "off", 4096, 2) == attn.CUDA_PREFILL
+        hopperless = dataclasses.replace(spec, device_capability=(8, 0))
+        assert not routes_prefill_ct(hopperless)[0]
+        assert step_kernel(hopperless, "strict", 4096, 2) == dispatch.TRITON
+    finally:
+        attn._cuda_routes.cache_clear()

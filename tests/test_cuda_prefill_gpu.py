@@ -21,7 +21,7 @@ from triton_steps import assemble, bits, make_request, reference, rel_err
 
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops import paged_attention
-from dhp_backend.ops.cuda_prefill import COMPAT, VARIANTS, prefill_sm90, unavailable_reason
+from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, VARIANTS, prefill_sm90, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -144,3 +144,104 @@ def test_interleaved_kv_cache_views():
     prefill_sm90(step.query, k, v, step.block_table, step.query_start_loc, step.seq_lens, out, scale=0.0883,
                  causal=True, num_tokens=step.num_tokens, variant=COMPAT)
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+
+
+# ---- the constant-time walk (compat_ct) ------------------------------------------
+
+def next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+def run_ct(step, causal, bucket):
+    out = torch.full_like(step.query, float("nan"))
+    return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens,
+                        variant=COMPAT_CT, bucket=bucket)
+
+
+def run_triton_policy(step, causal, policy, bucket):
+    out = torch.full_like(step.query, float("nan"))
+    return paged_attention(*step.args(), out, scale=0.0883, causal=causal, policy=policy, bucket=bucket,
+                           path="triton", num_tokens=step.num_tokens)
+
+
+@pytest.mark.parametrize("H,Hkv,dtype,bs", [
+    (32, 8, torch.bfloat16, 16), (32, 8, torch.float16, 16), (16, 16, torch.bfloat16, 32),
+    (8, 1, torch.float16, 64), (32, 2, torch.bfloat16, 128),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):
+    """compat_ct under one bucket (strict/batch) and per-request buckets (request):
+    the Triton kernels' bits under the same policy and bucket, which are also the
+    policy-off bits; padding rows 0, rows past num_tokens untouched, NaN/inf
+    garbage in every unowned slot, table entry and decoy page."""
+    rng = random.Random(H * 7 + bs + causal)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(3):
+        reqs = random_reqs(rng, gen, rng.randint(1, 5), H, Hkv, dtype)
+        longest = max(r.seq_len for r in reqs)
+        width = -(-rng.choice([longest, 2 * longest, 1100]) // bs) + 1
+        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5, 130]), extra_rows=3,
+                        max_blocks=max(width, -(-longest // bs) + 1))
+        n = int(step.query_start_loc[-1])
+        off_bits = bits(run_triton(step, causal)[: step.num_tokens])
+        ref = reference(step, scale=0.0883, causal=causal)
+        buckets = {"strict": step.capacity, "batch": min(step.capacity, next_pow2(longest))}
+        per_req = torch.tensor([min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32,
+                               device="cuda")
+        for policy, bucket in [*buckets.items(), ("request", per_req)]:
+            got = run_ct(step, causal, bucket)
+            what = f"{policy} L={bucket if isinstance(bucket, int) else bucket.tolist()} " \
+                   f"{[(r.q_len, r.seq_len) for r in reqs]}"
+            assert rel_err(got, ref, n) < TOL[dtype], what
+            assert (got[n: step.num_tokens] == 0).all(), f"padding rows must be zero: {what}"
+            assert torch.isnan(got[step.num_tokens:].float()).all(), f"rows at/after num_tokens written: {what}"
+            tri = bits(run_triton_policy(step, causal, policy, bucket)[: step.num_tokens])
+            assert torch.equal(bits(got[: step.num_tokens]), tri), f"differs from Triton's bits: {what}"
+            assert torch.equal(tri, off_bits), f"Triton {policy} differs from policy off: {what}"
+
+
+def test_ct_many_requests_and_surplus_tiles():
+    """More requests than the CTA has threads (the tile count's second chunk), one-
+    and two-token prefills (surplus tiles), and a last tile that reaches past the
+    query tensor (Q rows are read mod its length)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rng = random.Random(3)
+    reqs = [make_request(q, q + rng.randint(0, 40), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+            for q in [rng.choice([1, 2, 33]) for _ in range(450)]]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=7, max_blocks=8)
+    n = int(step.query_start_loc[-1])
+    got = run_ct(step, True, 128)
+    assert torch.equal(bits(got[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+    assert (got[n: step.num_tokens] == 0).all()
+
+
+def test_paged_attention_routes_strict_prefill_steps_to_ct_when_enabled(monkeypatch):
+    import dhp_backend.ops.attention as attn
+
+    calls = []
+    real = attn._CSRC_RUNNERS[attn.CUDA_PREFILL_CT]
+
+    def spy():
+        run = real()
+
+        def wrapped(*a, **k):
+            calls.append(k["bucket"])
+            return run(*a, **k)
+        return wrapped
+
+    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_PREFILL_CT, spy)
+    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "1")
+    attn._cuda_routes.cache_clear()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(12)
+        reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+                for q, s in ((700, 900), (300, 300))]
+        step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4, max_blocks=128)
+        out = torch.full_like(step.query, float("nan"))
+        paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="strict", bucket=2048,
+                        num_tokens=step.num_tokens)
+        assert calls == [2048], "a strict prefill step did not run on the csrc CT binary"
+        assert torch.equal(bits(out[: step.num_tokens]),
+                           bits(run_triton_policy(step, True, "strict", 2048)[: step.num_tokens]))
+    finally:
+        attn._cuda_routes.cache_clear()

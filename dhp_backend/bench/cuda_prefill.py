@@ -15,6 +15,12 @@ each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; their
 outputs are compared bit for bit) and the ``compat`` binary (``cuda_compat``,
 compared bit for bit with ``triton_off``). FLOPs are the useful count (the
 causal triangle).
+
+``--bucket L`` adds the constant-time policy's rows: ``triton_strict`` (DHP's
+Triton kernel under policy strict, bucket L) and ``cuda_compat_ct`` (the csrc
+constant-time binary, bucket L; bits compared with ``triton_strict``), with the
+executed work (every query row to L) as ``exec_tflops`` and its ratio to FA3's
+useful rate as ``strict_eff`` (the harness's strict_efficiency).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from dhp_backend.bench import cuda_runs
 from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_prefill import COMPAT, DIAGNOSTIC_VARIANTS, V_DESC, VARIANTS
+from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, DIAGNOSTIC_VARIANTS, V_DESC, VARIANTS
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -62,7 +68,12 @@ def useful_flop(reqs, causal: bool) -> float:
     return 4.0 * H * D * f
 
 
-def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: bool = False):
+def executed_flop(reqs, bucket: int) -> float:
+    """The constant-time walk's work: every query row against all L positions."""
+    return 4.0 * H * D * sum(q for q, _ in reqs) * bucket
+
+
+def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: bool = False, width: int = 0):
     """A packed step in ops.paged_attention's layout with NaN in every unowned slot.
 
     ``spread``: the cache holds ``spread`` times the blocks the step uses, and the
@@ -79,7 +90,7 @@ def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: boo
         kc = torch.full((num_blocks, HKV, BS, D), float("nan"), device=dev, dtype=dtype)
         vc = torch.full_like(kc, float("nan"))
     perm = torch.randperm(num_blocks, generator=gen, device=dev).to(torch.int32)
-    table = torch.zeros(len(reqs), max(nblk) + 1, dtype=torch.int32, device=dev)
+    table = torch.zeros(len(reqs), max(max(nblk) + 1, width), dtype=torch.int32, device=dev)
     used = 0
     for i, (_, s) in enumerate(reqs):
         ids = perm[used: used + nblk[i]]
@@ -115,19 +126,19 @@ def sdpa_ref(st, causal):
     return out
 
 
-def cuda_fn(st, causal, variant):
+def cuda_fn(st, causal, variant, bucket=None):
     from dhp_backend.ops.cuda_prefill import prefill_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant)  # the metadata checked once
-    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, check=False)
+    prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket)  # the metadata checked once
+    return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket, check=False)
 
 
-def triton_off_fn(st, causal):
+def triton_off_fn(st, causal, policy="off", bucket=None):
     from dhp_backend.ops import paged_attention
     out = torch.empty_like(st["q"])
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    return lambda: paged_attention(*args, scale=SCALE, causal=causal, policy="off", path="triton",
+    return lambda: paged_attention(*args, scale=SCALE, causal=causal, policy=policy, bucket=bucket, path="triton",
                                    check_values=False)
 
 
@@ -152,8 +163,9 @@ def probe() -> bool:
     for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
         st = make_step(reqs, gen)
         ref = sdpa_ref(st, causal)
-        for variant in [*VARIANTS, COMPAT]:
-            o = cuda_fn(st, causal, variant)()
+        for variant in [*VARIANTS, COMPAT, COMPAT_CT]:
+            bucket = st["table"].shape[1] * BS if variant == COMPAT_CT else None
+            o = cuda_fn(st, causal, variant, bucket)()
             torch.cuda.synchronize()
             errs[f"{reqs} causal={causal} {variant}"] = rel_err(o[: ref.shape[0]], ref)
     ok = all(e < 2e-2 for e in errs.values())
@@ -168,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true", help="only check the kernel on small shapes (exit 1 if wrong)")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--bucket", type=int, default=0,
+                    help="add triton_strict and cuda_compat_ct rows at this bucket L (>= every shape's length)")
     args = ap.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -181,12 +195,16 @@ def main(argv=None):
     timer = CudaTimer(reps=args.reps, warmup=3)
     gen = torch.Generator(device="cuda").manual_seed(0)
     names = args.variants.split(",")
+    if args.bucket:
+        names += [n for n in ("triton_strict", f"cuda_{COMPAT_CT}") if n not in names]
     rows = []
     shapes = args.shapes.split(",")
     for k, shape in enumerate(shapes):
         reqs, causal = SHAPES[shape]
         flop = useful_flop(reqs, causal)
-        sets = [make_step(reqs, gen) for _ in range(2)]
+        if args.bucket and args.bucket < max(sq for _, sq in reqs):
+            ap.error(f"--bucket {args.bucket} is shorter than shape {shape}'s longest request")
+        sets = [make_step(reqs, gen, width=-(-args.bucket // BS)) for _ in range(2)]
         ref = sdpa_ref(sets[0], causal)
         outs = {}
         for name in names:
@@ -196,6 +214,10 @@ def main(argv=None):
                     fns = [fa3_fn(s, causal) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, causal) for s in sets]
+                elif name == "triton_strict" and args.bucket:
+                    fns = [triton_off_fn(s, causal, "strict", args.bucket) for s in sets]
+                elif name == f"cuda_{COMPAT_CT}" and args.bucket:
+                    fns = [cuda_fn(s, causal, COMPAT_CT, args.bucket) for s in sets]
                 elif name.startswith("cuda_") and name[5:] in ALL_CUDA:
                     fns = [cuda_fn(s, causal, name[5:]) for s in sets]
                 else:
@@ -205,6 +227,9 @@ def main(argv=None):
                 if o is not None:
                     outs[name] = o
                     row["tflops"] = flop / row["us"] / 1e6
+                    if name in ("triton_strict", f"cuda_{COMPAT_CT}"):
+                        row["bucket"] = args.bucket
+                        row["exec_tflops"] = executed_flop(reqs, args.bucket) / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -219,7 +244,16 @@ def main(argv=None):
                 same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
                 for r in rows[-len(names):]:
                     r[f"{cname}_bits_equal_triton"] = same
+        if f"cuda_{COMPAT_CT}" in outs and "triton_strict" in outs:
+            ct_out, strict_out = outs[f"cuda_{COMPAT_CT}"], outs["triton_strict"]
+            same = bool(torch.equal(ct_out.view(torch.int16), strict_out.view(torch.int16)))
+            for r in rows[-len(names):]:
+                r["compat_ct_bits_equal_triton_strict"] = same
         cuda_runs.fa3_ratios(rows[-len(names):])
+        fa3 = next((r for r in rows[-len(names):] if r["variant"] == "fa3" and r["tflops"]), None)
+        for r in rows[-len(names):]:
+            if fa3 and r.get("exec_tflops"):
+                r["strict_eff"] = r["exec_tflops"] / fa3["tflops"]
         cuda_runs.print_progress(k, len(shapes), t0, shape, rows[-len(names):])
         del sets
         torch.cuda.empty_cache()
@@ -228,13 +262,18 @@ def main(argv=None):
         if r["variant"] == "triton_off":
             print(f"{r['shape']}: bits equal to triton_off: " + ", ".join(
                 f"{k[:-len('_bits_equal_triton')]} {v}" for k, v in r.items() if k.endswith("_bits_equal_triton")))
-    print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s}")
+        if r["variant"] == "triton_strict":
+            print(f"{r['shape']}: compat_ct bits equal to triton_strict: {r.get('compat_ct_bits_equal_triton_strict')}")
+    print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s} "
+          f"{'exec TF/s':>9s} {'eff':>6s}")
     for r in rows:
         us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
         tf = f"{r['tflops']:8.1f}" if r["tflops"] else f"{'-':>8s}"
         fx = f"{r['fa3_over']:6.3f}" if r["fa3_over"] else f"{'-':>6s}"
         er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
-        print(f"{r['shape']:16s} {r['variant']:24s} {us} {tf} {fx} {er} {r.get('error', '')}")
+        ex = f"{r['exec_tflops']:9.1f}" if r.get("exec_tflops") else f"{'-':>9s}"
+        ef = f"{r['strict_eff']:6.3f}" if r.get("strict_eff") else f"{'-':>6s}"
+        print(f"{r['shape']:16s} {r['variant']:24s} {us} {tf} {fx} {er} {ex} {ef} {r.get('error', '')}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -21,6 +21,7 @@ _LAUNCH_ERRORS = {
     -5: "unknown variant",
     -6: "the grid is too large",
     -7: "query heads per KV head outside what the kernel accepts",
+    -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
 }
 
 

@@ -62,10 +62,16 @@ COMPAT = "compat"
 # the bits (H200: every bench shape and the GPU tests), 4-5 % faster than the
 # m64n64 form, kept as "compat_n64" (code 32) for comparison.
 _CODES = {COMPAT: 33, "compat_n64": 32}
+# The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
+# binaries (csrc: CT; policies strict / batch / request): every tile walks the
+# public bucket, decoy pages past the true lengths, selects instead of branches.
+# It is compat_n64's QK^T form (the n128 form spilled in this binary).
+COMPAT_CT = "compat_ct"
+_CT_CODES = {COMPAT_CT: 34}
 # Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
 # results on purpose, bf16 only, for the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
-_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES}
+_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES, **_CT_CODES}
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
@@ -84,10 +90,23 @@ def routes_prefill(spec) -> tuple[bool, str]:
     return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
 
 
+def routes_prefill_ct(spec) -> tuple[bool, str]:
+    """Whether `ops.paged_attention` runs prefill steps of the constant-time
+    policies on the ``compat_ct`` binary, and why not. Opt-in while its gates
+    are being established: ``DHP_CUDA_PREFILL_CT=1`` turns it on (the Triton
+    kernels otherwise run those steps, with the same bits)."""
+    if os.environ.get("DHP_CUDA_PREFILL_CT", "0") != "1":
+        return False, "not enabled (DHP_CUDA_PREFILL_CT=1 enables it)"
+    ok, why = routes_prefill(spec)
+    if not ok:
+        return False, why
+    return True, "constant-time prefill steps: csrc/prefill_sm90.cu (compat_ct binary)"
+
+
 def _lib(variant: str):
     """The compat binaries come from a build of just them (what ops.paged_attention
     needs: seconds of nvcc on first use); the measured variants from the full build."""
-    return _entry(variant in _CODES)
+    return _entry(variant in _CODES or variant in _CT_CODES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,8 +118,11 @@ def _entry(compat_only: bool):
         lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
     fn = lib.dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32, i32, ctypes.c_uint, ctypes.c_uint, p]
+                   ctypes.c_float, i32, i32, i32, u32, u32,
+                   i32, i32, p, i32, u32, u32, i32, u32, p,  # CT: l_mode .. sink
+                   p]
     fn.restype = i32
     return fn
 
@@ -121,20 +143,42 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")
 
 
+def _ct_bucket(bucket, num_seqs: int, capacity: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """(l_mode, l_scalar, per-request tensor) of the CT walk, as the Triton launcher's."""
+    if isinstance(bucket, torch.Tensor):
+        if bucket.dtype != torch.int32 or bucket.dim() != 1 or bucket.shape[0] != num_seqs or bucket.device != device:
+            _fail("bucket", f"a {bucket.dtype} tensor of shape {tuple(bucket.shape)} on {bucket.device}",
+                  f"an int, or an int32 tensor of {num_seqs} per-request buckets on {device}")
+        return 1, 0, bucket
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= capacity:
+        _fail("bucket", repr(bucket), f"an int in [1, block_table.shape[1] * block_size = {capacity}]")
+    return 0, int(bucket), None
+
+
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                  causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
-                 check: bool = True) -> torch.Tensor:
+                 bucket: int | torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant`` picks one of `VARIANTS` (schedules of the same arithmetic: the
-    GPU test compares their bits) or `COMPAT` (the Triton kernels' bits).
+    GPU test compares their bits), `COMPAT` (the Triton kernels' bits), or
+    `COMPAT_CT` (the same bits on the constant-time walk to ``bucket``: the public
+    length bucket L of the policy, an int or per-request int32 buckets; required
+    by `COMPAT_CT` and refused by the others).
     ``check`` reads the metadata on the host first (the facts `ops.paged_attention`
     checks with ``check_values``: offsets, lengths, block ids; a device sync).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
     if variant not in _ALL_CODES:
-        _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT]))
+        _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT, COMPAT_CT]))
+    ct = variant in _CT_CODES
+    if ct != (bucket is not None):
+        _fail("bucket", "given" if bucket is not None else "missing",
+              f"a bucket with variant {COMPAT_CT!r} and none with the others")
+    if ct:
+        l_mode, l_scalar, bucket_t = _ct_bucket(bucket, seq_lens.shape[0], block_table.shape[1] * key_cache.shape[2],
+                                                query.device)
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
@@ -145,6 +189,19 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                       key_cache.shape[2])
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
+    ct_args = (0, 0, None, 0, 0, 0, 0, 0, None)
+    if ct:
+        if num_tokens == 0:
+            return out
+        if seq_lens.shape[0] == 0:  # public geometry: a step without requests is all padding
+            out[:num_tokens].zero_()
+            return out
+        from dhp_backend.ops.triton import launch as tlaunch
+        from dhp_backend.ops.triton import workspace as wsp
+
+        sink = wsp.reserve_workspace(query.device)[1]
+        ct_args = (l_mode, l_scalar, None if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1],
+                   tlaunch.decoy_magic(nb), tlaunch.decoy_mult(nb), T, (2**32 - 1) // T, sink.data_ptr())
     with torch.cuda.device(query.device):
         stream = torch.cuda.current_stream().cuda_stream
         launch = _lib(variant)
@@ -154,7 +211,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
                     float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                     int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
-                    stream)
+                    *ct_args, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_prefill: launch failed: {launch_error(rc)}")
     return out
