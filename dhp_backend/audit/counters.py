@@ -67,7 +67,9 @@ METRICS = (
 DRAM_METRIC = "dram__bytes_read.sum"
 COUNT_METRICS = tuple(m for m in METRICS if m != DRAM_METRIC)
 DRAM_TOLERANCE = 0.01
-KERNEL_FILTER = "regex:attention_kernel|merge_kernel"
+# The Triton kernels and the csrc prefill kernel (its CT binary runs constant-time
+# prefill steps when DHP_CUDA_PREFILL_CT=1).
+KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel"
 DEFAULT_SHAPES = ("B16-L4096-q1", "B64-L4096-q1", "B16-L32768-q1", "B4-L4096-q64")
 SHORT_NAMES = {
     "smsp__inst_executed.sum": "instructions",
