@@ -1,14 +1,16 @@
 // Paged prefill attention for Hopper (sm_90a), policy `off` semantics: the
 // walk follows the true lengths (no length bucket, no decoys).
 //
-// NOT constant-time, on purpose: the grid search (`locate`), the early exits of
-// surplus and padding tiles, the KV trip count (`work_of`: n_steps from seq_len,
-// q_len and the causal diagonal), the mask branch (`mask_from`), the V-tail
-// zeroing and the row-guarded stores all follow the true lengths. That is the
-// contract of policy `off` only (design.md: "lengths" may leak). The constant-time
-// policies never reach this file: ops.step_kernel routes only policy-off steps
-// here, and the Triton kernels (whose loops follow public values only,
-// docs/kernels.md section 2) run every other step. It is the
+// Every binary but CT is NOT constant-time, on purpose: the grid search
+// (`locate`), the early exits of surplus and padding tiles, the KV trip count
+// (`work_of`: n_steps from seq_len, q_len and the causal diagonal), the mask
+// branch (`mask_from`), the V-tail zeroing and the row-guarded stores all follow
+// the true lengths. That is the contract of policy `off` only (design.md:
+// "lengths" may leak). The CT binary (code 34, "constant-time walk" below) walks
+// the public bucket instead, with the Triton CONST_TIME kernels' decoys and
+// selects; ops.step_kernel routes constant-time prefill steps to it only when
+// DHP_CUDA_PREFILL_CT=1 (its G1/G2 gates are not closed: docs/perf-notes.md,
+// change 21), else the Triton kernels run them. It is the
 // route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
 // cannot express on this chip -- a producer warpgroup that loads 16-token pages
 // into 128-row stages, and consumer warpgroups with explicit wgmma waits.
