@@ -162,6 +162,21 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
 }
 
 // ---- producer ---------------------------------------------------------------
+// One 128-position stage of K or V: pages_per_step pages of bs rows, each two
+// 64-column TMA boxes (one per half of the [half][128 rows][64] stage), all on
+// the stage's full barrier (armed with the stage's bytes first).
+__device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, uint32_t full, const int (&blk)[8],
+                                           int pages_per_step, int bs, int kvh) {
+  mbar_arrive_expect_tx(full, kTileBytes);
+#pragma unroll
+  for (int pg = 0; pg < 8; ++pg) {
+    if (pg < pages_per_step) {  // block size: public
+      tma_load_4d(dst + pg * bs * 128, tm, full, 0, 0, kvh, blk[pg]);
+      tma_load_4d(dst + kHalfBytes + pg * bs * 128, tm, full, 64, 0, kvh, blk[pg]);
+    }
+  }
+}
+
 template <int STAGES, int DIAG>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
@@ -189,31 +204,15 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     for (int pg = 0; pg < 8; ++pg)
       blk[pg] = pg < pages_per_step ? table[min(t * pages_per_step + pg, last_page)] : 0;
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    if ((DIAG & kDiagNoLoads) && t >= STAGES) {
+    if ((DIAG & kDiagNoLoads) && t >= STAGES)
       mbar_arrive(bar.k_full(s));  // diagnostic: compute on the stale stage
-    } else {
-      mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
-#pragma unroll
-      for (int pg = 0; pg < 8; ++pg) {
-        if (pg < pages_per_step) {
-          tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk[pg]);
-          tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk[pg]);
-        }
-      }
-    }
+    else
+      load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
     if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    if ((DIAG & kDiagNoLoads) && t >= STAGES) {
+    if ((DIAG & kDiagNoLoads) && t >= STAGES)
       mbar_arrive(bar.v_full(s));
-    } else {
-      mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
-#pragma unroll
-      for (int pg = 0; pg < 8; ++pg) {
-        if (pg < pages_per_step) {
-          tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk[pg]);
-          tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk[pg]);
-        }
-      }
-    }
+    else
+      load_stage(v_dst, tm_v, bar.v_full(s), blk, pages_per_step, bs, kvh);
   }
 }
 
@@ -348,23 +347,9 @@ __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const
       blk[pg] = select_int(lb * bs < w.page_len, entry, decoy_block(p, w.page_req, lb));
     }
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes);
-#pragma unroll
-    for (int pg = 0; pg < 8; ++pg) {
-      if (pg < pages_per_step) {  // block size: public
-        tma_load_4d(k_dst + pg * bs * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk[pg]);
-        tma_load_4d(k_dst + kHalfBytes + pg * bs * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk[pg]);
-      }
-    }
+    load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
     if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes);
-#pragma unroll
-    for (int pg = 0; pg < 8; ++pg) {
-      if (pg < pages_per_step) {
-        tma_load_4d(v_dst + pg * bs * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk[pg]);
-        tma_load_4d(v_dst + kHalfBytes + pg * bs * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk[pg]);
-      }
-    }
+    load_stage(v_dst, tm_v, bar.v_full(s), blk, pages_per_step, bs, kvh);
   }
 }
 
