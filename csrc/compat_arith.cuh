@@ -70,7 +70,16 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int
 
 constexpr float kMInit = -3.4028234663852886e38f;
 
-__device__ __forceinline__ float select_ex2(float a, float m) { return a == m ? 1.f : ex2(__fsub_rn(a, m)); }
+// a == m ? 1 : 2^(a - m), Triton's tl.where: both sides computed, then a selp.
+// Written as a C ternary, nvcc compiled it to a PTX branch on the scores (ptxas
+// happened to predicate it; the CUDA SASS gate flags the PTX branch all the same).
+__device__ __forceinline__ float select_ex2(float a, float m) {
+  const float e = ex2(__fsub_rn(a, m));
+  float r;
+  asm("{\n .reg .pred eq;\n setp.eq.f32 eq, %1, %2;\n selp.f32 %0, 0f3F800000, %3, eq;\n}" : "=f"(r)
+      : "f"(a), "f"(m), "f"(e));
+  return r;
+}
 
 // One 64-column half: mask, online-softmax update of (m, l), p in place; the
 // alphas for the running output come back.

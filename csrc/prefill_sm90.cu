@@ -278,6 +278,7 @@ __device__ __forceinline__ int locate_ct(const Params& p, int g) {
 // padding pseudo-request: rows qsl[num_seqs] .. num_out_rows, true length 0; it
 // walks the pages of the last request (so its reads are re-reads, whatever the
 // lengths are) and its rows come out as 0.
+template <int LMODE>
 __device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
   Work w;
   const bool is_pad = req >= p.num_seqs;
@@ -289,8 +290,11 @@ __device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
   w.page_len = p.seq_lens[r_row];
   w.seq_len = select_int(is_pad, 0, w.page_len);
   w.tok0 = (g - ((w.q0 >> (7 - p.group_shift)) + req)) * p.block_q;
+  // LMODE is a template flag, not a run-time test of p.l_mode: the binary the
+  // gate calls constant-time (one bucket) then holds no path through the
+  // per-request buckets at all (audit/cuda_rules.py checks it on the PTX).
   int ext = p.l_scalar;
-  if (p.l_mode == 1) ext = select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
+  if constexpr (LMODE == 1) ext = select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
   w.n_steps = (ext + kCols - 1) / kCols;
   return w;
 }
@@ -825,7 +829,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 }
 
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false>
+          bool CT = false, int LMODE = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -844,7 +848,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // per thread in this binary, with this one 16 B (same products, same bits).
     static_assert(COMPAT && !S_N128 && STAGES == 2 && !DIAG, "CT is a walk of the compat arithmetic");
     static_assert(8 * (Barriers<STAGES>::kCount + STAGES) <= 128, "the barriers fit their 128 bytes");
-    const Work w = work_ct(p, locate_ct(p, g), g);  // every thread, no exit
+    const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
     if (threadIdx.x == 0) {
       bar.init(8);
       for (int s = 0; s < STAGES; ++s) mbar_init(v_clean(bar, s), kCleanThreads / 32);
@@ -897,10 +901,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host ----------------------------------------------------------------------
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false>
+          bool CT = false, int LMODE = 0>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE>;
   constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -919,10 +923,13 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true>(tq, tk, tv, p, grid, st);
-  if (variant == 34) return launch<BF16, false, false, 2, 0, true, false, true>(tq, tk, tv, p, grid, st);
+  if (variant == 34) {  // one binary per bucket mode (l_mode 1: per-request buckets, policy request)
+    if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1>(tq, tk, tv, p, grid, st);
+    return launch<BF16, false, false, 2, 0, true, false, true, 0>(tq, tk, tv, p, grid, st);
+  }
 #ifdef DHP_PREFILL_COMPAT_ONLY
-  // The build ops.paged_attention loads: the compat binaries only (2 of 26
-  // instances, a few seconds of nvcc on first use instead of ~20).
+  // The build ops.paged_attention loads: the compat binaries only (codes 32-34,
+  // a few seconds of nvcc on first use instead of ~20).
   return -5;
 #else
   if (variant >= 8) {

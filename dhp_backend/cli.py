@@ -15,6 +15,13 @@ the SASS against the rules in ``dhp_backend/audit/rules.py``, and exits 1 when
 one is unexplained or a slow path is found. Without ``--all`` it runs the CI
 subset.
 
+    dhp-backend audit sass-cuda [--sources prefill_sm90.cu,decode_sm90.cu] [--json] [--report-dir DIR]
+
+`audit sass-cuda` is G2 for the csrc CUDA kernels (`audit/cuda_gate.py`): builds
+them with nvcc (-lineinfo, no GPU needed), and explains every branch of the
+constant-time binaries by a rule of ``dhp_backend/audit/cuda_rules.py`` checked
+on the PTX ptxas compiled, or fails.
+
     dhp-backend bench [--quick] [--device auto|cuda|cpu] [--out DIR] [--latest PATH] [--e2e-json PATH] ...
 
 `bench` times DHP under each policy against FlashAttention-3, FlashInfer, vLLM's
@@ -244,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _GATE_MODULES = (
+    ("sass-cuda", "dhp_backend.audit.cuda_gate",
+     "G2 for the csrc CUDA kernels: every branch of the constant-time binaries explained (needs nvcc, no GPU)"),
     ("counters", "dhp_backend.audit.counters", "G1: ncu counters identical across secret classes (GPU)"),
     ("bits", "dhp_backend.audit.bits", "G3: bitwise repeatability and batch invariance (GPU, or CPU interpreter)"),
     ("timing", "dhp_backend.audit.timing", "G4: dudect-style timing of secret classes (GPU)"),

@@ -10,7 +10,15 @@ register unions into it, so reuse across blocks can only add labels):
 - ``pid``: ``%ctaid``/``%nctaid``/``%clusterid`` (grid position, public);
 - ``param:NAME``: a kernel parameter (``ld.param``);
 - ``mem:NAME`` / ``mem:shared`` / ``mem:local`` / ``mem:?``: anything loaded
-  from memory, or produced by a matrix/async unit; that is data, never public here.
+  from memory, or produced by a matrix/async unit; that is data, never public here;
+- ``mbarrier:wait``: the result of ``mbarrier.try_wait``/``test_wait`` (whether a
+  barrier phase has completed: timing, not data; the CUDA gate allows it only in
+  wait loops, `cuda_rules`).
+
+Registers are the ``%name`` ones and the bare names that inline assembly
+declares in its own scope (``{ .reg .pred p; ... }``), all scopes merged (a name
+reused by two asm blocks unions their labels: more labels, never fewer). A
+barrier reduction (``bar.red.popc``) carries its operands' labels to its result.
 
 `slow_paths` lists the instructions design.md G2 forbids: IEEE-rounded division,
 square root and reciprocal (``div.rn``, ``sqrt.rn``, ``rcp.rn``, and the other
@@ -27,8 +35,25 @@ _SPECIAL = [
     (re.compile(r"%(tid|laneid|warpid|ntid|nwarpid|lanemask_\w+)"), "tid"),
     (re.compile(r"%(ctaid|nctaid|clusterid|nclusterid|cluster_ctaid|cluster_nctaid|cluster_ctarank)"), "pid"),
 ]
-_REG_RE = re.compile(r"%[a-z]+[0-9]+|%[A-Za-z_][\w$]*")
-_INSTR_RE = re.compile(r"^\s*(@!?%\w+\s+)?([a-z][\w.:]*)\s*(.*?);?\s*$")
+# Registers: %r12, %rd3, %p1, named ones, and (after `unshadow`) scoped ones: %p1@4, p@7.
+_REG_RE = re.compile(r"%[a-z]+[0-9]+(?:@\d+)?|%[A-Za-z_][\w$]*(?:@\d+)?|(?<![\w%$.])[A-Za-z_]\w*@\d+")
+_GUARD = r"@!?%?[A-Za-z_][\w$]*(?:@\d+)?\s+"  # "@%p1 ", "@!p ", "@p@3 "
+_LOCAL_REG_DECL = re.compile(r"^\s*\.reg\s+\.\w+\s+([^;]+);")
+
+
+def _local_names(ptx: str) -> set[str]:
+    """Bare register names declared by inline assembly (``.reg .pred p;``), not ``%r<12>`` ranges."""
+    names = set()
+    for ln in ptx.splitlines():
+        m = _LOCAL_REG_DECL.match(ln)
+        if m:
+            for n in m.group(1).split(","):
+                n = n.strip()
+                if re.fullmatch(r"[A-Za-z_]\w*", n):
+                    names.add(n)
+    return names
+
+_INSTR_RE = re.compile(r"^\s*(" + _GUARD + r")?([a-z][\w.:]*)\s*(.*?);?\s*$")
 
 
 def _params(ptx: str) -> tuple[dict[str, int], set[str]]:
@@ -53,38 +78,80 @@ def instructions(ptx: str) -> dict[int, str]:
 
 def guard(instr: str) -> tuple[str | None, bool]:
     """(predicate register, negated) of ``@%p bra ...`` / ``@!%p st...``; (None, False) if unguarded."""
-    m = re.match(r"^@(!?)(%\w+)\s", instr.strip())
+    m = re.match(r"^@(!?)(%?[A-Za-z_][\w$]*(?:@\d+)?)\s", instr.strip())
     return (m.group(2), m.group(1) == "!") if m else (None, False)
 
 
 def opcode(instr: str) -> str:
-    s = re.sub(r"^@!?%\w+\s+", "", instr.strip())
+    s = re.sub("^" + _GUARD, "", instr.strip())
     return s.split()[0] if s else ""
+
+
+def unshadow(ptx: str) -> str:
+    """The PTX with every register declared inside a nested ``{ }`` scope renamed ``name@N``.
+
+    nvcc expands inline assembly and some intrinsics (``__syncthreads_count``) in
+    their own scope, redeclaring names such as ``%p1`` that the function also
+    uses: without the renaming, a flow-insensitive taint would merge the two.
+    One output line per input line (line numbers are what ptxas line info cites).
+    """
+    out, scopes, n = [], [{}], 0
+    tok = re.compile(r"(?<![\w$.])(%?[A-Za-z_][\w$]*)")
+    for ln in ptx.splitlines():
+        code = ln.split("//")[0]
+        m = _LOCAL_REG_DECL.match(code)
+        if m and len(scopes) > 2:  # depth 1 is the function body (its %r<N> ranges); deeper: asm scopes
+            for name in (x.strip() for x in m.group(1).split(",")):
+                if re.fullmatch(r"%?[A-Za-z_][\w$]*", name):
+                    n += 1
+                    scopes[-1][name] = f"{name}@{n}"
+        elif scopes and any(scopes[1:]):
+            def rename(mm, _scopes=scopes):
+                for sc in reversed(_scopes):
+                    if mm.group(1) in sc:
+                        return sc[mm.group(1)]
+                return mm.group(1)
+            ln = tok.sub(rename, ln)
+        for ch in code:
+            if ch == "{":
+                scopes.append({})
+            elif ch == "}" and len(scopes) > 1:
+                scopes.pop()
+        out.append(ln)
+    return "\n".join(out)
 
 
 class Taint:
     """Register -> labels for one PTX function (the kernel entry)."""
 
     def __init__(self, ptx: str, param_names: list[str] | None = None):
+        ptx = unshadow(ptx)
+        self.lines = ptx.splitlines()  # the renamed text, by line (1-based: lines[k - 1])
         pos, ptrs = _params(ptx)
         self.param_name = {}
         for sym, k in pos.items():
             self.param_name[sym] = param_names[k] if param_names and k < len(param_names) else sym
         self.ptr_params = {self.param_name[s] for s in ptrs}
         edges: list[tuple[list[str], list[str], frozenset]] = []
+        local = sorted(_local_names(ptx), key=len, reverse=True)
+        reg_re = (re.compile(_REG_RE.pattern + "|" + "|".join(rf"(?<![\w%$.]){re.escape(n)}\b" for n in local))
+                  if local else _REG_RE)
+        self._reg_re = reg_re
         for s in instructions(ptx).values():
             g, _ = guard(s)
             op = opcode(s)
-            rest = re.sub(r"^@!?%\w+\s+", "", s).strip()[len(op):].strip().rstrip(";")
+            rest = re.sub("^" + _GUARD, "", s).strip()[len(op):].strip().rstrip(";")
             parts = _split_operands(rest)
             if not parts:
                 continue
             first = parts[0]
-            if first.startswith("[") or op.split(".")[0] in ("st", "red", "bar", "bra", "ret", "exit", "fence",
-                                                             "membar", "cp", "prefetch", "barrier", "trap"):
+            reduction = op.startswith(("bar.red", "barrier.red"))  # a register result: the CTA's count/and/or
+            if first.startswith("[") or (not reduction and op.split(".")[0] in (
+                    "st", "red", "bar", "bra", "ret", "exit", "fence", "membar", "cp", "prefetch", "barrier",
+                    "trap")):
                 continue  # no register result
-            dsts = _REG_RE.findall(first)
-            srcs = [r for p in parts[1:] for r in _REG_RE.findall(p)]
+            dsts = reg_re.findall(first)
+            srcs = [r for p in parts[1:] for r in reg_re.findall(p)]
             if g:
                 srcs.append(g)
             base = set()
@@ -102,6 +169,8 @@ class Taint:
                     base.add("mem:local")
                 else:
                     base.add("mem:*")  # resolved below from the address's params
+            elif op.startswith(("mbarrier.try_wait", "mbarrier.test_wait")):
+                base.add("mbarrier:wait")
             elif base_op in ("wgmma", "mma", "wmma", "atom", "tcgen05", "cp", "mbarrier"):
                 base.add("mem:?")
             if "wgmma" in op or "mma" in op:
@@ -129,6 +198,10 @@ class Taint:
 
     def labels(self, reg: str) -> frozenset:
         return self.taint.get(reg, frozenset())
+
+    def guard_register(self, instr: str) -> str | None:
+        """The guard predicate of ``@p ...`` / ``@!%p1 ...`` (bare asm-local names too); None if unguarded."""
+        return guard(instr)[0]
 
 
 def _split_operands(rest: str) -> list[str]:

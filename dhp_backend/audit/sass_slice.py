@@ -144,3 +144,116 @@ def public_predicate(instrs: list, labels: dict, branch) -> tuple[bool, str]:
         need |= sources - _PUBLIC_CONSTANT_REGS
         trail.append(f"#{ins.index} {ins.text}")
     return True, "predicate from kernel parameters / thread and program indices only: " + " <- ".join(trail)
+
+
+# Instructions whose predicate result says "not yet" to a wait (mbarrier try-wait, setmaxnreg.inc).
+_WAIT_OPCODES = ("SYNCS.PHASECHK", "USETMAXREG")
+
+
+def _falls_through(ins) -> bool:
+    return not (ins.base in ("BRA", "JMP", "BRX", "JMX", "EXIT", "RET") and not ins.predicate)
+
+
+def public_predicate_cfg(instrs: list, labels: dict, branch, max_states: int = 50000,
+                         waits: set | None = None) -> tuple[bool, str]:
+    """`public_predicate` across basic blocks: the backward slice follows every predecessor
+    (fall-through and every branch to a label), around loops too, until each path has
+    resolved the predicate into public values. Same verdicts per instruction; a path that
+    reaches the function entry, a memory load or an unknown instruction with something
+    unresolved answers "not proven". With ``waits`` (a set), a predicate written by a
+    wait instruction (`wait_source`'s SYNCS.PHASECHK / USETMAXREG) counts as resolved
+    (timing, not data) and its index is added to the set."""
+    if not branch.predicate:
+        return False, "unpredicated"
+    at = {ins.offset: ins.index for ins in instrs}
+    into: dict[int, list[int]] = {}
+    for ins in instrs:
+        if ins.base in ("BRA", "JMP") and ins.target in labels and labels[ins.target] in at:
+            into.setdefault(at[labels[ins.target]], []).append(ins.index)
+    starts = {at[o] for o in labels.values() if o in at}
+
+    def preds(j: int) -> list[int]:
+        out = list(into.get(j, ())) if j in starts else []
+        if j > 0 and _falls_through(instrs[j - 1]):
+            out.append(j - 1)
+        return out
+
+    need0 = frozenset({branch.predicate.lstrip("!")} - _PUBLIC_CONSTANT_REGS)
+    work = [(p, need0) for p in preds(branch.index)]
+    if not work:
+        return False, "no predecessor"
+    seen, defs = set(), set()
+    while work:
+        j, need = work.pop()
+        if (j, need) in seen:
+            continue
+        seen.add((j, need))
+        if len(seen) > max_states:
+            return False, f"more than {max_states} slice states"
+        ins = instrs[j]
+        if ins.base in ("CALL", "RET"):
+            return False, f"#{j} {ins.text}: a call on the path"
+        nxt = set(need)
+        opcode, ops = _operands(ins.text)
+        if waits is not None and opcode.startswith(_WAIT_OPCODES) and ops and ops[0].lstrip("!") in need:
+            waits.add(j)
+            nxt.discard(ops[0].lstrip("!"))
+        elif not ins.is_control:
+            known = destinations(opcode, ops)
+            mentioned = {r for o in ops for r in _REG_RE.findall(o)}
+            if known is None:
+                if need & mentioned:
+                    return False, f"#{j} {ins.text}: unknown destinations of {opcode.split('.')[0]}"
+            else:
+                dests, n_dest = known
+                written = need & set(dests)
+                if written:
+                    if opcode.split(".")[0] in _SECRET_SOURCES:
+                        return False, f"#{j} {ins.text}: {sorted(written)} comes from memory or another lane"
+                    sources = {r for o in ops[n_dest:] for r in _regs(o)}
+                    if ins.predicate:
+                        sources |= {ins.predicate.lstrip("!")} | written
+                    else:
+                        nxt -= written
+                    nxt |= sources - _PUBLIC_CONSTANT_REGS
+                    defs.add(j)
+        if not nxt:
+            continue
+        ps = preds(j)
+        if not ps:
+            return False, f"function entry (or unreachable code) at #{j} with {sorted(nxt)} unresolved"
+        work += [(p, frozenset(nxt)) for p in ps]
+    return True, ("predicate from kernel parameters / thread and program indices only, on every path "
+                  f"({len(defs)} definitions: " + ", ".join(f"#{d}" for d in sorted(defs)[:12]) +
+                  (" ..." if len(defs) > 12 else "") + ")")
+
+
+
+
+def wait_source(instrs: list, labels: dict, branch) -> str | None:
+    """The wait instruction a branch's predicate comes from (inside its basic block, through
+    PLOP3 copies), or None. ptxas builds ``mbarrier.try_wait`` retry loops on
+    SYNCS.PHASECHK and ``setmaxnreg.inc``'s on USETMAXREG.TRY_ALLOC."""
+    if not branch.predicate:
+        return None
+    need = branch.predicate.lstrip("!")
+    block_starts = set(labels.values())
+    i = branch.index
+    while i > 0 and instrs[i].offset not in block_starts:
+        i -= 1
+        ins = instrs[i]
+        opcode, ops = _operands(ins.text)
+        if ins.is_control:
+            return None
+        if opcode.startswith(_WAIT_OPCODES) and need in {o.lstrip("!") for o in ops[:1]}:
+            return opcode
+        if opcode.startswith(("PLOP3", "UPLOP3")) and ops and ops[0].lstrip("!") == need:
+            srcs = [o.lstrip("!") for o in ops[2:5] if o.lstrip("!") not in _PUBLIC_CONSTANT_REGS]
+            if len(srcs) != 1 or ins.predicate:
+                return None
+            need = srcs[0]
+            continue
+        known = destinations(opcode, ops)
+        if known is None or need in known[0]:
+            return None
+    return None

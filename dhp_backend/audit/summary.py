@@ -62,8 +62,24 @@ def _g2(args, log) -> dict:
     if args.report_dir:
         path = report.write_reports(args.report_dir, s, results, where="cpu")[0]
     ok = s["passed"] and not s["rule_table_errors"]
-    return _row("G2", "PASS" if ok else "FAIL", path,
-                f"{s['variants']} variants, {len(s['failures'])} failures, {s['seconds']} s")
+    rows = [_row("G2", "PASS" if ok else "FAIL", path,
+                 f"{s['variants']} variants, {len(s['failures'])} failures, {s['seconds']} s")]
+    rows.append(_g2_cuda(args, log))
+    return rows
+
+
+def _g2_cuda(args, log) -> dict:
+    from dhp_backend.audit import cuda_gate
+    from dhp_backend.ops import cuda_build
+
+    scope = "SASS, csrc CUDA kernels (nvcc here)"
+    if cuda_build.find_nvcc() is None:
+        return _row("G2", "skipped", detail="no nvcc here: the csrc binaries cannot be built", scope=scope)
+    s = cuda_gate.audit_sources(progress=log)
+    path = cuda_gate.write_reports(args.report_dir, s)[0] if args.report_dir else None
+    n_fail = sum(len(r["failures"]) for r in s["results"] if r["gating"])
+    return _row("G2", "PASS" if s["passed"] else "FAIL", path,
+                f"{s['gating_binaries']} gating binaries, {n_fail} failures, {s['seconds']} s", scope=scope)
 
 
 def _g3(args, log) -> dict:
@@ -143,7 +159,8 @@ def run_all(args) -> int:
             continue
         log(f"=== {g}")
         try:
-            rows.append(_RUNNERS[g](args, log))
+            res = _RUNNERS[g](args, log)
+            rows += res if isinstance(res, list) else [res]
         except Exception as e:  # noqa: BLE001 - a gate that crashes is a failed gate, with its reason
             log(traceback.format_exc())
             rows.append(_row(g, "ERROR", detail=f"{type(e).__name__}: {e}"))

@@ -64,35 +64,51 @@ def build_key(src_dir: Path, cmd_flags: tuple[str, ...], nvcc_version: str) -> s
     return h.hexdigest()[:16]
 
 
-def build(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
-    """Compile ``csrc/<source>`` (and the headers beside it) into ``lib<name>.so``; return its path."""
+def _compile(name: str, source: str, cmd_flags: tuple[str, ...], artefact: str, purpose: str) -> Path:
+    """nvcc ``csrc/<source>`` with ``cmd_flags`` into ``<cache>/<name>-<key>/<artefact>``, once per key."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise CudaBuildError("nvcc not found (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, PATH): "
-                             "the csrc kernels are built on first use and need the CUDA toolkit (>= 12.5)")
+                             f"{purpose} and need the CUDA toolkit (>= 12.5)")
     src_dir = csrc_dir()
     main = src_dir / source
     if not main.is_file():
         raise CudaBuildError(f"{main} does not exist")
-    cmd_flags = BASE_FLAGS + tuple(flags)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     out_dir = cache_dir() / f"{name}-{build_key(src_dir, cmd_flags, version)}"
-    lib = out_dir / f"lib{name}.so"
-    if lib.is_file():
-        return lib
+    out = out_dir / artefact
+    if out.is_file():
+        return out
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".lock", "w") as lock:  # one build per cache entry across processes
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if lib.is_file():
-            return lib
-        tmp = out_dir / f".lib{name}.{os.getpid()}.so"
+        if out.is_file():
+            return out
+        tmp = out_dir / f".{os.getpid()}.{artefact}"
         cmd = [nvcc, *cmd_flags, "-I", str(src_dir), "-o", str(tmp), str(main)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             tail = (res.stderr or res.stdout)[-3000:]
             raise CudaBuildError(f"nvcc failed building {main.name} (exit {res.returncode}):\n{' '.join(cmd)}\n{tail}")
-        os.replace(tmp, lib)
-    return lib
+        os.replace(tmp, out)
+    return out
+
+
+def build(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
+    """Compile ``csrc/<source>`` (and the headers beside it) into ``lib<name>.so``; return its path."""
+    return _compile(name, source, BASE_FLAGS + tuple(flags), f"lib{name}.so",
+                    "the csrc kernels are built on first use")
+
+
+# The device half of BASE_FLAGS: a ``-cubin`` build with these gives the same
+# SASS as the library's (same nvcc, same device flags), for the SASS gate.
+CUBIN_FLAGS = tuple(f for f in BASE_FLAGS if f not in ("-shared", "-Xcompiler", "-fPIC"))
+
+
+def build_cubin(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
+    """``csrc/<source>`` compiled to a cubin with line info (``<name>.cubin``, cached like `build`)."""
+    return _compile(name, source, CUBIN_FLAGS + ("-cubin",) + tuple(flags), f"{name}.cubin",
+                    "the SASS gate of the csrc kernels compiles them")
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}

@@ -1,0 +1,198 @@
+"""G2 for the csrc CUDA kernels (dhp_backend.audit.cuda_gate): PTX taint, SASS slices, a planted kernel,
+and, where nvcc is installed, the real constant-time prefill binaries.
+
+The planted kernel (tests/data/cuda_gate/planted.cu) is stored with its cubin
+(built once with nvcc 13.0, the command is in the file), so CI, which has no
+nvcc, still runs the gate on a real Hopper binary with Triton's nvdisasm. It
+has a loop bound by a parameter (public), an ``if`` on loaded data (secret: a
+SASS branch) and a ternary select on data that nvcc turns into a PTX branch
+(secret even where ptxas predicates it away).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("triton")
+
+from dhp_backend.audit import cuda_gate, cuda_rules, ptx, sass, sass_slice  # noqa: E402
+from dhp_backend.ops import cuda_build  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "cuda_gate")
+PLANTED = os.path.join(DATA, "planted.cubin")
+
+
+def _nvdisasm_or_skip():
+    try:
+        sass.tool_path("nvdisasm")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+# --- PTX taint ---------------------------------------------------------------------------------
+
+_SCOPED = """.entry k(
+.param .u32 k_param_0
+)
+{
+.reg .pred %p<3>;
+.reg .b32 %r<9>;
+ld.param.u32 %r1, [k_param_0];
+setp.lt.s32 %p1, %r1, 1;
+@%p1 bra $L1;
+ld.global.u32 %r7, [%rd1];
+{
+.reg .pred %p1;
+setp.ne.u32 %p1, %r7, 0;
+bar.red.popc.u32 %r2, 0, %p1;
+}
+setp.gt.s32 %p2, %r2, 0;
+{
+.reg .pred p;
+mbarrier.try_wait.parity.shared::cta.b64 p, [%r3], %r4;
+selp.u32 %r5, 1, 0, p;
+}
+$L1:
+ret;
+}"""
+
+
+def test_taint_keeps_scoped_registers_apart_and_follows_barrier_counts():
+    t = ptx.Taint(_SCOPED, ["n"])
+    # The outer %p1 (a parameter test) is not the inner %p1 (a test of loaded data).
+    assert t.labels("%p1") == frozenset({"param:n"})
+    inner = [ln for ln in t.lines if ln.startswith("setp.ne.u32")][0]
+    assert "%p1@" in inner
+    # A CTA-wide count of a secret predicate is secret (it used to carry no label at all).
+    assert "mem:?" in t.labels("%p2")
+    # An mbarrier try-wait result is the wait label, through the asm-local name and selp.
+    assert t.labels("%r5") == frozenset({"mbarrier:wait"})
+    assert t.guard_register("@%p1 bra $L1;") == "%p1"
+    assert t.guard_register("@!p@3 bra $L1;") == "p@3"
+
+
+# --- SASS: waits and the CFG slice -----------------------------------------------------------------
+
+_SASS = """
+\t.text.k:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R1, 0x1, PT ;
+.L_x_0:
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2 ;
+        /*0030*/               @!P1 BRA `(.L_x_0) ;
+        /*0040*/               @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   LDG.E R3, desc[UR4][R4.64] ;
+        /*0060*/                   ISETP.GT.AND P2, PT, R3, RZ, PT ;
+        /*0070*/                @P2 BRA `(.L_x_1) ;
+.L_x_1:
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_wait_and_cfg_slice_on_a_recorded_snippet():
+    f = sass.parse_nvdisasm(_SASS)["k"]
+    ins, labels = f["instrs"], f["labels"]
+    assert sass_slice.wait_source(ins, labels, ins[3]).startswith("SYNCS.PHASECHK")
+    # P0 is defined before a loop header (a block start): the CFG slice follows both
+    # predecessors (fall-through and the retry loop's back edge) to the parameter.
+    assert sass_slice.public_predicate(ins, labels, ins[4])[0] is False  # one block only: not proven
+    ok, why = sass_slice.public_predicate_cfg(ins, labels, ins[4])
+    assert ok, why
+    ok, why = sass_slice.public_predicate_cfg(ins, labels, ins[7])
+    assert not ok and "memory" in why
+    assert sass_slice.wait_source(ins, labels, ins[7]) is None
+
+
+# --- instances ------------------------------------------------------------------------------------
+
+def test_instances_from_mangled_names():
+    base = ("_ZN3dhp48_GLOBAL__N__79ae1585_15_prefill_sm90_cu_8545efc114prefill_kernelI{}"
+            "EEv14CUtensorMap_stS2_S2_NS0_6ParamsE")
+    ct0 = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb0ELb1ELi0E"))
+    ct1 = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb0ELb1ELi1E"))
+    off = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb1ELb0ELi0E"))
+    assert ct0.gating and ct0.args == (1, 0, 0, 2, 0, 1, 0, 1, 0)
+    assert not ct1.gating and ct1.documented == frozenset({"mem"})
+    assert not off.gating and not off.documented and "policy off" in off.note
+    assert cuda_rules.instance("_Z12some_helperv") is None
+
+
+# --- the planted kernel ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def planted_result():
+    _nvdisasm_or_skip()
+    blob = open(PLANTED, "rb").read()
+    funcs = sass.disassemble(blob)
+    ptx_text = cuda_gate.embedded_ptx(blob)
+    assert ".entry planted_kernel(" in ptx_text
+
+    def run(rules):
+        saved = cuda_rules.RULES
+        cuda_rules.RULES = rules
+        try:
+            inst = cuda_rules.Instance("planted_kernel", (), True, frozenset(), "planted")
+            return cuda_gate.audit_function("planted_kernel", funcs, ptx_text, inst, source_dirs=(DATA,))
+        finally:
+            cuda_rules.RULES = saved
+
+    return run
+
+
+_PLANTED_RULES = (
+    cuda_rules.CudaRule("planted-loop", "planted.cu", r"^for \(int (i|k) = ", cuda_rules.PUBLIC, "parameter bound"),
+    # A rule that (wrongly) claims the data-dependent if is public: the PTX labels must still fail it.
+    cuda_rules.CudaRule("planted-if", "planted.cu", r"^if \(v > 0\.f\)", cuda_rules.PUBLIC, "wrong on purpose"),
+)
+
+
+def test_planted_kernel_secret_branches_fail_public_loops_pass(planted_result):
+    r = planted_result(_PLANTED_RULES)
+    assert not r["passed"]
+    by_text = {}
+    for b in (b for b in r["branches"] if b["instr"].startswith("@")):  # the predicated ones
+        by_text.setdefault(b["source_text"].split("//")[0].strip(), []).append(b)
+    loops = [b for t, bs in by_text.items() if t.startswith("for (") for b in bs]
+    assert loops and all(b["ok"] and b["rule"] == "planted-loop" for b in loops)
+    ifs = by_text.get("if (v > 0.f) {", [])
+    assert ifs and all(not b["ok"] and "mem" in b["detail"] for b in ifs)  # the rule cannot vouch for data
+    # The data ternary: a PTX branch on loaded data, flagged although ptxas predicated it.
+    ptx_fails = [f for f in r["failures"] if f["source"].startswith("ptx:")]
+    assert ptx_fails and all("not public" in f["why"] for f in ptx_fails)
+
+
+def test_planted_kernel_without_rules_names_every_unexplained_branch(planted_result):
+    r = planted_result(())
+    unexplained = [f for f in r["failures"] if f["index"] is not None]
+    assert unexplained and all("no rule for planted.cu" in f["why"] for f in unexplained)
+
+
+def test_elf_section_rejects_non_elf():
+    with pytest.raises(ValueError, match="not a 64-bit ELF"):
+        cuda_gate.elf_section(b"not an elf file at all", ".text")
+
+
+def test_cli_without_nvcc_says_so(monkeypatch, capsys):
+    from dhp_backend import cli
+
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    assert cli.main(["audit", "sass-cuda"]) == 2
+    assert "no nvcc" in capsys.readouterr().err
+
+
+# --- the real binaries (nvcc needed: the developer machine, the GPU machine) -------------------------
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc to build csrc/prefill_sm90.cu")
+def test_prefill_constant_time_binaries_pass_the_gate():
+    _nvdisasm_or_skip()
+    s = cuda_gate.audit_sources(("prefill_sm90.cu",), progress=lambda m: None)
+    gating = [r for r in s["results"] if r["gating"]]
+    reported = [r for r in s["results"] if not r["gating"] and r.get("audited", True)]
+    assert len(gating) == 2 and s["passed"], [f for r in gating for f in r["failures"]][:5]
+    for r in gating:  # every kind of branch the CT walk has, each explained
+        assert {"locate-loop", "step-loop", "role", "wait", "elect-loop"} <= set(r["by_rule"])
+        assert not r["documented"]
+    # Per-request buckets: the one documented dependence (the request's bucket, from memory).
+    assert len(reported) == 2 and all(r["passed"] and r["documented"] == ["mem"] for r in reported)
