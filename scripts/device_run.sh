@@ -15,6 +15,8 @@
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
+#   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
+#   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
 # Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -75,6 +77,18 @@ for step in "$@"; do
     padloc)  python3 -m dhp_backend.bench.padding_locality --out "$OUT/padding_locality.json" 2>&1 | tee "$OUT/padloc.log" | tail -9 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
+    ncuprobe) # what this ncu reports per opcode and per SASS instruction for the CT prefill kernel (G1 design)
+             export DHP_CUDA_PREFILL_CT=1; ncu --version | tail -1
+             CH="python3 -m dhp_backend.audit.counters --child ${PROBE_SHAPE:-B4-L4096-q64} random --launches 2 --sidecar $OUT/probe-child.json"
+             timeout 200 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 \
+               --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum --print-metric-instances values --csv $CH \
+               > "$OUT/ncuprobe-opcode.csv" 2>&1; grep -v "^==PROF" "$OUT/ncuprobe-opcode.csv" | tail -c 3000; echo
+             timeout 200 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 \
+               --section SourceCounters -o "$OUT/ncuprobe" -f $CH > "$OUT/ncuprobe-src.log" 2>&1; tail -3 "$OUT/ncuprobe-src.log"
+             timeout 100 ncu --import "$OUT/ncuprobe.ncu-rep" --page source --csv --print-source sass \
+               > "$OUT/ncuprobe-source.csv" 2>&1; head -c 2000 "$OUT/ncuprobe-source.csv"; echo; wc -l "$OUT/ncuprobe-source.csv"
+             rm -f "$OUT/ncuprobe.ncu-rep" ;;
     audit)   python3 -m dhp_backend.cli audit sass --on-device --report-dir "$OUT/audit" 2>&1 | tee "$OUT/audit.log" | tail -20 ;;
     g1)      python3 -m dhp_backend.cli audit counters --report-dir "$OUT/audit" ${G1_ARGS:-} 2>&1 | tee "$OUT/g1.log" | tail -30 ;;
     g3)      python3 -m dhp_backend.cli audit bits --report-dir "$OUT/audit" ${G3_ARGS:---parts gpu,reference} 2>&1 | tee "$OUT/g3.log" | tail -20 ;;
