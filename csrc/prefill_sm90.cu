@@ -8,9 +8,9 @@
 // the true lengths. That is the contract of policy `off` only (design.md:
 // "lengths" may leak). The CT binary (code 34, "constant-time walk" below) walks
 // the public bucket instead, with the Triton CONST_TIME kernels' decoys and
-// selects; ops.step_kernel routes constant-time prefill steps to it only when
-// DHP_CUDA_PREFILL_CT=1 (its G1/G2 gates are not closed: docs/perf-notes.md,
-// change 21), else the Triton kernels run them. It is the
+// selects; ops.step_kernel routes constant-time prefill steps to it unless
+// DHP_CUDA_PREFILL_CT=0 (gates: `dhp-backend audit sass-cuda` and G1 per
+// instruction, docs/perf-notes.md change 22). It is the
 // route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
 // cannot express on this chip -- a producer warpgroup that loads 16-token pages
 // into 128-row stages, and consumer warpgroups with explicit wgmma waits.

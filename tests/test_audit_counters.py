@@ -151,3 +151,72 @@ def test_run_without_gpu_exits_2_with_a_message(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert C.run(_args(ncu="ncu-not-installed-here")) == 2
     assert "not on PATH" in capsys.readouterr().err
+
+
+# --- per instruction (the warp-specialised csrc prefill kernel, audit/counters_pc.py) ---------------
+
+# The shape of `ncu --import R --page source --csv --print-source sass` on ncu 2025.3 (H200 run,
+# 2026-11-22): a kernel-name line, a header row, one row per SASS instruction (columns cut down).
+_SOURCE_CSV = '''==PROF== noise the parser skips
+"Kernel Name","void dhp::<unnamed>::prefill_kernel<(bool)1, (int)0>(CUtensorMap_st, dhp::<unnamed>::Params)",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","Thread Instructions Executed"
+"0x7f0000000000","      LDC R1, c[0x0][0x28]","13","{n0}","39936"
+"0x7f0000000010","      SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [R8+UR4+0x28000], R5","2","{n1}","0"
+"0x7f0000000020","@!P4 BRA 0x7f0000000060","0","{n2}","0"
+"0x7f0000000030","      FFMA R2, R3, R4, R5","0","{n3}","0"
+"0x7f0000000040","      EXIT","0","{n4}","0"
+"0x7f0000000050","      BRA 0x7f0000000050","0","0","0"
+"0x7f0000000060","      SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [R8+UR4+0x28000], R5","0","{n6}","0"
+"0x7f0000000070","@!P4 BRA 0x7f0000000060","0","{n7}","0"
+"0x7f0000000080","      BRA 0x7f0000000030","0","{n8}","0"
+'''
+
+
+def _source(n0=1248, n1=1248, n2=1248, n3=4992, n4=1248, n6=0, n7=0, n8=0):
+    from dhp_backend.audit import counters_pc
+
+    ks = counters_pc.parse_source_csv(_SOURCE_CSV.format(n0=n0, n1=n1, n2=n2, n3=n3, n4=n4, n6=n6, n7=n7, n8=n8))
+    assert len(ks) == 1 and "prefill_kernel" in ks[0]["kernel"] and len(ks[0]["instrs"]) == 9
+    return ks[0]
+
+
+def test_per_instruction_parser_and_wait_loops():
+    from dhp_backend.audit import counters_pc
+
+    k = _source()
+    assert k["instrs"][3] == {"sass": "FFMA R2, R3, R4, R5", "executed": 4992}
+    # the try-wait, its branch, the retry block and its jump back; not the FFMA, EXIT or the trap loop
+    assert counters_pc.wait_instructions([x["sass"] for x in k["instrs"]]) == {1, 2, 6, 7, 8}
+
+
+def test_per_instruction_rule_spins_differ_work_does_not():
+    from dhp_backend.audit import counters_pc
+
+    calm, spun = _source(), _source(n6=37, n7=37, n8=5)
+    r = counters_pc.compare(calm, spun)
+    assert r["ok"] and r["wait_executions_diff"] == 79 and r["wait_instructions"] == 5
+    more_work = _source(n3=4993)
+    r = counters_pc.compare(calm, more_work)
+    assert not r["ok"] and r["differences"][0]["index"] == 3 and "FFMA" in r["why"]
+    other = dict(calm, instrs=calm["instrs"][:-1])
+    assert not counters_pc.compare(calm, other)["ok"]  # another binary
+
+
+def test_rule_judges_wait_sensitive_totals_per_instruction():
+    inst = _metrics()["smsp__inst_executed.sum"]
+    a = [dict(_kernel("prefill_kernel"), per_instruction=_source())]
+    b = [dict(_kernel("prefill_kernel", **{"smsp__inst_executed.sum": inst + 79}), per_instruction=_source(
+        n6=37, n7=37, n8=5))]
+    res = C.compare_kernels(a, b)
+    assert res["passed"], res
+    checks = {c["metric"]: c for c in res["kernels"][0]["checks"]}
+    assert "wait loops" in checks["smsp__inst_executed.sum"]["rule"]
+    assert checks["per-instruction executions"]["diff"] == 79
+    # the same totals, but an instruction outside the waits moved: fails
+    b_bad = [dict(b[0], per_instruction=_source(n3=4993, n6=37, n7=37, n8=4))]
+    assert not C.compare_kernels(a, b_bad)["passed"]
+    # no per-instruction profile on one side: fails, whatever the totals say
+    assert not C.compare_kernels(a, [dict(b[0], per_instruction={"error": "ncu failed"})])["passed"]
+    # a memory count is never excused by the waits
+    b_mem = [dict(b[0], metrics=dict(b[0]["metrics"], **{"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 1}))]
+    assert not C.compare_kernels(a, b_mem)["passed"]

@@ -105,7 +105,7 @@ def test_ct_bucket_refused(monkeypatch, kw, pattern):
 
 def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
     """ops.step_kernel: prefill steps of strict/batch/request go to the csrc CT
-    binary when DHP_CUDA_PREFILL_CT=1 on an sm_90 GPU, else stay on Triton; decode
+    binary on an sm_90 GPU unless DHP_CUDA_PREFILL_CT=0, else stay on Triton; decode
     steps of those policies stay on Triton either way; policy off is unchanged."""
     import dhp_backend.ops.attention as attn
     from dhp_backend.ops import dispatch, step_kernel
@@ -113,12 +113,12 @@ def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
 
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, device_capability=(9, 0))
-    monkeypatch.delenv("DHP_CUDA_PREFILL_CT", raising=False)
+    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "0")
     attn._cuda_routes.cache_clear()
     ok, why = routes_prefill_ct(spec)
-    assert not ok and "DHP_CUDA_PREFILL_CT=1" in why
+    assert not ok and "DHP_CUDA_PREFILL_CT=0" in why
     assert step_kernel(spec, "strict", 4096, 2) == dispatch.TRITON
-    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "1")
+    monkeypatch.delenv("DHP_CUDA_PREFILL_CT")  # the default
     attn._cuda_routes.cache_clear()
     try:
         assert routes_prefill_ct(spec)[0]

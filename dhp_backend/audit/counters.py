@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 
+from dhp_backend.audit import counters_pc
 from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 
 METRICS = (
@@ -68,7 +69,7 @@ DRAM_METRIC = "dram__bytes_read.sum"
 COUNT_METRICS = tuple(m for m in METRICS if m != DRAM_METRIC)
 DRAM_TOLERANCE = 0.01
 # The Triton kernels and the csrc prefill kernel (its CT binary runs constant-time
-# prefill steps when DHP_CUDA_PREFILL_CT=1).
+# prefill steps unless DHP_CUDA_PREFILL_CT=0).
 KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel"
 DEFAULT_SHAPES = ("B16-L4096-q1", "B64-L4096-q1", "B16-L32768-q1", "B4-L4096-q64")
 SHORT_NAMES = {
@@ -240,6 +241,9 @@ def compare_kernels(ka: list[dict], kb: list[dict], metrics=METRICS,
     kernels = []
     for i, (a, b) in enumerate(zip(ka, kb)):
         checks = [compare_metric(m, a["metrics"].get(m), b["metrics"].get(m), dram_tolerance) for m in metrics]
+        pa, pb = a.get("per_instruction"), b.get("per_instruction")
+        if pa is not None or pb is not None:
+            checks = _per_instruction_checks(checks, pa, pb)
         # the launch geometry is public: a grid that moved with a secret would be a leak of its own
         for what in ("grid", "block"):
             checks.append({"metric": what, "a": a.get(what), "b": b.get(what), "diff": None, "rule": "identical",
@@ -248,6 +252,34 @@ def compare_kernels(ka: list[dict], kb: list[dict], metrics=METRICS,
     if not ka:
         problems.append("no kernel profiled")
     return {"passed": not problems and all(k["passed"] for k in kernels), "problems": problems, "kernels": kernels}
+
+
+# Totals that a warp-specialised kernel's wait loops move (counters_pc): for it, they are
+# judged per instruction instead.
+WAIT_SENSITIVE = ("smsp__inst_executed.sum", "smsp__sass_inst_executed_op_branch.sum")
+
+
+def _per_instruction_checks(checks: list[dict], pa: dict | None, pb: dict | None) -> list[dict]:
+    """The checks of a kernel that has per-instruction profiles: one more check (every instruction
+    outside wait loops executes equally often), and the two totals that include the waits are
+    judged by it instead of by equality."""
+    if not pa or not pb or "error" in pa or "error" in pb:
+        why = "; ".join(p["error"] for p in (pa, pb) if p and "error" in p) or "missing on one side"
+        return checks + [{"metric": "per-instruction executions", "a": None, "b": None, "diff": None,
+                          "rule": "identical outside wait loops", "ok": False, "why": why}]
+    pc = counters_pc.compare(pa, pb)
+    out = []
+    for c in checks:
+        if c["metric"] in WAIT_SENSITIVE and not c["ok"] and c["a"] is not None and c["b"] is not None:
+            c = dict(c, ok=pc["ok"], rule="identical outside wait loops (per-instruction check below)")
+        out.append(c)
+    ea, eb = pc.get("executed_outside_waits", (None, None))
+    out.append({"metric": "per-instruction executions", "a": ea, "b": eb,
+                "diff": pc.get("wait_executions_diff"), "ok": pc["ok"],
+                "rule": f"identical outside wait loops ({pc.get('instructions')} instructions, "
+                        f"{pc.get('wait_instructions')} in wait loops; diff = wait-loop executions)",
+                "why": pc["why"], "differences": pc.get("differences", [])})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +347,33 @@ def profile(ncu: str, shape, cls: str, launches: int, timeout: float) -> dict:
         return {**res, "error": f"{e}: {tail}"}
     if child.get("path") != "triton":
         res["warning"] = f"the launch ran the {child.get('path')} path ({child.get('path_reason')})"
+    ws = [k for k in res["kernels"] if counters_pc.PER_INSTRUCTION_FILTER.split(":", 1)[1] in k["name"]]
+    if len(ws) > 1:
+        return {**res, "error": f"{len(ws)} warp-specialised kernels in one launch; G1 profiles one per launch"}
+    if ws:
+        ws[0]["per_instruction"] = _profile_per_instruction(ncu, shape, cls, launches, timeout, env)
+        res["per_instruction"] = {k: v for k, v in ws[0]["per_instruction"].items() if k != "instrs"}
     return res
+
+
+def _profile_per_instruction(ncu: str, shape, cls: str, launches: int, timeout: float, env: dict) -> dict:
+    """The warp-specialised kernel's per-instruction counts (`counters_pc`), one more ncu run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "pc")
+        child = [sys.executable, "-m", "dhp_backend.audit.counters", "--child", shape_spec(shape), cls,
+                 "--launches", str(launches), "--sidecar", os.path.join(tmp, "child.json")]
+        try:
+            p1 = subprocess.run(counters_pc.source_command(ncu, rep, launches, child), capture_output=True,
+                                text=True, env=env, timeout=timeout)
+            if p1.returncode != 0:
+                return {"error": f"ncu SourceCounters exit {p1.returncode}: {(p1.stdout + p1.stderr)[-800:]}"}
+            p2 = subprocess.run(counters_pc.import_command(ncu, rep), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"ncu per-instruction run exceeded {timeout:.0f} s"}
+        kernels = counters_pc.parse_source_csv(p2.stdout)
+    if len(kernels) != 1 or not kernels[0]["instrs"]:
+        return {"error": f"expected one kernel's source page, got {len(kernels)}: {p2.stderr[-400:]}"}
+    return kernels[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,9 +495,13 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
           f"failed, {s['reported_failed']} reported pair(s) differ; {s['seconds']} s.", "",
           f"Commit {v.get('commit')}, dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')}, Triton "
           f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, {v.get('ncu')}. Produced by "
-          "`dhp-backend audit counters` (`ncu --clock-control none`, kernels `attention_kernel|merge_kernel` of "
-          "the last of each child's launches). Rule: every count identical, DRAM bytes read within "
-          f"{s['dram_tolerance']:.0%}. Gating pairs decide the gate; reported pairs (degenerate data) do not.", "",
+          "`dhp-backend audit counters` (`ncu --clock-control none`, kernels `attention_kernel|merge_kernel|"
+          "prefill_kernel` of the last of each child's launches). Rule: every count identical, DRAM bytes read "
+          f"within {s['dram_tolerance']:.0%}; for the warp-specialised csrc `prefill_kernel`, whose mbarrier and "
+          "setmaxnreg wait loops spin as long as the hardware takes, the instruction and branch totals are judged "
+          "per SASS instruction instead: every instruction outside the wait loops executes equally often "
+          "(ncu SourceCounters; `audit/counters_pc.py`). Gating pairs decide the gate; reported pairs (degenerate "
+          "data) do not.", "",
           "## Pairs", "", "| shape | pair | gates | result | DRAM diff | first difference |",
           "| --- | --- | --- | --- | --- | --- |"]
     for r in s["pairs"]:

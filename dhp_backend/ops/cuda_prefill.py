@@ -92,11 +92,11 @@ def routes_prefill(spec) -> tuple[bool, str]:
 
 def routes_prefill_ct(spec) -> tuple[bool, str]:
     """Whether `ops.paged_attention` runs prefill steps of the constant-time
-    policies on the ``compat_ct`` binary, and why not. Opt-in while its gates
-    are being established: ``DHP_CUDA_PREFILL_CT=1`` turns it on (the Triton
-    kernels otherwise run those steps, with the same bits)."""
-    if os.environ.get("DHP_CUDA_PREFILL_CT", "0") != "1":
-        return False, "not enabled (DHP_CUDA_PREFILL_CT=1 enables it)"
+    policies on the ``compat_ct`` binary, and why not. On by default where the
+    csrc prefill kernel runs (its G1 and G2 gates pass: docs/audit);
+    ``DHP_CUDA_PREFILL_CT=0`` keeps those steps on the Triton kernels (same bits)."""
+    if os.environ.get("DHP_CUDA_PREFILL_CT", "1") == "0":
+        return False, "disabled (DHP_CUDA_PREFILL_CT=0)"
     ok, why = routes_prefill(spec)
     if not ok:
         return False, why

@@ -1,0 +1,133 @@
+"""G1 per instruction, for the warp-specialised csrc kernel: every SASS instruction's execution count
+identical across secret classes, except the instructions of wait loops.
+
+Why: the csrc constant-time prefill binary (`prefill_kernel<..., CT=1, ...>`) has
+a TMA producer warp and consumer warpgroups that meet on mbarriers, and consumer
+warpgroups that take their registers with ``setmaxnreg.inc``. ptxas builds each
+wait as a retry loop (``SYNCS.PHASECHK`` or ``USETMAXREG.TRY_ALLOC``, the
+predicate copy, the branch back). How often such a loop spins is how long the
+awaited copy or warpgroup took: hardware timing, which G4 measures, not a function
+of the data. The kernel-wide totals ``smsp__inst_executed`` and the branch count
+include those spins, so they differ by tens to hundreds between any two runs,
+even of the same class. Per instruction, ncu's SourceCounters section
+(``Instructions Executed``: warp-level executions of each SASS instruction)
+separates them: every instruction outside the wait loops must execute exactly
+as often in both classes, and only the wait loops' own instructions may differ.
+
+Which instructions are wait loops is read from the SASS text ncu prints
+(`wait_instructions`): a SYNCS.PHASECHK or USETMAXREG, a PLOP3 that copies its
+predicate, a branch on that predicate, and the unconditional branch right after a
+retry branch (the jump back out of the out-of-line retry block). Nothing else is
+excluded; the G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same
+loops at compile time.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+# The kernels profiled per instruction (ncu --kernel-name syntax).
+PER_INSTRUCTION_FILTER = "regex:prefill_kernel"
+EXECUTED = "Instructions Executed"
+_WAIT_OPS = ("SYNCS.PHASECHK", "USETMAXREG")
+
+
+def source_command(ncu: str, report: str, launches: int, child: list[str]) -> list[str]:
+    """Profile the last launch's kernels of the filter with the SourceCounters section into ``report``."""
+    return [ncu, "--clock-control", "none", "--kernel-name", PER_INSTRUCTION_FILTER, "--launch-skip",
+            str(launches - 1), "--launch-count", "1", "--section", "SourceCounters", "-o", report, "-f", *child]
+
+
+def import_command(ncu: str, report: str) -> list[str]:
+    return [ncu, "--import", report if report.endswith(".ncu-rep") else report + ".ncu-rep", "--page", "source",
+            "--csv", "--print-source", "sass"]
+
+
+def parse_source_csv(text: str) -> list[dict]:
+    """``[{"kernel": name, "instrs": [{"sass": text, "executed": int}, ...]}, ...]`` from
+    ``ncu --import R --page source --csv --print-source sass`` (one table per kernel, each
+    after a ``"Kernel Name","..."`` line)."""
+    out: list[dict] = []
+    header: list[str] | None = None
+    for row in csv.reader(io.StringIO("\n".join(ln for ln in text.splitlines() if ln.startswith('"')))):
+        if not row:
+            continue
+        if row[0] == "Kernel Name":
+            out.append({"kernel": row[1] if len(row) > 1 else "", "instrs": []})
+            header = None
+        elif row[0] == "Address":
+            header = row
+        elif header and out and len(row) >= len(header) - 1:
+            col = {h: i for i, h in enumerate(header)}
+            if "Source" not in col or EXECUTED not in col:
+                raise ValueError(f"ncu source page: no Source / {EXECUTED!r} column in {header[:8]}")
+            v = row[col[EXECUTED]].replace(",", "").strip()
+            out[-1]["instrs"].append({"sass": row[col["Source"]].strip(), "executed": int(float(v)) if v else 0})
+    return out
+
+
+def _parts(sass: str) -> tuple[str | None, str, list[str]]:
+    """(guard predicate without '!', opcode, operands) of one SASS instruction text."""
+    t = sass.strip().rstrip(";")
+    guard = None
+    m = re.match(r"^@(!?)(U?P[0-9T])\s+(.*)$", t)
+    if m:
+        guard, t = m.group(2), m.group(3)
+    op, _, rest = t.partition(" ")
+    return guard, op, [o.strip() for o in rest.split(",")] if rest.strip() else []
+
+
+def wait_instructions(sass: list[str]) -> set[int]:
+    """Indices of the instructions that belong to wait loops (module doc)."""
+    waits: set[int] = set()
+    live: set[str] = set()  # predicates that hold a wait's "not yet"
+    prev_retry = False
+    for i, text in enumerate(sass):
+        guard, op, ops = _parts(text)
+        dest = ops[0].lstrip("!") if ops else ""
+        if op.startswith(_WAIT_OPS):
+            waits.add(i)
+            live.add(dest)
+            prev_retry = False
+            continue
+        if op.startswith(("PLOP3", "UPLOP3")) and any(o.lstrip("!") in live for o in ops[1:]):
+            waits.add(i)
+            live.add(dest)
+            prev_retry = False
+            continue
+        if op.startswith("BRA"):
+            if guard and guard in live:
+                waits.add(i)
+                prev_retry = True
+                continue
+            if guard is None and prev_retry:
+                waits.add(i)  # the jump back out of an out-of-line retry block
+        elif dest in live:
+            live.discard(dest)  # overwritten by something else
+        prev_retry = False
+    return waits
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Per-instruction comparison of one kernel's two profiles (`parse_source_csv` entries)."""
+    sa, sb = [x["sass"] for x in a["instrs"]], [x["sass"] for x in b["instrs"]]
+    if sa != sb:
+        return {"ok": False, "why": f"different binaries ({len(sa)} vs {len(sb)} instructions)"}
+    waits = wait_instructions(sa)
+    outside, wait_diff = [], 0
+    for i, (x, y) in enumerate(zip(a["instrs"], b["instrs"])):
+        d = y["executed"] - x["executed"]
+        if i in waits:
+            wait_diff += d
+        elif d:
+            outside.append({"index": i, "sass": x["sass"], "a": x["executed"], "b": y["executed"]})
+    return {"ok": not outside, "instructions": len(sa), "wait_instructions": len(waits),
+            "wait_executions_diff": wait_diff,
+            "executed_outside_waits": tuple(sum(x["executed"] for i, x in enumerate(p["instrs"]) if i not in waits)
+                                            for p in (a, b)),
+            "differences": outside[:20], "n_differences": len(outside),
+            "why": "" if not outside else f"{len(outside)} instruction(s) outside wait loops execute a different "
+                                          f"number of times, first #{outside[0]['index']} {outside[0]['sass']}: "
+                                          f"{outside[0]['a']} vs {outside[0]['b']}"}
