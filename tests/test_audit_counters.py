@@ -184,7 +184,12 @@ def test_per_instruction_parser_and_wait_loops():
     from dhp_backend.audit import counters_pc
 
     k = _source()
-    assert k["instrs"][3] == {"sass": "FFMA R2, R3, R4, R5", "executed": 4992}
+    assert k["instrs"][3]["sass"] == "FFMA R2, R3, R4, R5" and k["instrs"][3]["executed"] == 4992
+    # branch targets as offsets in the kernel: two processes load it at different addresses
+    assert k["instrs"][2]["sass"] == "@!P4 BRA .+0x60"
+    moved = counters_pc.parse_source_csv(_SOURCE_CSV.replace("0x7f00000000", "0x7e55555500").format(
+        n0=1, n1=1, n2=1, n3=1, n4=1, n6=0, n7=0, n8=0))[0]
+    assert [x["sass"] for x in moved["instrs"]] == [x["sass"] for x in k["instrs"]]
     # the try-wait, its branch, the retry block and its jump back; not the FFMA, EXIT or the trap loop
     assert counters_pc.wait_instructions([x["sass"] for x in k["instrs"]]) == {1, 2, 6, 7, 8}
 

@@ -64,8 +64,18 @@ def parse_source_csv(text: str) -> list[dict]:
             if "Source" not in col or EXECUTED not in col:
                 raise ValueError(f"ncu source page: no Source / {EXECUTED!r} column in {header[:8]}")
             v = row[col[EXECUTED]].replace(",", "").strip()
-            out[-1]["instrs"].append({"sass": row[col["Source"]].strip(), "executed": int(float(v)) if v else 0})
+            out[-1]["instrs"].append({"sass": row[col["Source"]].strip(), "executed": int(float(v)) if v else 0,
+                                      "address": int(row[col["Address"]], 16) if "Address" in col else None})
+    for k in out:  # branch targets print as absolute addresses: make them offsets in the kernel
+        base = k["instrs"][0]["address"] if k["instrs"] else None
+        if base is not None:
+            for x in k["instrs"]:
+                x["sass"] = _ADDR.sub(lambda m, b=base: f".+0x{int(m.group(0), 16) - b:x}"
+                                      if int(m.group(0), 16) >= b else m.group(0), x["sass"])
     return out
+
+
+_ADDR = re.compile(r"0x[0-9a-fA-F]{9,16}\b")  # a code address, not an immediate or a constant-bank offset
 
 
 def _parts(sass: str) -> tuple[str | None, str, list[str]]:
