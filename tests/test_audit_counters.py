@@ -169,14 +169,20 @@ _SOURCE_CSV = '''==PROF== noise the parser skips
 "0x7f0000000060","      SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [R8+UR4+0x28000], R5","0","{n6}","0"
 "0x7f0000000070","@!P4 BRA 0x7f0000000060","0","{n7}","0"
 "0x7f0000000080","      BRA 0x7f0000000030","0","{n8}","0"
+"0x7f0000000090","      WARPSYNC.ALL","0","{n9}","0"
+"0x7f00000000a0","      USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8","0","{n9}","0"
+"0x7f00000000b0","      PLOP3.LUT P0, PT, PT, PT, UP0, 0x80, 0x0","0","{n9}","0"
+"0x7f00000000c0","@!P0 BRA 0x7f0000000090","0","{n9}","0"
+"0x7f00000000d0","      YIELD","0","{n10}","0"
 '''
 
 
-def _source(n0=1248, n1=1248, n2=1248, n3=4992, n4=1248, n6=0, n7=0, n8=0):
+def _source(n0=1248, n1=1248, n2=1248, n3=4992, n4=1248, n6=0, n7=0, n8=0, n9=32, n10=5):
     from dhp_backend.audit import counters_pc
 
-    ks = counters_pc.parse_source_csv(_SOURCE_CSV.format(n0=n0, n1=n1, n2=n2, n3=n3, n4=n4, n6=n6, n7=n7, n8=n8))
-    assert len(ks) == 1 and "prefill_kernel" in ks[0]["kernel"] and len(ks[0]["instrs"]) == 9
+    ks = counters_pc.parse_source_csv(_SOURCE_CSV.format(n0=n0, n1=n1, n2=n2, n3=n3, n4=n4, n6=n6, n7=n7, n8=n8,
+                                                         n9=n9, n10=n10))
+    assert len(ks) == 1 and "prefill_kernel" in ks[0]["kernel"] and len(ks[0]["instrs"]) == 14
     return ks[0]
 
 
@@ -188,18 +194,24 @@ def test_per_instruction_parser_and_wait_loops():
     # branch targets as offsets in the kernel: two processes load it at different addresses
     assert k["instrs"][2]["sass"] == "@!P4 BRA .+0x60"
     moved = counters_pc.parse_source_csv(_SOURCE_CSV.replace("0x7f00000000", "0x7e55555500").format(
-        n0=1, n1=1, n2=1, n3=1, n4=1, n6=0, n7=0, n8=0))[0]
+        n0=1, n1=1, n2=1, n3=1, n4=1, n6=0, n7=0, n8=0, n9=1, n10=1))[0]
     assert [x["sass"] for x in moved["instrs"]] == [x["sass"] for x in k["instrs"]]
     # the try-wait, its branch, the retry block and its jump back; not the FFMA, EXIT or the trap loop
-    assert counters_pc.wait_instructions([x["sass"] for x in k["instrs"]]) == {1, 2, 6, 7, 8}
+    sass_ = [x["sass"] for x in k["instrs"]]
+    offsets = [x["address"] - k["instrs"][0]["address"] for x in k["instrs"]]
+    assert counters_pc.wait_instructions(sass_) == {1, 2, 6, 7, 8, 10, 11, 12}
+    # with offsets, whole wait-only loops: the WARPSYNC before setmaxnreg's retry too (a YIELD
+    # outside any wait loop stays counted)
+    assert counters_pc.wait_instructions(sass_, offsets) == {1, 2, 6, 7, 8, 9, 10, 11, 12}
 
 
 def test_per_instruction_rule_spins_differ_work_does_not():
     from dhp_backend.audit import counters_pc
 
-    calm, spun = _source(), _source(n6=37, n7=37, n8=5)
+    calm, spun = _source(), _source(n6=37, n7=37, n8=5, n9=40)
     r = counters_pc.compare(calm, spun)
-    assert r["ok"] and r["wait_executions_diff"] == 79 and r["wait_instructions"] == 5
+    assert r["ok"] and r["wait_executions_diff"] == 79 + 4 * 8 and r["wait_instructions"] == 9
+    assert not counters_pc.compare(calm, _source(n10=6))["ok"]  # the YIELD outside the loops counts
     more_work = _source(n3=4993)
     r = counters_pc.compare(calm, more_work)
     assert not r["ok"] and r["differences"][0]["index"] == 3 and "FFMA" in r["why"]

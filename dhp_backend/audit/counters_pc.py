@@ -89,8 +89,36 @@ def _parts(sass: str) -> tuple[str | None, str, list[str]]:
     return guard, op, [o.strip() for o in rest.split(",")] if rest.strip() else []
 
 
-def wait_instructions(sass: list[str]) -> set[int]:
-    """Indices of the instructions that belong to wait loops (module doc)."""
+# What a loop may hold and still be only a wait: the wait itself, predicate copies, branches,
+# and the scheduling hints ptxas puts in spin loops.
+_WAIT_BODY_OPS = _WAIT_OPS + ("PLOP3", "UPLOP3", "BRA", "YIELD", "WARPSYNC", "NOP", "NANOSLEEP")
+_TARGET = re.compile(r"\.\+0x([0-9a-f]+)")
+
+
+def wait_instructions(sass: list[str], offsets: list[int] | None = None) -> set[int]:
+    """Indices of the instructions that belong to wait loops (module doc). With the
+    instructions' ``offsets`` in the kernel (targets printed as ``.+0x..``), every loop
+    whose body holds a wait and nothing but `_WAIT_BODY_OPS` counts whole (ptxas puts a
+    WARPSYNC before setmaxnreg's retry and YIELDs in mbarrier retry blocks)."""
+    waits = _wait_chain(sass)
+    if offsets is not None:
+        at = {o: i for i, o in enumerate(offsets)}
+        for i, text in enumerate(sass):
+            _, op, ops = _parts(text)
+            m = _TARGET.search(text) if op.startswith("BRA") else None
+            j = at.get(int(m.group(1), 16)) if m else None
+            if j is None or j > i:
+                continue
+            body = range(j, i + 1)
+            ops_in = [_parts(sass[k])[1] for k in body]
+            if any(o.startswith(_WAIT_OPS) for o in ops_in) and all(o.startswith(_WAIT_BODY_OPS) for o in ops_in):
+                waits.update(body)
+    return waits
+
+
+def _wait_chain(sass: list[str]) -> set[int]:
+    """The wait instructions, the PLOP3 copies and branches on their predicates, and the
+    unconditional jump right after such a branch."""
     waits: set[int] = set()
     live: set[str] = set()  # predicates that hold a wait's "not yet"
     prev_retry = False
@@ -125,7 +153,9 @@ def compare(a: dict, b: dict) -> dict:
     sa, sb = [x["sass"] for x in a["instrs"]], [x["sass"] for x in b["instrs"]]
     if sa != sb:
         return {"ok": False, "why": f"different binaries ({len(sa)} vs {len(sb)} instructions)"}
-    waits = wait_instructions(sa)
+    base = a["instrs"][0].get("address") if a["instrs"] else None
+    offsets = [x["address"] - base for x in a["instrs"]] if base is not None else None
+    waits = wait_instructions(sa, offsets)
     outside, wait_diff = [], 0
     for i, (x, y) in enumerate(zip(a["instrs"], b["instrs"])):
         d = y["executed"] - x["executed"]
