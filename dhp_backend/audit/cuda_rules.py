@@ -29,6 +29,7 @@ policy ``off`` only, which is not constant-time by contract (design.md section
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 PUBLIC = frozenset({"tid", "pid", "param"})
@@ -116,8 +117,7 @@ def label_class(label: str) -> str:
 
 
 def match(file: str | None, text: str) -> CudaRule | None:
-    import os
-
+    """The rule for a source line (by file basename and the line's stripped text), or None."""
     base = os.path.basename(file or "")
     for r in RULES:
         if r.file == base and re.match(r.pattern, text):

@@ -137,7 +137,7 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
     ctl_by_scn = {s.name: ttirmod.analyse(ttir, s.assume, kernel) for s in spec.scenarios}
     arg_names = ttirmod.parse(ttir, kernel)[0]
     ptaint = ptxmod.Taint(ptx, [a[1:] for a in arg_names])
-    ptx_instrs = ptxmod.instructions(ptx)
+    ptx_instrs = ptxmod.instructions("\n".join(ptaint.lines))  # asm-scoped registers renamed as the taint has them
     funcs = sassmod.disassemble(cubin)
     f = funcs.get(kernel) or (next(iter(funcs.values())) if len(funcs) == 1 else None)
     if f is None:
