@@ -163,16 +163,8 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
             ok, detail = False, "subroutine call/return: a slow-path routine"
             slow.append({"index": ins.index, "instr": ins.text, "what": ins.base})
         elif not ins.predicate and not indirect:
-            if not ins.is_branching:
-                rule = "reconvergence"
-            elif ins.base == "EXIT":
-                rule = "exit"
-            elif ins.index > last_exit >= 0 and labels.get(ins.target) == ins.offset:
-                rule = "trap-loop"
-            elif ins.base in ("BRA", "JMP"):
-                rule = "jump"
-            else:
-                ok, detail = False, f"unpredicated {ins.base} with no generic rule"
+            rule, detail = sassmod.unpredicated_rule(ins, labels, last_exit)
+            ok = rule is not None
         elif indirect:
             ok, detail = False, "indirect branch"
         else:

@@ -163,16 +163,8 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
             ok, detail = False, "subroutine call/return: a slow-path routine (precise division, libdevice...)"
             slow.append({"where": "sass", "index": ins.index, "instr": ins.text, "what": ins.base, "at": w["at"]})
         elif not ins.predicate and not indirect:
-            if not ins.is_branching:
-                rule = "reconvergence"
-            elif ins.base == "EXIT":
-                rule = "exit"
-            elif ins.index > last_exit >= 0 and labels.get(ins.target) == ins.offset:
-                rule = "trap-loop"
-            elif ins.base in ("BRA", "JMP"):
-                rule = "jump"
-            else:
-                ok, detail = False, f"unpredicated {ins.base} with no generic rule"
+            rule, detail = sassmod.unpredicated_rule(ins, labels, last_exit)
+            ok = rule is not None
         else:
             p = rec["ptx"]
             pop = ptxmod.opcode(p).split(".")[0] if p else ""

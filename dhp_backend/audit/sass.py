@@ -152,6 +152,23 @@ def join_line_info(gi: dict[str, dict], gp: dict[str, dict] | None) -> dict[str,
     return out
 
 
+def unpredicated_rule(ins: Instr, labels: dict, last_exit: int) -> tuple[str | None, str]:
+    """(generic rule, "") for an unpredicated, direct control instruction, or (None, why not).
+
+    Shared by the Triton and the CUDA gates: reconvergence markers, EXIT, the trap
+    loop after the last EXIT (``last_exit``: its index, -1 if none) and plain jumps
+    choose no path on data."""
+    if not ins.is_branching:
+        return "reconvergence", ""
+    if ins.base == "EXIT":
+        return "exit", ""
+    if ins.index > last_exit >= 0 and labels.get(ins.target) == ins.offset:
+        return "trap-loop", ""
+    if ins.base in ("BRA", "JMP"):
+        return "jump", ""
+    return None, f"unpredicated {ins.base} with no generic rule"
+
+
 # --- running the tools ------------------------------------------------------------------------
 
 
