@@ -55,7 +55,7 @@ class Instance:
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE")
+_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "COPT")
 
 RULES = (
     CudaRule("locate-loop", "prefill_sm90.cu", r"^for \(int base = 1; base <= p\.num_seqs; base \+= kThreads\) \{$",
@@ -76,7 +76,8 @@ RULES = (
     CudaRule("run-init", "prefill_sm90.cu", r"^for \(int i = 0; i < 16; \+\+i\) run_smem\[", PUBLIC,
              "a constant trip count (16 float4 of running state per thread)"),
     CudaRule("fold", "prefill_sm90.cu",
-             r"^if \(\(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
+             r"^(const bool split_end = \(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps;"
+             r"|if \(split_end\) \{)", PUBLIC,
              "the fold at the end of each 512-position split: step index and the bucket's step count"),
     CudaRule("mbarrier-wait", "sm90_primitives.cuh", r"^\} while \(!done\);$", PUBLIC | {"mbarrier"},
              "mbar_wait's retry loop: it spins until a barrier phase completes. The phase completes on a fixed "
@@ -98,7 +99,10 @@ def instance(mangled: str) -> Instance | None:
         return None
     tail = mangled[k + len(kernel):]
     args = tuple(int(m[2:-1]) for m in _MANGLED_ARGS.findall(tail.split("EEv", 1)[0] + "E"))
-    if kernel == "prefill_kernel" and len(args) == len(_PREFILL_ARGS):
+    if kernel == "prefill_kernel" and len(args) != len(_PREFILL_ARGS):  # fail closed: a new template
+        return Instance(kernel, args, True, frozenset(),  # flag the table does not name yet gates
+                        f"{len(args)} template arguments, the table names {len(_PREFILL_ARGS)}: gated until it does")
+    if kernel == "prefill_kernel":
         named = dict(zip(_PREFILL_ARGS, args))
         if named["CT"]:
             if named["LMODE"] == 0:
