@@ -81,58 +81,8 @@ __device__ __forceinline__ float select_ex2(float a, float m) {
   return r;
 }
 
-// Row sum of one 64-column half for one row, from this thread's 8 column-pair
-// sums x[i] (group i = columns 8i..8i+7), in the Triton kernels' order: per group
-// own pair + lane^2, + lane^1, then the 8 groups pairwise. The result is the same
-// in the row's 4 lanes. RS picks how the cross-lane adds are scheduled:
-//   kRowSumButterfly   every lane computes every group (16 shuffles).
-//   kRowSumTransposed  the lanes split the groups: after the lane^2 exchange a
-//                      lane holds 4 groups (those with bit 2 = its lane bit 1),
-//                      after lane^1 two (a tree sibling pair), then two
-//                      butterfly levels join the pairs (8 shuffles). Every add
-//                      has the same two operands as in the butterfly (fadd is
-//                      commutative bit for bit), so the bits are the same.
-//   kRowSumDiagLocal   no cross-lane adds: WRONG sums, a timing diagnostic only.
-enum RowSum { kRowSumButterfly = 0, kRowSumTransposed = 1, kRowSumDiagLocal = 2 };
-
-template <int RS>
-__device__ __forceinline__ float row_sum_64(const float (&x)[8], int lane) {
-  auto tree = [](const float (&g)[8]) {
-    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
-                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
-  };
-  if constexpr (RS == kRowSumDiagLocal) {
-    return tree(x);
-  } else if constexpr (RS == kRowSumTransposed) {
-    const bool hi4 = lane & 2, hi2 = lane & 1;
-    float y[4], z[2];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {  // groups 4*hi4 + k, completed over lane^2
-      const float keep = hi4 ? x[4 + k] : x[k], send = hi4 ? x[k] : x[4 + k];
-      y[k] = __fadd_rn(keep, __shfl_xor_sync(0xffffffff, send, 2));
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {  // groups 4*hi4 + 2*hi2 + j, completed over lane^1
-      const float keep = hi2 ? y[2 + j] : y[j], send = hi2 ? y[j] : y[2 + j];
-      z[j] = __fadd_rn(keep, __shfl_xor_sync(0xffffffff, send, 1));
-    }
-    float t = __fadd_rn(z[0], z[1]);                          // g01 | g23 | g45 | g67
-    t = __fadd_rn(t, __shfl_xor_sync(0xffffffff, t, 1));      // g0123 | g4567
-    return __fadd_rn(t, __shfl_xor_sync(0xffffffff, t, 2));   // the row's sum
-  } else {
-    float g[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float y = __fadd_rn(x[i], __shfl_xor_sync(0xffffffff, x[i], 2));
-      g[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
-    }
-    return tree(g);
-  }
-}
-
 // One 64-column half: mask, online-softmax update of (m, l), p in place; the
 // alphas for the running output come back.
-template <int RS = kRowSumButterfly>
 __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
                                                int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
                                                float& l_hi, float& a_lo, float& a_hi) {
@@ -157,18 +107,25 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
   a_hi = select_ex2(m_hi, new_hi);
   m_lo = new_lo;
   m_hi = new_hi;
-  float x_lo[8], x_hi[8];
+  float g_lo[8], g_hi[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
     s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
     s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
     s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
-    x_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
-    x_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+    float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+    x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+    y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
+    g_lo[i] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+    g_hi[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
   }
-  l_lo = __fmaf_rn(l_lo, a_lo, row_sum_64<RS>(x_lo, lane));
-  l_hi = __fmaf_rn(l_hi, a_hi, row_sum_64<RS>(x_hi, lane));
+  auto tree = [](const float (&g)[8]) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
+                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
+  };
+  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
+  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
 }
 
 __device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {

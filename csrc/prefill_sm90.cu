@@ -678,20 +678,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 // halves, instead of two m64n64 batches (each element is the same dot product;
 // measured bit-equal to Triton's m64n64 on the H200, and 4-5 % faster; ops'
 // "compat" is this form).
-// Schedules of the compat arithmetic (OPT bits; the same operations on the same
-// operands, so the same bits, except the diagnostic):
-//   kCompatSplitSoftmax  the second half's softmax runs while the first half's PV
-//                        wgmma is in flight (it does not touch the accumulator).
-//   kCompatRowSumT       the row sums' cross-lane adds transposed (row_sum_64):
-//                        8 shuffles per row and half instead of 16.
-//   kCompatLateWait      the second PV is waited for at the next step's QK^T wait
-//                        (its V stage released there), not at the end of its own
-//                        step; a split's last step still waits for its fold.
-//   kCompatDiagLocalSum  row sums without the cross-lane adds: WRONG results, for
-//                        timing by difference only.
-constexpr int kCompatSplitSoftmax = 1, kCompatRowSumT = 2, kCompatLateWait = 4, kCompatDiagLocalSum = 8;
-
-template <bool BF16, int STAGES, bool S_N128, bool CT = false, int OPT = 0>
+template <bool BF16, int STAGES, bool S_N128, bool CT = false>
 __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh, int g) {
   using L = Layout<STAGES>;
@@ -730,13 +717,6 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   float (&sb)[32] = *reinterpret_cast<float(*)[32]>(&s[32]);
   uint32_t pa[16], pb[16];
 
-  constexpr int RS = (OPT & kCompatDiagLocalSum) ? kRowSumDiagLocal
-                     : (OPT & kCompatRowSumT)     ? kRowSumTransposed
-                                                  : kRowSumButterfly;
-  constexpr bool SPLIT = OPT & kCompatSplitSoftmax, LATE = OPT & kCompatLateWait;
-  static_assert(!CT || (OPT & (kCompatLateWait | kCompatDiagLocalSum)) == 0, "CT: the same-bits schedules only");
-  int v_pending = -1;  // LATE: the V stage whose second PV has not been waited for
-
   mbar_wait(bar.q_full(), 0);
   for (int t = 0; t < w.n_steps; ++t) {
     const int st = t % STAGES;
@@ -761,31 +741,24 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
       }
     }
     wgmma_commit();
-    wgmma_wait<0>();  // LATE: also the previous step's second PV
+    wgmma_wait<0>();
     pin(s);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar.k_empty(st));
-    if constexpr (LATE) {
-      pin(acc);
-      if (v_pending >= 0 && lane == 0) mbar_arrive(bar.v_empty(v_pending));
-      v_pending = -1;
-    }
 
     const int kv0 = t * kCols;
     float aa_lo, aa_hi, ab_lo, ab_hi;
     // CT: every step masked (the mask is a select; which steps need it is secret).
-    compat_softmax<RS>(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo,
-                       l_hi, aa_lo, aa_hi);
+    compat_softmax(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
+                   aa_lo, aa_hi);
     // CT: the second half waits for the first (its scale carries + 0 * l, l finite): with
     // every step masked the two halves are straight-line code that ptxas interleaves
     // into local-memory spills; the off binary's mask branch keeps them apart.
     const float scale_b = CT ? __fadd_rn(p.scale_log2, __fmul_rn(l_lo, 0.f)) : p.scale_log2;
-    if constexpr (!SPLIT) {
-      compat_softmax<RS>(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
-                         l_hi, ab_lo, ab_hi);
-      pack_p<BF16, 32>(sb, pb);
-    }
+    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
+                   l_hi, ab_lo, ab_hi);
     pack_p<BF16, 32>(sa, pa);
+    pack_p<BF16, 32>(sb, pb);
 
     if constexpr (CT) {
       mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
@@ -802,11 +775,6 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
       wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
     }
     wgmma_commit();
-    if constexpr (SPLIT) {  // under the first PV: the second half's softmax (no accumulator in it)
-      compat_softmax<RS>(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi,
-                         l_lo, l_hi, ab_lo, ab_hi);
-      pack_p<BF16, 32>(sb, pb);
-    }
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
@@ -818,18 +786,13 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
       wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
     }
     wgmma_commit();
-    const bool split_end = (t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps;
-    if (!LATE || split_end) {
-      wgmma_wait<0>();
-      pin(acc);
-      pin(pb);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.v_empty(st));
-    } else {
-      v_pending = st;
-    }
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pb);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.v_empty(st));
 
-    if (split_end) {  // end of a 512-position split: fold
+    if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
       if constexpr (CT) {  // fold_rows, element for element, on the shared-memory state
         const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
 #pragma unroll
@@ -866,7 +829,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 }
 
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, int COPT = 0>
+          bool CT = false, int LMODE = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -902,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       regs_alloc<232>();
-      consume_compat<BF16, STAGES, S_N128, true, COPT>(p, w, smem_ptr, smem, bar, kvh, g);
+      consume_compat<BF16, STAGES, S_N128, true>(p, w, smem_ptr, smem, bar, kvh, g);
     }
     return;
   }
@@ -930,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     regs_alloc<232>();
     if constexpr (COMPAT)
-      consume_compat<BF16, STAGES, S_N128, false, COPT>(p, w, smem_ptr, smem, bar, kvh, g);
+      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh, g);
     else
       consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
   }
@@ -938,10 +901,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host ----------------------------------------------------------------------
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, int COPT = 0>
+          bool CT = false, int LMODE = 0>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE, COPT>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE>;
   constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -969,29 +932,6 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
   // a few seconds of nvcc on first use instead of ~20).
   return -5;
 #else
-  // 40 + OPT: compat (code 33) with the consume_compat schedule bits OPT, 60 + OPT:
-  // compat_n64 (32) with them (measured variants; the bits are Triton's except
-  // kCompatDiagLocalSum's).
-  switch (variant) {
-    case 41: return launch<BF16, false, false, 2, 0, true, true, false, 0, 1>(tq, tk, tv, p, grid, st);
-    case 42: return launch<BF16, false, false, 2, 0, true, true, false, 0, 2>(tq, tk, tv, p, grid, st);
-    case 43: return launch<BF16, false, false, 2, 0, true, true, false, 0, 3>(tq, tk, tv, p, grid, st);
-    case 45: return launch<BF16, false, false, 2, 0, true, true, false, 0, 5>(tq, tk, tv, p, grid, st);
-    case 47: return launch<BF16, false, false, 2, 0, true, true, false, 0, 7>(tq, tk, tv, p, grid, st);
-    case 48: return launch<BF16, false, false, 2, 0, true, true, false, 0, 8>(tq, tk, tv, p, grid, st);
-    case 49: return launch<BF16, false, false, 2, 0, true, true, false, 0, 9>(tq, tk, tv, p, grid, st);
-    case 61: return launch<BF16, false, false, 2, 0, true, false, false, 0, 1>(tq, tk, tv, p, grid, st);
-    case 63: return launch<BF16, false, false, 2, 0, true, false, false, 0, 3>(tq, tk, tv, p, grid, st);
-    default: break;
-  }
-  // 50 + OPT: the CT binary (code 34, one bucket: l_mode 0) with schedule bits OPT.
-  if (variant > 50 && variant < 54 && p.l_mode != 0) return -5;
-  switch (variant) {
-    case 51: return launch<BF16, false, false, 2, 0, true, false, true, 0, 1>(tq, tk, tv, p, grid, st);
-    case 52: return launch<BF16, false, false, 2, 0, true, false, true, 0, 2>(tq, tk, tv, p, grid, st);
-    case 53: return launch<BF16, false, false, 2, 0, true, false, true, 0, 3>(tq, tk, tv, p, grid, st);
-    default: break;
-  }
   if (variant >= 8) {
     if (!BF16) return -5;
     if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
@@ -1024,9 +964,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
 // 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T,
 // 34 that arithmetic on the constant-time walk (CT: l_mode .. sink are its
-// arguments, ignored by the others; -8 when they are out of range); measured
-// schedules of the same arithmetic (full build only): 40 + OPT compat (33), 60 + OPT
-// compat_n64 (32), 50 + OPT the CT binary (34, l_mode 0), OPT the consume_compat bits. qk_scale = softmax scale * log2(e)
+// arguments, ignored by the others; -8 when they are out of range). qk_scale = softmax scale * log2(e)
 // as the caller computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
@@ -1090,7 +1028,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.q_magic = q_magic;
   p.sink = sink;
   if (p.num_tiles > 65535) return -6;
-  if ((variant == 34 || (variant > 50 && variant < 54)) && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
+  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);

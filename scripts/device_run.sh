@@ -6,7 +6,6 @@
 #   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_prefill.py; CUDAPF_ARGS)
-#   pfsched   compat schedule experiments: probe, bench, CT bench, then the GPU tests (CUDAPF_ARGS, CUDAPF_CT_ARGS)
 #   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (bench/triton_ceiling.py; CEIL_ARGS)
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
@@ -64,15 +63,6 @@ for step in "$@"; do
                     | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
                   timeout ${CUDAPF_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudapf.log" | tail -45; } ;;
-    pfsched) # compat schedule experiments: probe, bench (CUDAPF_ARGS), the CT bench (CUDAPF_CT_ARGS, e.g.
-             # --bucket 8192 ...), then the GPU tests (bits of every schedule vs Triton).
-             timeout 240 python3 -m dhp_backend.bench.cuda_prefill --probe 2>&1 | tee "$OUT/cudapf-probe.log" | tail -8 \
-             && { timeout ${CUDAPF_BENCH_S:-240} python3 -m dhp_backend.bench.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
-                    | tee "$OUT/cudapf.log" | tail -60
-                  [ -n "${CUDAPF_CT_ARGS:-}" ] && timeout ${CUDAPF_CT_S:-150} python3 -m dhp_backend.bench.cuda_prefill \
-                    ${CUDAPF_CT_ARGS} --out "$OUT/ct" 2>&1 | tee "$OUT/cudapf-ct.log" | tail -30
-                  timeout ${CUDAPF_TEST_S:-200} python3 -m pytest -q -m gpu tests/test_cuda_prefill_gpu.py -x -p no:cacheprovider 2>&1 \
-                    | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12; } ;;
     cudadec) # As cudapf: every part under its own timeout.
              timeout 240 python3 -m dhp_backend.bench.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
              && { timeout ${CUDADEC_TEST_S:-240} python3 -m pytest -q -m gpu tests/test_cuda_decode_gpu.py -x -p no:cacheprovider 2>&1 \

@@ -55,7 +55,7 @@ class Instance:
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "COPT")
+_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE")
 
 RULES = (
     CudaRule("locate-loop", "prefill_sm90.cu", r"^for \(int base = 1; base <= p\.num_seqs; base \+= kThreads\) \{$",
@@ -76,8 +76,7 @@ RULES = (
     CudaRule("run-init", "prefill_sm90.cu", r"^for \(int i = 0; i < 16; \+\+i\) run_smem\[", PUBLIC,
              "a constant trip count (16 float4 of running state per thread)"),
     CudaRule("fold", "prefill_sm90.cu",
-             r"^(const bool split_end = \(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps;"
-             r"|if \(split_end\) \{)", PUBLIC,
+             r"^if \(\(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
              "the fold at the end of each 512-position split: step index and the bucket's step count"),
     CudaRule("mbarrier-wait", "sm90_primitives.cuh", r"^\} while \(!done\);$", PUBLIC | {"mbarrier"},
              "mbar_wait's retry loop: it spins until a barrier phase completes. The phase completes on a fixed "

@@ -68,21 +68,10 @@ _CODES = {COMPAT: 33, "compat_n64": 32}
 # It is compat_n64's QK^T form (the n128 form spilled in this binary).
 COMPAT_CT = "compat_ct"
 _CT_CODES = {COMPAT_CT: 34}
-# Schedules of compat measured against it (csrc consume_compat's OPT bits, code
-# 40 + OPT, full build only): the second half's softmax under the first PV
-# ("split"), the row sums' cross-lane adds transposed ("rst": half the shuffles),
-# the second PV waited for at the next step ("late"). The same operations on the
-# same operands: the bench compares their bits with the Triton kernel's.
-COMPAT_SCHEDULES = {"compat_split": 41, "compat_rst": 42, "compat_split_rst": 43, "compat_split_late": 45,
-                    "compat_split_rst_late": 47, "compat_n64_split": 61, "compat_n64_split_rst": 63}
-# Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads, and compat's
-# kCompatDiagLocalSum: row sums without their cross-lane adds): WRONG results on
-# purpose, for the bench's "where the time goes" rows; the plain ones bf16 only.
-DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24,
-                       "diag_compat_localsum": 48, "diag_compat_split_localsum": 49}
-# The same schedules of the constant-time binary (code 50 + OPT, one bucket only).
-CT_SCHEDULES = {"compat_ct_split": 51, "compat_ct_rst": 52, "compat_ct_split_rst": 53}
-_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES, **_CT_CODES, **COMPAT_SCHEDULES, **CT_SCHEDULES}
+# Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
+# results on purpose, bf16 only, for the bench's "where the time goes" rows.
+DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
+_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES, **_CT_CODES}
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
@@ -183,15 +172,13 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
     if variant not in _ALL_CODES:
         _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT, COMPAT_CT]))
-    ct = variant in _CT_CODES or variant in CT_SCHEDULES
+    ct = variant in _CT_CODES
     if ct != (bucket is not None):
         _fail("bucket", "given" if bucket is not None else "missing",
               f"a bucket with variant {COMPAT_CT!r} and none with the others")
     if ct:
         l_mode, l_scalar, bucket_t = _ct_bucket(bucket, seq_lens.shape[0], block_table.shape[1] * key_cache.shape[2],
                                                 query.device)
-        if l_mode != 0 and variant in CT_SCHEDULES:
-            _fail("bucket", "per-request buckets", f"one int bucket with the measured schedule {variant!r}")
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
