@@ -281,11 +281,14 @@ def _child_run(args, spec) -> dict:
     status = "ok" if wrong == 0 and len(outs) == len(prompts) else (
         f"wrong output length: {wrong} of {len(outs)} requests not {args.output_len} tokens "
         f"(min {min(lengths, default=0)}, max {max(lengths, default=0)})")
-    dhp_path = None
+    dhp_path = dhp_kernels = None
     if spec["backend"] == "DHP":
         trace = _read_trace(os.environ.get("DHP_TRACE_FILE"))
         paths = sorted({t.get("path") for t in trace if t.get("event") == "forward"})
         dhp_path = ",".join(p for p in paths if p) or None
+        # Which kernels the steps ran (ops' kernel events: cuda_decode, cuda_prefill, triton...);
+        # the path alone names the family the backend asked for, not what ran.
+        dhp_kernels = ",".join(sorted({str(t.get("kernel")) for t in trace if t.get("event") == "kernel"})) or None
         if dhp_path is None and status == "ok":
             status = "failed: DHP did not run in the engine (no DHP forward traced)"
         ran = sorted({t.get("policy") for t in trace if t.get("event") == "forward"})
@@ -312,6 +315,7 @@ def _child_run(args, spec) -> dict:
         "prompts_hash": tokens_hash(prompts),
         "max_model_len": engine.get("max_model_len", args.max_model_len),
         "dhp_path": dhp_path,
+        "dhp_kernels": dhp_kernels,
         "engine": engine,
         "device_name": device_name,
         "vllm_version": vllm.__version__,
@@ -667,6 +671,12 @@ def _dist_version(*names) -> str | None:
     return None
 
 
+def _path_and_kernels(row: dict) -> str:
+    """``triton (cuda_decode,cuda_prefill,triton)``: the DHP path and the kernels its steps ran."""
+    path = row.get("dhp_path") or "-"
+    return f"{path} ({row['dhp_kernels']})" if row.get("dhp_kernels") else path
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -683,7 +693,7 @@ def markdown(report: dict) -> str:
         f"graphs: {w['cudagraph']}.",
         "",
         "| config | backend | policy | BI | status | output tok/s | total tok/s | ratio | vs | elapsed s "
-        "| init s | DHP path | tokens hash |",
+        "| init s | DHP path (kernels) | tokens hash |",
         "|---|---|---|---|---|---:|---:|---:|---|---:|---:|---|---|",
     ]
     for r in report["results"]:
@@ -694,7 +704,7 @@ def markdown(report: dict) -> str:
             f"| {name} | {r['backend']} | {r['policy'] or '-'} | {'yes' if r['batch_invariant'] else 'no'} "
             f"| {status} | {_fmt(r.get('output_tok_per_s'), ',.0f')} | {_fmt(r.get('total_tok_per_s'), ',.0f')} "
             f"| {_fmt(ratio.get('ratio'), '.3f')} | {ratio.get('baseline', '-')} | {_fmt(r.get('elapsed_s'), '.2f')} "
-            f"| {_fmt(r.get('init_s'), '.0f')} | {r.get('dhp_path') or '-'} | {r.get('tokens_hash') or '-'} |")
+            f"| {_fmt(r.get('init_s'), '.0f')} | {_path_and_kernels(r)} | {r.get('tokens_hash') or '-'} |")
     if report.get("targets"):
         lines += ["", "Targets (issue): " + "; ".join(
             f"{t['config']} >= {t['target']}x {t['baseline']}: "
@@ -792,7 +802,7 @@ def parent_main(args: argparse.Namespace) -> int:
                   f"{row['total_tok_per_s']:,.0f} total tok/s, {row['elapsed_s']:.2f} s timed, "
                   f"init {row['init_s']:.0f} s, wall {row['wall_s']:.0f} s"
                   + (f", {ratio:.3f}x {report['ratios'][spec['config']]['baseline']}" if ratio else "")
-                  + (f", DHP path {row.get('dhp_path')}" if row.get("dhp_path") else "")
+                  + (f", DHP path {_path_and_kernels(row)}" if row.get("dhp_path") else "")
                   + f", hash {row['tokens_hash']}", flush=True)
         else:
             print(f"[{i + 1}/{len(specs)}] {spec['config']}: {row['status']} (wall {row['wall_s']:.0f} s, "

@@ -83,6 +83,7 @@ def test_cpu_run_schema_and_rows(cpu_report):
     assert (rows["dhp-off"]["backend"], rows["dhp-off"]["policy"]) == ("DHP", "off")
     assert rows["cpu-attn"]["dhp_path"] is None  # the baseline really is vLLM's own backend
     assert rows["dhp-off"]["dhp_path"] == "reference"  # DHP ran in the engine (its trace says so)
+    assert rows["dhp-off"]["dhp_kernels"] is None  # the reference path traces no kernel events
     # the same prompts for every configuration
     assert rows["cpu-attn"]["prompts_hash"] == rows["dhp-off"]["prompts_hash"]
     assert rows["cpu-attn"]["prompt_tokens"] == rows["dhp-off"]["prompt_tokens"]
@@ -147,6 +148,14 @@ def test_ratios_without_baseline_row_are_none():
                              {**et.parse_config("dhp-off", "cpu"), "status": "ok", "output_tok_per_s": 5.0}],
                             "cpu-attn")
     assert cpu["dhp-off"] == {"baseline": "cpu-attn", "ratio": 0.5}
+
+
+def test_path_and_kernels_column():
+    """The markdown's DHP column names the kernels the steps ran (traced), not only the path asked for."""
+    assert et._path_and_kernels({"dhp_path": "triton", "dhp_kernels": "cuda_decode,cuda_prefill,triton"}) == \
+        "triton (cuda_decode,cuda_prefill,triton)"
+    assert et._path_and_kernels({"dhp_path": "reference", "dhp_kernels": None}) == "reference"
+    assert et._path_and_kernels({}) == "-"
 
 
 def test_hash_groups():
