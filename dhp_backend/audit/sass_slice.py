@@ -102,6 +102,32 @@ def _is_control_flow_boundary(ins) -> bool:
     return ins.base in ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSYNC", "WARPSYNC")
 
 
+def _slice_step(ins, need: set) -> tuple[set, bool] | str:
+    """One instruction of a backward slice: the registers still to resolve above ``ins``
+    (``need`` below it) and whether ``ins`` defined some of them; or, as a string, why the
+    slice cannot go on (an unknown instruction that mentions one, a load or a shuffle)."""
+    opcode, ops = _operands(ins.text)
+    known = destinations(opcode, ops)
+    if known is None:
+        mentioned = {r for o in ops for r in _REG_RE.findall(o)}
+        if need & mentioned:
+            return f"#{ins.index} {ins.text}: unknown destinations of {opcode.split('.')[0]}"
+        return set(need), False
+    dests, n_dest_operands = known
+    written = need & set(dests)
+    if not written:
+        return set(need), False
+    if opcode.split(".")[0] in _SECRET_SOURCES:
+        return f"#{ins.index} {ins.text}: {sorted(written)} comes from memory or another lane"
+    sources = {r for o in ops[n_dest_operands:] for r in _regs(o)}
+    out = set(need)
+    if ins.predicate:  # a guarded definition: the old value may survive, and the guard matters
+        sources |= {ins.predicate.lstrip("!")} | written
+    else:
+        out -= written
+    return out | (sources - _PUBLIC_CONSTANT_REGS), True
+
+
 def public_predicate(instrs: list, labels: dict, branch) -> tuple[bool, str]:
     """Whether ``branch``'s guard predicate is computed from public values only (see module doc).
 
@@ -123,26 +149,12 @@ def public_predicate(instrs: list, labels: dict, branch) -> tuple[bool, str]:
         ins = instrs[i]
         if _is_control_flow_boundary(ins):
             return False, f"control flow at #{ins.index} ({ins.text}) with {sorted(need)} unresolved"
-        opcode, ops = _operands(ins.text)
-        known = destinations(opcode, ops)
-        mentioned = {r for o in ops for r in _REG_RE.findall(o)}
-        if known is None:
-            if need & mentioned:
-                return False, f"#{ins.index} {ins.text}: unknown destinations of {opcode.split('.')[0]}"
-            continue
-        dests, n_dest_operands = known
-        written = need & set(dests)
-        if not written:
-            continue
-        if opcode.split(".")[0] in _SECRET_SOURCES:
-            return False, f"#{ins.index} {ins.text}: {sorted(written)} comes from memory or another lane"
-        sources = {r for o in ops[n_dest_operands:] for r in _regs(o)}
-        if ins.predicate:  # a guarded definition: the old value may survive, and the guard matters
-            sources |= {ins.predicate.lstrip("!")} | written
-        else:
-            need -= written
-        need |= sources - _PUBLIC_CONSTANT_REGS
-        trail.append(f"#{ins.index} {ins.text}")
+        step = _slice_step(ins, need)
+        if isinstance(step, str):
+            return False, step
+        need, defined = step
+        if defined:
+            trail.append(f"#{ins.index} {ins.text}")
     return True, "predicate from kernel parameters / thread and program indices only: " + " <- ".join(trail)
 
 
@@ -199,24 +211,12 @@ def public_predicate_cfg(instrs: list, labels: dict, branch, max_states: int = 5
             waits.add(j)
             nxt.discard(ops[0].lstrip("!"))
         elif not ins.is_control:
-            known = destinations(opcode, ops)
-            mentioned = {r for o in ops for r in _REG_RE.findall(o)}
-            if known is None:
-                if need & mentioned:
-                    return False, f"#{j} {ins.text}: unknown destinations of {opcode.split('.')[0]}"
-            else:
-                dests, n_dest = known
-                written = need & set(dests)
-                if written:
-                    if opcode.split(".")[0] in _SECRET_SOURCES:
-                        return False, f"#{j} {ins.text}: {sorted(written)} comes from memory or another lane"
-                    sources = {r for o in ops[n_dest:] for r in _regs(o)}
-                    if ins.predicate:
-                        sources |= {ins.predicate.lstrip("!")} | written
-                    else:
-                        nxt -= written
-                    nxt |= sources - _PUBLIC_CONSTANT_REGS
-                    defs.add(j)
+            step = _slice_step(ins, nxt)
+            if isinstance(step, str):
+                return False, step
+            nxt, defined = step
+            if defined:
+                defs.add(j)
         if not nxt:
             continue
         ps = preds(j)
