@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -64,6 +65,36 @@ def cuda_fn(st, variant, mode=None, order=None):
     return lambda: decode_sm90(*args, **kw, check=False)
 
 
+def _short_kernel_name(name: str) -> str:
+    """``void dhp::(anonymous namespace)::merge_kernel<true>(...)`` -> ``merge_kernel``."""
+    head = name.replace("(anonymous namespace)::", "").removeprefix("void ").split("(", 1)[0].split("<", 1)[0]
+    head = head.rsplit("::", 1)[-1] or name[:60]
+    if head == "device_kernel":  # CUTLASS's wrapper (FA3): name the kernel class inside it
+        inner = re.findall(r"(\w*(?:FlashAttn|Combine|combine)\w*)", name)
+        head = f"device_kernel<{inner[-1]}>" if inner else head
+    return head
+
+
+def kernel_times(replays, n: int = 20) -> dict[str, float]:
+    """Device time per kernel (us per call) over ``n`` replays (CUPTI reports a graph's
+    kernels one by one), summed by short kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            replays[i % len(replays)]()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            us = getattr(ev, "device_time", None)
+            us = ev.cuda_time if us is None else us
+            k = _short_kernel_name(ev.name)
+            out[k] = out.get(k, 0.0) + us / n
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
 def _cuda_variant(name: str):
     """``cuda_<variant>[:grid|:lpt]`` -> (variant, order), or None for another name."""
     v, _, o = name[5:].partition(":")
@@ -103,6 +134,9 @@ def main(argv=None):
                     help="cache of N x the used blocks, used ones scattered over it (a serving engine's cache)")
     ap.add_argument("--interleaved", action="store_true",
                     help="K and V of a (block, head) side by side, the DHP vLLM backend's cache layout")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile graph replays per kernel (torch.profiler): where a row's time goes "
+                         "(split kernel, merge, schedule; FA3's kernels), and the gaps between them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -113,9 +147,14 @@ def main(argv=None):
     from dhp_backend.bench.timer import CudaTimer, capture_graphs
     timer = CudaTimer(reps=args.reps, warmup=3)
 
+    profiled: dict = {}
+
     def graph_median_ms(fns):  # decode launches are microseconds: time CUDA-graph replays
         replays, _, graphs = capture_graphs(fns)
         ms = timer.measure(replays).median_ms
+        profiled.clear()
+        if args.kernels:
+            profiled.update(kernel_times(replays))
         del graphs
         return ms
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -142,6 +181,8 @@ def main(argv=None):
                     raise LookupError(f"unknown variant {name}")
                 diag = name.startswith("cuda_") and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms, diagnostic=diag)
+                if profiled:
+                    row["kernels_us"] = dict(profiled)
                 if o is not None:
                     outs[name] = o
                 if row["us"]:
@@ -169,6 +210,13 @@ def main(argv=None):
         er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
         print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {r.get('bits_equal_triton', '')} "
               f"{r.get('error', '')}")
+    if args.kernels:
+        print("\nwhere the time goes (us per call, graph replay; gap = replay time - the kernels' sum)")
+        for r in rows:
+            if r.get("kernels_us") and r["us"]:
+                ks = r["kernels_us"]
+                print(f"{r['shape']:10s} {r['variant']:14s} replay {r['us']:8.1f}  kernels {sum(ks.values()):8.1f}  "
+                      f"gap {r['us'] - sum(ks.values()):6.1f}  " + ", ".join(f"{k} {v:.1f}" for k, v in ks.items()))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, spread=args.spread,
