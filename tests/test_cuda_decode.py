@@ -2,6 +2,7 @@
 is accepted; ops.step_kernel routes exactly the policy-off decode steps to it; the
 csrc kernel compiles for sm_90a where nvcc exists."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,60 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
     assert not longest_first(fold, 133, 8)  # past 4 waves the tail is short: not worth the launch
     assert not longest_first(fold, 33, 8)  # 264 CTAs: one wave, nothing to reorder
     assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking
+
+
+def _select_ex2(a, m):
+    """compat_arith.select_ex2 in float32: a == m ? 1 : 2^(a - m)."""
+    with np.errstate(all="ignore"):
+        return np.where(a == m, np.float32(1), np.exp2((a - m).astype(np.float32))).astype(np.float32)
+
+
+def _coefficients_sequential(m):
+    """merge_kernel's fold_stats chain: the (al, be) of each split, left to right from kMInit."""
+    mr, al, be = np.float32(-3.4028234663852886e38), [], []
+    for ms in m:
+        m2 = np.fmax(mr, ms)
+        al.append(_select_ex2(mr, m2))
+        be.append(_select_ex2(ms, m2))
+        mr = m2
+    return np.array(al, np.float32), np.array(be, np.float32)
+
+
+def _coefficients_scanned(m, chunk=64):
+    """The latency-scheduled merge_kernel: per chunk of splits, the running max by a
+    32-lane Hillis-Steele scan (shfl_up) with a carry, then every (al, be) at once."""
+    carry, al, be = np.float32(-3.4028234663852886e38), [], []
+    for c0 in range(0, len(m), chunk):
+        mc, start = m[c0:c0 + chunk], carry  # start: the running max before this chunk (mr_carry)
+        mr = np.empty_like(mc)
+        for base in range(0, len(mc), 32):
+            v = np.full(32, -np.inf, np.float32)
+            n = min(32, len(mc) - base)
+            v[:n] = mc[base:base + n]
+            o = 1
+            while o < 32:
+                v = np.concatenate([v[:o], np.fmax(v[o:], v[:-o])])  # lanes >= o take fmax(own, lane - o)
+                o *= 2
+            v = np.fmax(v, carry)
+            mr[base:base + n] = v[:n]
+            carry = v[31]
+        before = np.concatenate([[start], mr[:-1]]).astype(np.float32)
+        al.append(_select_ex2(before, mr))
+        be.append(_select_ex2(mc, mr))
+    return np.concatenate(al), np.concatenate(be)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_coefficients_scanned_equal_the_sequential_fold(seed):
+    """The decode merge computes the running max by a scan and every split's fold
+    coefficients at once; the coefficients must be the sequential fold's, bit for
+    bit, also with NaN states, zeros of both signs, -inf and repeated maxima."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.choice([1, 7, 31, 32, 33, 64, 65, 100, 130]))
+    m = (rng.standard_normal(n) * 4).astype(np.float32)
+    special = np.array([np.nan, 0.0, -0.0, -np.inf, -3.4028234663852886e38, m.max() if n else 0], np.float32)
+    mask = rng.random(n) < 0.3
+    m[mask] = rng.choice(special, mask.sum())
+    seq, scan = _coefficients_sequential(m), _coefficients_scanned(m)
+    for a, b in zip(seq, scan):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (m, a, b)
