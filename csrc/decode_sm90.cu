@@ -79,7 +79,12 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //   kDiagNoLoads    diagnostic, WRONG on purpose: after the first STAGES steps the
 //                   producer releases stages without loading them (the consumer
 //                   recomputes stale tiles): the consumer's own rate.
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4;
+//   kEvictFirst     K/V TMA loads with an L2 evict_first policy: the cache is read
+//                   once per step, and the split states (written during the walk,
+//                   read by the merge) then stay in L2 instead of being pushed to
+//                   HBM by the stream (the merge read them at 0.4-1 TB/s, L2 hit
+//                   rate 12-19 %: ncu, docs/perf-notes.md change 24).
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8;
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -215,6 +220,14 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   auto split_ids = [&](int s) {
     return lane < pages_per_split ? table[min(s * pages_per_split + lane, last_page)] : 0;
   };
+  // K/V loads: with kEvictFirst, an L2 evict_first policy (lane 0 issues them).
+  const uint64_t policy = (OPT & kEvictFirst) ? l2_evict_first() : 0;
+  auto load_4d = [&](uint32_t dst, const CUtensorMap* map, uint32_t mbar, int c0, int c1, int c2, int c3) {
+    if constexpr (OPT & kEvictFirst)
+      tma_load_4d_hint(dst, map, mbar, c0, c1, c2, c3, policy);
+    else
+      tma_load_4d(dst, map, mbar, c0, c1, c2, c3);
+  };
   int s = j0 / kStepsPerSplit;
   int ids = split_ids(s);
   int ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
@@ -244,8 +257,8 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         if (b < boxes) {
-          tma_load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
-          tma_load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
+          load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
+          load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
         }
       }
     }
@@ -257,10 +270,13 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       for (int b = 0; b < 4; ++b) {
         if (b < boxes) {
           if constexpr (OPT & kPairedV) {
-            tma_load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
+            if constexpr (OPT & kEvictFirst)
+              tma_load_5d_hint(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b], policy);
+            else
+              tma_load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
           } else {
-            tma_load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
-            tma_load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+            load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
+            load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
           }
         }
       }
@@ -667,7 +683,8 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
 // Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (code 12,
-// "s2x2o_pv" in ops.cuda_decode), and with it the two diagnostics (bf16 only).
+// "s2x2o_pv" in ops.cuda_decode), with kEvictFirst too (code 76, "s2x2o_pv_ef"),
+// and kPairedV with the two diagnostics (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
@@ -678,6 +695,10 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV:
         return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV>(tq, tk, tv, p, grid, st)
                        : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV>(tq, tk, tv, p, grid, st);
+      case kPairedV | kEvictFirst:
+        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid, st)
+                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid,
+                                                                                                 st);
       case kPairedV | kDiagLoadsOnly:
       case kPairedV | kDiagNoLoads:
         if constexpr (BF16) {
