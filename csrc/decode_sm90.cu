@@ -583,29 +583,30 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, in
 // Only the running max is a chain through the coefficients, and a running max is
 // a prefix max (fmax is exact, and ignores NaN in any order): a warp scans it,
 // then every split's (al, be) is computed in parallel, then each column thread
-// runs two fma chains. All of a chunk's
-// states are loaded at once (one memory latency per chunk of kMergeChunk splits,
-// where folding while loading paid one per 8 splits: 11-13 us at 32K contexts on
-// an H200, bench.cuda_decode --kernels). The sign of a zero running max can
-// differ from the sequential fmax chain's, which no coefficient sees (select_ex2
-// compares with ==, and 2^(a - (+-0)) is one value). One CTA per (token, query
-// head), one thread per column.
+// runs two fma chains. A chunk's acc rows (kMergeChunk x 512 B) come to shared
+// memory by cp.async, all in flight at once: per-thread loads (8 or 64 in flight)
+// read them at 0.4-1 TB/s, 8-13 us at 32K contexts on an H200 (ncu; perf-notes
+// change 24). The sign of a zero running max can differ from the sequential fmax
+// chain's, which no coefficient sees (select_ex2 compares with ==, and
+// 2^(a - (+-0)) is one value). One CTA per (token, query head), one thread per column.
 constexpr int kMergeChunk = 64;
 template <bool BF16>
 __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
+  __shared__ __align__(16) float acc_sm[kMergeChunk][kHead];
   __shared__ float m_s[kMergeChunk], l_s[kMergeChunk], mr_s[kMergeChunk], al_s[kMergeChunk], be_s[kMergeChunk];
   __shared__ float mr_carry;
   const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
+  const uint32_t acc_base = smem_addr(&acc_sm[0][0]);
   float lr = 0.f, acc = 0.f;
   if (d == 0) mr_carry = kMInit;
   for (int c0 = 0; c0 < p.n_split_grid; c0 += kMergeChunk) {
     const int n = min(kMergeChunk, p.n_split_grid - c0);
-    float a[kMergeChunk];
-#pragma unroll
-    for (int j = 0; j < kMergeChunk; ++j)  // every state of the chunk in flight at once
-      a[j] = j < n ? p.ws_acc[(row0 + (c0 + j) * split_stride) * kHead + d] : 0.f;
+    for (int k = d; k < n * (kHead / 4); k += kHead) {  // 16-byte pieces: split k / 32, columns 4 (k % 32)..
+      const int j = k / (kHead / 4), c = 4 * (k % (kHead / 4));
+      cp_async_16(acc_base + 4 * (j * kHead + c), p.ws_acc + (row0 + (c0 + j) * split_stride) * kHead + c);
+    }
     if (d < n) {
       m_s[d] = p.ws_m[row0 + (c0 + d) * split_stride];
       l_s[d] = p.ws_l[row0 + (c0 + d) * split_stride];
@@ -631,13 +632,12 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
       al_s[d] = select_ex2(before, mr_s[d]);
       be_s[d] = select_ex2(m_s[d], mr_s[d]);
     }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kMergeChunk; ++j) {
-      if (j < n) {
-        lr = __fmaf_rn(lr, al_s[j], __fmul_rn(l_s[j], be_s[j]));  // fold_stats
-        acc = fold_value(acc, a[j], FoldCoef{al_s[j], be_s[j]});
-      }
+    cp_async_wait_all();
+    __syncthreads();  // the coefficients and every thread's pieces of the acc rows
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+      lr = __fmaf_rn(lr, al_s[j], __fmul_rn(l_s[j], be_s[j]));  // fold_stats
+      acc = fold_value(acc, acc_sm[j][d], FoldCoef{al_s[j], be_s[j]});
     }
     __syncthreads();  // the chunk's shared state is read; the next chunk may overwrite it
     if (d == 0) mr_carry = mr_s[n - 1];
@@ -742,7 +742,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // C entry point (ctypes). Strides in elements. ws_* may be null in fold mode
 // (spp == 0). Returns 0 or an error code: a cudaError_t, or -1 (no
 // cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V rejected), -5 (unknown
-// variant), -6 (grid too large), -7 (query heads per KV head not in 1..64).
+// variant), -6 (grid too large), -7 (query heads per KV head not in 1..64), -9
+// (split mode: ws_acc not 16-byte aligned).
 // Split mode when spp > 0: CTAs take splits [chunk * spp, ...) of n_split_grid,
 // grid.z = ceil(n_split_grid / spp); fold mode otherwise (grid.z = 1).
 // order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
@@ -800,6 +801,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
   if (num_tokens > 65535 || chunks > 65535) return -6;
+  if (split && (reinterpret_cast<uintptr_t>(ws_acc) & 15)) return -9;  // the merge's 16-byte cp.async
   const dim3 grid(num_kv_heads, num_tokens, chunks);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (is_bf16)

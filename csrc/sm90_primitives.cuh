@@ -95,6 +95,15 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const void* map, uint3
       : "memory");
 }
 
+// cp.async (sm_80+): 16 bytes global -> shared, L2 only (.cg), many in flight per
+// thread without registers; cp_async_wait_all commits and waits for this thread's.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
 // The same loads with an L2 cache policy (PTX 9.7.9.25 .L2::cache_hint), e.g.
 // l2_evict_first(): data read once, which should not push out what will be read again.
 __device__ __forceinline__ uint64_t l2_evict_first() {

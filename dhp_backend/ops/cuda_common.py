@@ -22,6 +22,7 @@ _LAUNCH_ERRORS = {
     -6: "the grid is too large",
     -7: "query heads per KV head outside what the kernel accepts",
     -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
+    -9: "the split-state workspace is not 16-byte aligned",
 }
 
 
