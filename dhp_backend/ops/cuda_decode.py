@@ -47,11 +47,12 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # "s2x2o_pv" (csrc code 4 + 8 x kPairedV): "s2x2o" with each V page loaded by one
 # TMA box holding both 64-column halves (half the V TMAs; same operands, same bits);
 # 1-5 % faster at B >= 16 on an H200 (docs/perf-notes.md, change 20).
-# "s2x2o_pv_ef" (+ kEvictFirst): its K/V loads with an L2 evict_first policy, so
-# that the split states stay in L2 for the merge (change 24).
+# "s2x2o_pv_ef" (+ kEvictFirst), the default: its K/V loads with an L2 evict_first
+# policy, so that the split states stay in L2 for the merge; same bits, 1-3 % faster
+# at B <= 16, equal at B >= 64 (docs/perf-notes.md, change 24).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2)}
-DEFAULT_VARIANT = "s2x2o_pv"
+DEFAULT_VARIANT = "s2x2o_pv_ef"
 # Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
 # waits and releases each stage), the consumer alone (stale stages, no loads
