@@ -228,6 +228,12 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     else
       tma_load_4d(dst, map, mbar, c0, c1, c2, c3);
   };
+  auto load_5d = [&](uint32_t dst, const CUtensorMap* map, uint32_t mbar, int c0, int c1, int c2, int c3, int c4) {
+    if constexpr (OPT & kEvictFirst)
+      tma_load_5d_hint(dst, map, mbar, c0, c1, c2, c3, c4, policy);
+    else
+      tma_load_5d(dst, map, mbar, c0, c1, c2, c3, c4);
+  };
   int s = j0 / kStepsPerSplit;
   int ids = split_ids(s);
   int ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
@@ -270,10 +276,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       for (int b = 0; b < 4; ++b) {
         if (b < boxes) {
           if constexpr (OPT & kPairedV) {
-            if constexpr (OPT & kEvictFirst)
-              tma_load_5d_hint(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b], policy);
-            else
-              tma_load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
+            load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
           } else {
             load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
             load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
