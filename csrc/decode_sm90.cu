@@ -84,19 +84,7 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   read by the merge) then stay in L2 instead of being pushed to
 //                   HBM by the stream (the merge read them at 0.4-1 TB/s, L2 hit
 //                   rate 12-19 %: ncu, docs/perf-notes.md change 24).
-//   kPairedK8       K pages by boxes of 8 slots holding both 64-column halves
-//                   (tma::encode_kv_paired with box_rows 8): each TMA reads 2 KB
-//                   of contiguous cache (8 whole 256 B rows) where a half box reads
-//                   128 B of every 256 B row. The K stage is [group of 8][half][8][64]:
-//                   a half's 8-row swizzle atoms lie 2 KB apart, so S = Q K^T keeps
-//                   its one m64n64 wgmma per k16 slice (descriptor stride 2 KB
-//                   instead of 1 KB). Same operands, same bits.
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kPairedK8 = 16;
-// Rows of a kPairedK8 box, and the K stage's byte offset of half h of 8-row group g.
-constexpr int kK8Rows = 8;
-__host__ __device__ constexpr int k_group_offset(int opt, int g, int h) {
-  return (opt & kPairedK8) ? g * 2048 + h * 1024 : h * kHalf + g * 1024;
-}
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8;
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -267,32 +255,16 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       row[b] = pos % bs;
     }
     const int boxes = kStep / rows;
-    // kPairedK8: the page and slot of each 8-slot K box (block_size is a multiple of 8).
-    int blk8[kStep / kK8Rows], row8[kStep / kK8Rows];
-    if constexpr (OPT & kPairedK8) {
-#pragma unroll
-      for (int g = 0; g < kStep / kK8Rows; ++g) {
-        const int pos = j * kStep + g * kK8Rows;
-        blk8[g] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
-        row8[g] = pos % bs;
-      }
-    }
     const bool no_load = (OPT & kDiagNoLoads) && k >= STAGES;
     if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
     if (lane == 0 && no_load) mbar_arrive(bar.k_full(st));
     if (lane == 0 && !no_load) {
       mbar_arrive_expect_tx(bar.k_full(st), kTile);
-      if constexpr (OPT & kPairedK8) {
 #pragma unroll
-        for (int g = 0; g < kStep / kK8Rows; ++g)
-          load_5d(k_dst + k_group_offset(OPT, g, 0), tm_k, bar.k_full(st), 0, row8[g], 0, kvh, blk8[g]);
-      } else {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          if (b < boxes) {
-            load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
-            load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
-          }
+      for (int b = 0; b < 4; ++b) {
+        if (b < boxes) {
+          load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
+          load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
         }
       }
     }
@@ -402,10 +374,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32;
-      const uint32_t k_off = k_group_offset(OPT, 0, kk / 4) + (kk % 4) * 32;
-      constexpr uint32_t k_sbo = k_group_offset(OPT, 1, 0) - k_group_offset(OPT, 0, 0);  // between 8-row atoms
-      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, k_sbo),
+      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
+      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
                                kk > 0);
     }
     wgmma_commit();
@@ -717,8 +687,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
 // Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (code 12,
 // "s2x2o_pv" in ops.cuda_decode), with kEvictFirst too (code 76, "s2x2o_pv_ef"),
-// kPairedV | kEvictFirst | kPairedK8 (code 204, "s2x2o_pv_ef_k8"), and kPairedV
-// with the two diagnostics, and with kPairedK8 and the loads-only one (bf16 only).
+// and kPairedV with the two diagnostics (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
@@ -733,18 +702,6 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
         return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid, st)
                        : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid,
                                                                                                  st);
-      case kPairedV | kEvictFirst | kPairedK8:
-        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kEvictFirst | kPairedK8>(
-                             tq, tk, tv, p, grid, st)
-                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kEvictFirst | kPairedK8>(
-                             tq, tk, tv, p, grid, st);
-      case kPairedV | kPairedK8 | kDiagLoadsOnly:
-        if constexpr (BF16)
-          return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kPairedK8 | kDiagLoadsOnly>(
-                               tq, tk, tv, p, grid, st)
-                         : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kPairedK8 | kDiagLoadsOnly>(
-                               tq, tk, tv, p, grid, st);
-        return -5;
       case kPairedV | kDiagLoadsOnly:
       case kPairedV | kDiagNoLoads:
         if constexpr (BF16) {
@@ -811,12 +768,8 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_q_rows, q_head_stride, q_tok_stride, group, 1))
     return -2;
   const int box_rows = block_size < kStep ? block_size : kStep;
-  const bool paired_k8 = variant >= 8 && ((variant / 8) & kPairedK8);
-  if (paired_k8 && block_size % kK8Rows != 0) return -5;
-  if (!(paired_k8 ? tma::encode_kv_paired(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks,
-                                          kv_block_stride, kv_head_stride, kv_tok_stride, kK8Rows)
-                  : tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                                   kv_head_stride, kv_tok_stride, box_rows)))
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, box_rows))
     return -3;
   const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
