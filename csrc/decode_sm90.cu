@@ -681,39 +681,40 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return static_cast<int>(cudaGetLastError());
 }
 
+// Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with
+// the binary options OPT.
+template <bool BF16, bool WRITE_PARTIALS, int OPT>
+int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
+               dim3 grid, cudaStream_t st) {
+  if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, OPT>(tq, tk, tv, p, grid, st);
+  return base == 5 ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st)
+                   : launch<BF16, 2, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st);
+}
+
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
 // of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
 // need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
 // 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
-// Codes 8 x opt + 4: variant 4 with the binary options `opt`: kPairedV (code 12,
-// "s2x2o_pv" in ops.cuda_decode), with kEvictFirst too (code 76, "s2x2o_pv_ef"),
-// and kPairedV with the two diagnostics (bf16 only).
+// Codes 8 x opt + 4 or 5: variant 4 or 5 with the binary options `opt`: kPairedV
+// (code 12, "s2x2o_pv" in ops.cuda_decode), with kEvictFirst too (code 76,
+// "s2x2o_pv_ef"; code 77 "s3x2o_pv_ef"), and kPairedV with the two diagnostics
+// (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
   const bool small_q = p.group <= 8;
   if (variant >= 8) {
-    if (variant % 8 != 4) return -5;
+    const int base = variant % 8;
+    if (base != 4 && base != 5) return -5;
     switch (variant / 8) {
-      case kPairedV:
-        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV>(tq, tk, tv, p, grid, st)
-                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV>(tq, tk, tv, p, grid, st);
+      case kPairedV: return launch_opt<BF16, WRITE_PARTIALS, kPairedV>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst:
-        return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid, st)
-                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kEvictFirst>(tq, tk, tv, p, grid,
-                                                                                                 st);
+        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kDiagLoadsOnly:
+        if constexpr (BF16) return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kDiagLoadsOnly>(base, tq, tk, tv, p, grid, st);
+        return -5;
       case kPairedV | kDiagNoLoads:
-        if constexpr (BF16) {
-          if (variant / 8 == (kPairedV | kDiagLoadsOnly))
-            return small_q
-                       ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kDiagLoadsOnly>(tq, tk, tv, p, grid, st)
-                       : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kDiagLoadsOnly>(tq, tk, tv, p, grid,
-                                                                                                   st);
-          return small_q
-                     ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true, kPairedV | kDiagNoLoads>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kPairedV | kDiagNoLoads>(tq, tk, tv, p, grid, st);
-        }
+        if constexpr (BF16) return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
         return -5;
       default: return -5;
     }
