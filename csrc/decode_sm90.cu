@@ -84,7 +84,13 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   read by the merge) then stay in L2 instead of being pushed to
 //                   HBM by the stream (the merge read them at 0.4-1 TB/s, L2 hit
 //                   rate 12-19 %: ncu, docs/perf-notes.md change 24).
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8;
+//   kMmaSync        the consumer on a 16-row tile by warp-level mma.sync
+//                   (consume_mma) instead of the 64-row wgmma tile of which GROUP
+//                   rows are real: a quarter of the tensor work per step. GROUP <= 16
+//                   (larger groups run the wgmma consumer). Same bits.
+constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
+constexpr int kMmaMaxGroup = 16;
+constexpr uint32_t kBarRows = 2;  // named barrier of consume_mma's cross-warp row values
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -108,13 +114,16 @@ struct RunState {
   static constexpr int kBytes = kInSmem ? 8 * kHead * 4 : 0;
 };
 
-// Shared memory: Q | K stages | V stages | running state | mbarriers, 1 KB aligned (swizzle atoms).
-template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS>
+// Shared memory: Q | K stages | V stages | running state | [MMA: P tile | cross-warp
+// row values] | mbarriers, 1 KB aligned (swizzle atoms).
+template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, bool MMA = false>
 struct Layout {
   static constexpr int kOffK = QTile<SMALL_Q>::kBytes;
   static constexpr int kOffV = kOffK + STAGES * kTile;
   static constexpr int kOffRun = kOffV + STAGES * kTile;
-  static constexpr int kOffBar = kOffRun + RunState<SMALL_Q, WRITE_PARTIALS>::kBytes;
+  static constexpr int kOffP = kOffRun + (MMA ? 0 : RunState<SMALL_Q, WRITE_PARTIALS>::kBytes);
+  static constexpr int kOffRed = kOffP + (MMA ? 16 * 128 : 0);           // P: 16 rows x 64 16-bit values
+  static constexpr int kOffBar = kOffRed + (MMA ? 2 * 4 * 16 * 4 : 0);   // max, sum x 4 warps x 16 rows
   static constexpr int kBytes = kOffBar + 8 * RingBarriers<STAGES>::kCount + 1024;  // + barriers + alignment slack
 };
 
@@ -479,11 +488,227 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
+// ---- consumer, mma.sync form (kMmaSync, GROUP <= 16) ------------------------------
+// The operations of `consume` on the same operands, row for row, on a 16-row tile
+// (the GROUP real rows of the wgmma tile fit in one m16 fragment): warp w computes
+// S for positions [16 w, 16 w + 16) of each 64-position step and O for columns
+// [32 w, 32 w + 32). Its fragments have the wgmma accumulator's per-thread layout
+// (compat_arith.cuh), so each element sees the same operations:
+//   the row max crosses warps through shared memory (fmax: exact, any order);
+//   the row sum keeps compat's tree: warp w holds the 8-column groups 2w and 2w + 1
+//     and adds them (the tree's first level), the warps' sums are then added
+//     (t0 + t1) + (t2 + t3) (its second and third levels);
+//   P goes to shared memory as the A operand of the PV product, whose k16 slices
+//     accumulate in order as in the wgmma chain (mma.sync and wgmma give the same
+//     bits on these products: the Triton 16-row tile, docs/perf-notes.md change 12;
+//     checked again against the Triton kernel by the GPU tests and the bench).
+// S starts from -0.0: x + (-0.0) == x for every x, as wgmma's "no accumulate".
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
+__device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                            const Barriers<STAGES>& bar, int kvh, int t) {
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, true>;
+  using Q = QTile<SMALL_Q>;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int r_lo = lane / 4, r_hi = r_lo + 8, c2 = 2 * (lane % 4);  // this thread's rows, first column of a pair
+  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
+  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
+  const int lim = w.ext - 1;
+  const uint32_t p_tile = smem + L::kOffP;
+  float* red_max = reinterpret_cast<float*>(smem_ptr + L::kOffRed);  // [warp][row]
+  float* red_sum = red_max + 4 * 16;
+
+  // Q's A fragments for the 8 k16 slices, once (lane i: row i % 16, 8 columns i / 16;
+  // the small tile stores rows 0-7 only, rows 8-15 read them again).
+  mbar_wait(bar.q_full(), 0);
+  uint32_t qa[8][4];
+  {
+    const int qr = SMALL_Q ? lane % 8 : lane % 16;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
+  }
+  // K rows of this warp's 16 positions (lane i: position 16 w + 8 (i / 16) + i % 8,
+  // 8 columns (i / 8) % 2 of the slice): matrices {pos 0-7, pos 0-7, pos 8-15, pos 8-15}
+  // x {columns 0-7, 8-15}: the b0, b1 of two n8 tiles.
+  const int k_pos = 16 * warp + 8 * (lane / 16) + lane % 8, k_hi8 = (lane / 8) % 2;
+  // The V address of position pos, 16-byte chunk c (0..15) of a V stage.
+  auto v_addr = [&](uint32_t v_base, int pos, int c) {
+    if constexpr (OPT & kPairedV) {
+      const int rows = p.box_rows;
+      return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
+    } else {
+      return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
+    }
+  };
+
+  float acc[16];
+  float run[WRITE_PARTIALS ? 1 : 16];
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;
+  if constexpr (!WRITE_PARTIALS) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) run[i] = 0.f;
+  }
+  const int j0 = first_step(w);
+  for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
+    const int jb = sp * kStepsPerSplit, je = min(jb + kStepsPerSplit, w.n_kv);
+    for (int j = jb; j < je; ++j) {
+      const int k = j - j0, st = k % STAGES;
+      const uint32_t par = (k / STAGES) & 1;
+      const uint32_t k_base = smem + L::kOffK + st * kTile, v_base = smem + L::kOffV + st * kTile;
+      float s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = -0.f;
+      mbar_wait(bar.k_full(st), par);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const int c = 2 * kk + k_hi8;
+        uint32_t kb[4];
+        ldmatrix_x4<false>(kb, k_base + (c / 8) * kHalf + sw128_offset(k_pos, c % 8));
+        mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[0]), qa[kk], kb[0], kb[1]);
+        mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[4]), qa[kk], kb[2], kb[3]);
+      }
+      // compat_softmax on this warp's two 8-column groups.
+      const int kv0 = j * kStep;
+      const bool masked = kv0 + kStep > w.ext;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = kv0 + 16 * warp + 8 * nt + c2 + e;
+          const float lo = __fmul_rn(s[4 * nt + e], p.qk_scale), hi = __fmul_rn(s[4 * nt + 2 + e], p.qk_scale);
+          s[4 * nt + e] = (masked && col > lim) ? -INFINITY : lo;
+          s[4 * nt + 2 + e] = (masked && col > lim) ? -INFINITY : hi;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.k_empty(st));  // this warp's K reads are done (release orders them)
+      float mx_lo = quad_max(fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5])));
+      float mx_hi = quad_max(fmaxf(fmaxf(s[2], s[3]), fmaxf(s[6], s[7])));
+      if (lane % 4 == 0) {
+        red_max[warp * 16 + r_lo] = mx_lo;
+        red_max[warp * 16 + r_hi] = mx_hi;
+      }
+      named_barrier(kBarRows, 128);
+      mx_lo = fmaxf(fmaxf(red_max[r_lo], red_max[16 + r_lo]), fmaxf(red_max[32 + r_lo], red_max[48 + r_lo]));
+      mx_hi = fmaxf(fmaxf(red_max[r_hi], red_max[16 + r_hi]), fmaxf(red_max[32 + r_hi], red_max[48 + r_hi]));
+      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+      const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
+      m_lo = new_lo;
+      m_hi = new_hi;
+      float t_lo, t_hi;  // this warp's two groups: the tree's first level
+      {
+        float g_lo[2], g_hi[2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          s[4 * nt] = ex2(__fsub_rn(s[4 * nt], new_lo));
+          s[4 * nt + 1] = ex2(__fsub_rn(s[4 * nt + 1], new_lo));
+          s[4 * nt + 2] = ex2(__fsub_rn(s[4 * nt + 2], new_hi));
+          s[4 * nt + 3] = ex2(__fsub_rn(s[4 * nt + 3], new_hi));
+          float x = __fadd_rn(s[4 * nt], s[4 * nt + 1]), y = __fadd_rn(s[4 * nt + 2], s[4 * nt + 3]);
+          x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+          y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
+          g_lo[nt] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+          g_hi[nt] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
+          // P (16-bit) into the shared A tile: row r, positions 16 w + 8 nt + c2, + 1 (chunk 2 w + nt).
+          const uint32_t off = 2 * c2;
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 2 * warp + nt) + off),
+                       "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 2 * warp + nt) + off),
+                       "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
+        }
+        t_lo = __fadd_rn(g_lo[0], g_lo[1]);
+        t_hi = __fadd_rn(g_hi[0], g_hi[1]);
+      }
+      if (lane % 4 == 0) {
+        red_sum[warp * 16 + r_lo] = t_lo;
+        red_sum[warp * 16 + r_hi] = t_hi;
+      }
+      named_barrier(kBarRows, 128);  // also: P is complete, and every warp has read red_max
+      const float sum_lo = __fadd_rn(__fadd_rn(red_sum[r_lo], red_sum[16 + r_lo]),
+                                     __fadd_rn(red_sum[32 + r_lo], red_sum[48 + r_lo]));
+      const float sum_hi = __fadd_rn(__fadd_rn(red_sum[r_hi], red_sum[16 + r_hi]),
+                                     __fadd_rn(red_sum[32 + r_hi], red_sum[48 + r_hi]));
+      l_lo = __fmaf_rn(l_lo, a_lo, sum_lo);
+      l_hi = __fmaf_rn(l_hi, a_hi, sum_hi);
+
+      mbar_wait(bar.v_full(st), par);
+      const int valid = w.seq_len - kv0;
+      if (valid < kStep)
+        zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
+                           (OPT & kPairedV) ? p.box_rows : kStep);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        acc[4 * nt] = __fmul_rn(acc[4 * nt], a_lo);
+        acc[4 * nt + 1] = __fmul_rn(acc[4 * nt + 1], a_lo);
+        acc[4 * nt + 2] = __fmul_rn(acc[4 * nt + 2], a_hi);
+        acc[4 * nt + 3] = __fmul_rn(acc[4 * nt + 3], a_hi);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) {
+        uint32_t pa[4];
+        ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          // lane i: position 16 kk + 8 ((i / 8) % 2) + i % 8, the n8 tile 2 np + i / 16 of this warp's 4
+          uint32_t vb[4];
+          ldmatrix_x4<true>(vb, v_addr(v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
+                                       4 * warp + 2 * np + lane / 16));
+          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
+          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.v_empty(st));
+    }
+    if constexpr (WRITE_PARTIALS) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h == 0 ? !ok_lo : !ok_hi) continue;
+        const int head = h == 0 ? head_lo : head_hi;
+        const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads + head;
+        float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead + 32 * warp + c2);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) dst[4 * nt] = make_float2(acc[4 * nt + 2 * h], acc[4 * nt + 2 * h + 1]);
+        if (warp == 0 && lane % 4 == 0) {
+          p.ws_m[row] = h == 0 ? m_lo : m_hi;
+          p.ws_l[row] = h == 0 ? l_lo : l_hi;
+        }
+      }
+    } else {
+      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        run[4 * nt] = fold_value(run[4 * nt], acc[4 * nt], lo);
+        run[4 * nt + 1] = fold_value(run[4 * nt + 1], acc[4 * nt + 1], lo);
+        run[4 * nt + 2] = fold_value(run[4 * nt + 2], acc[4 * nt + 2], hi);
+        run[4 * nt + 3] = fold_value(run[4 * nt + 3], acc[4 * nt + 3], hi);
+      }
+    }
+  }
+  if constexpr (!WRITE_PARTIALS) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 0 ? !ok_lo : !ok_hi) continue;
+      const float inv = finalize_inv(h == 0 ? lr_lo : lr_hi);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(
+          static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                           static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
+                                           32 * warp + c2));
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
+    }
+  }
+}
+
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, (OPT & kMmaSync) != 0>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -509,6 +734,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   __syncthreads();
   if (threadIdx.x >= 128)
     produce<STAGES, SMALL_Q, WRITE_PARTIALS, OPT>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
+  else if constexpr (OPT & kMmaSync)
+    consume_mma<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
   else
     consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
 }
@@ -660,7 +887,7 @@ template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
   auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP, OPT>;
-  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>::kBytes;
+  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, (OPT & kMmaSync) != 0>::kBytes;
   // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
   static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
   static bool configured = false;
@@ -683,12 +910,22 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 
 // Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with
 // the binary options OPT.
+// With kMmaSync: base 4 two CTAs per SM, base 5 three (small Q tiles only; both two
+// stages); groups over kMmaMaxGroup run the wgmma consumer (the same bits).
 template <bool BF16, bool WRITE_PARTIALS, int OPT>
 int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
                dim3 grid, cudaStream_t st) {
-  if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, OPT>(tq, tk, tv, p, grid, st);
-  return base == 5 ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st)
-                   : launch<BF16, 2, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st);
+  if constexpr ((OPT & kMmaSync) != 0) {
+    constexpr int kWg = OPT & ~kMmaSync;
+    if (p.group > kMmaMaxGroup) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
+    if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
+    return base == 5 ? launch<BF16, 2, WRITE_PARTIALS, 3, true, false, OPT>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
+  } else {
+    if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, OPT>(tq, tk, tv, p, grid, st);
+    return base == 5 ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st)
+                     : launch<BF16, 2, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st);
+  }
 }
 
 // Residency variants (the same arithmetic and bits): STAGES 64-position stages
@@ -710,6 +947,12 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV: return launch_opt<BF16, WRITE_PARTIALS, kPairedV>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst>(base, tq, tk, tv, p, grid, st);
+      case kPairedV | kEvictFirst | kMmaSync:
+        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync>(base, tq, tk, tv, p, grid, st);
+      case kPairedV | kMmaSync | kDiagNoLoads:
+        if constexpr (BF16)
+          return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
+        return -5;
       case kPairedV | kDiagLoadsOnly:
         if constexpr (BF16) return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kDiagLoadsOnly>(base, tq, tk, tv, p, grid, st);
         return -5;

@@ -269,6 +269,44 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
   }
 }
 
+// --- warp-level tensor core (mma.sync) ---------------------------------------
+// Four 8x8 16-bit matrices from shared memory: lane i gives the address of row
+// i % 8 of matrix i / 8 (16 B); register r of lane t holds row t / 4, elements
+// 2 (t % 4) and 2 (t % 4) + 1 of matrix r (TRANS: column t / 4, rows 2 (t % 4), + 1).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t saddr) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
+}
+
+// D[16x8] += A[16x16] * B[16x8], fp32 accumulators. Fragments (lane t, g = t / 4,
+// c = 2 (t % 4)): a = {A[g][c..], A[g+8][c..], A[g][c+8..], A[g+8][c+8..]},
+// b = {B[c..][g], B[c+8..][g]}, d = {D[g][c], D[g][c+1], D[g+8][c], D[g+8][c+1]}:
+// the same per-thread layout as one 8-column group of a wgmma accumulator.
+template <bool BF16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a tile of 128-byte
+// rows with the 128-byte swizzle (TMA's SWIZZLE_128B on a 1 KB aligned tile).
+__device__ __forceinline__ uint32_t sw128_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
 // Two floats packed into one register as 16-bit values (low half = first).
 template <bool BF16>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

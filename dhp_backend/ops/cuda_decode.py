@@ -51,14 +51,16 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # policy, so that the split states stay in L2 for the merge; same bits, 1-3 % faster
 # at B <= 16, equal at B >= 64 (docs/perf-notes.md, change 24).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
-            "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2)}
+            "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
+            "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3)}
 DEFAULT_VARIANT = "s2x2o_pv_ef"
 # Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
 # waits and releases each stage), the consumer alone (stale stages, no loads
 # after the first two). For the bench's "where the time goes" rows.
 DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 8 * 3, 2), "diag_noloads": (4 + 8 * 5, 2),
-                       "diag_loadsonly_s3": (5 + 8 * 3, 2), "diag_noloads_s3": (5 + 8 * 5, 2)}
+                       "diag_loadsonly_s3": (5 + 8 * 3, 2), "diag_noloads_s3": (5 + 8 * 5, 2),
+                       "diag_noloads_m2x2": (4 + 8 * 21, 2), "diag_noloads_m2x3": (5 + 8 * 21, 3)}
 _ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
 
