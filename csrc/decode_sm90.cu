@@ -910,8 +910,9 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 
 // Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with
 // the binary options OPT.
-// With kMmaSync: base 4 two CTAs per SM, base 5 three (small Q tiles only; both two
-// stages); groups over kMmaMaxGroup run the wgmma consumer (the same bits).
+// With kMmaSync: base 4 two stages x two CTAs per SM, base 5 two x three, base 6
+// three x two (5 and 6: small Q tiles only, larger groups run as 4); groups over
+// kMmaMaxGroup run the wgmma consumer (the same bits).
 template <bool BF16, bool WRITE_PARTIALS, int OPT>
 int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
                dim3 grid, cudaStream_t st) {
@@ -919,6 +920,7 @@ int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUt
     constexpr int kWg = OPT & ~kMmaSync;
     if (p.group > kMmaMaxGroup) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
     if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
+    if (base == 6) return launch<BF16, 3, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
     return base == 5 ? launch<BF16, 2, WRITE_PARTIALS, 3, true, false, OPT>(tq, tk, tv, p, grid, st)
                      : launch<BF16, 2, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
   } else {
@@ -942,7 +944,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
   const bool small_q = p.group <= 8;
   if (variant >= 8) {
     const int base = variant % 8;
-    if (base != 4 && base != 5) return -5;
+    if (base != 4 && base != 5 && !(base == 6 && ((variant / 8) & kMmaSync))) return -5;
     switch (variant / 8) {
       case kPairedV: return launch_opt<BF16, WRITE_PARTIALS, kPairedV>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst:
