@@ -728,6 +728,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
   }
+  if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // the merge may launch (it waits for this grid's end)
   const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
   if (threadIdx.x == 0) bar.init(4);  // one release per consumer warp
@@ -825,6 +826,10 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   __shared__ __align__(16) float acc_sm[kMergeChunk][kHead];
   __shared__ float m_s[kMergeChunk], l_s[kMergeChunk], mr_s[kMergeChunk], al_s[kMergeChunk], be_s[kMergeChunk];
   __shared__ float mr_carry;
+  // Launched as a programmatic dependent of the decode kernel (launch): it may
+  // start before the decode grid ends; the split states are read after this wait
+  // (the decode grid complete, its writes visible). A no-op for a plain launch.
+  grid_dependency_wait();
   const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
@@ -904,8 +909,20 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
-  merge_kernel<BF16><<<dim3(p.num_tokens, p.num_heads), kHead, 0, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  // The merge as a programmatic dependent launch: its launch overlaps the decode
+  // grid (which triggers it at its start) instead of following its end (~2 us per
+  // call, the gap between the two kernels in a graph replay).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_tokens, p.num_heads);
+  cfg.blockDim = dim3(kHead);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16>, p));
 }
 
 // Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with

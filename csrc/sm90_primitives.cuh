@@ -269,6 +269,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
   }
 }
 
+// --- programmatic dependent launch -------------------------------------------
+// A grid launched with cudaLaunchAttributeProgrammaticStreamSerialization may start
+// once every CTA of the grid before it has called grid_dependents_launch (or
+// exited); grid_dependency_wait then blocks until that grid has completed and its
+// memory operations are visible. Both are no-ops without the attribute.
+__device__ __forceinline__ void grid_dependents_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // --- warp-level tensor core (mma.sync) ---------------------------------------
 // Four 8x8 16-bit matrices from shared memory: lane i gives the address of row
 // i % 8 of matrix i / 8 (16 B); register r of lane t holds row t / 4, elements

@@ -30,7 +30,7 @@ import torch
 from dhp_backend.bench import cuda_runs
 from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_decode import DIAGNOSTIC_VARIANTS, VARIANTS
+from dhp_backend.ops.cuda_decode import AUTO, DIAGNOSTIC_VARIANTS, VARIANTS
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
@@ -47,7 +47,7 @@ def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
 
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
-DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in VARIANTS)
+DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
 # cuda_<variant>[:grid|:lpt]: fold mode's schedule forced off (grid order) or on (longest first).
 ORDERS = {"": None, "grid": False, "lpt": True}
 
@@ -98,7 +98,7 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 def _cuda_variant(name: str):
     """``cuda_<variant>[:grid|:lpt]`` -> (variant, order), or None for another name."""
     v, _, o = name[5:].partition(":")
-    known = v in VARIANTS or v in DIAGNOSTIC_VARIANTS
+    known = v in VARIANTS or v in DIAGNOSTIC_VARIANTS or v == AUTO
     return (v, ORDERS[o]) if name.startswith("cuda_") and known and o in ORDERS else None
 
 

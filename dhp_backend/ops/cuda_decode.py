@@ -54,7 +54,15 @@ VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
             "m3x2_pv_ef": (6 + 8 * 25, 2)}
-DEFAULT_VARIANT = "s2x2o_pv_ef"
+# "m2x2_pv_ef" / "m2x3_pv_ef" / "m3x2_pv_ef" (+ kMmaSync): the consumer on a 16-row
+# tile by warp-level mma.sync, each warp a quarter of the step's positions and
+# output columns (a quarter of the 64-row wgmma tile's tensor work, which is
+# GROUP / 64 useful); stages x CTAs per SM as above; same bits. GROUP <= 16 (larger
+# groups run the wgmma consumer); 2-13 % faster than "s2x2o_pv_ef" at B >= 4
+# (docs/perf-notes.md, change 26).
+# "auto" (the default): `pick_variant`.
+AUTO = "auto"
+DEFAULT_VARIANT = AUTO
 # Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
 # WRONG results on purpose, bf16 only: the load path alone (the consumer only
 # waits and releases each stage), the consumer alone (stale stages, no loads
@@ -141,12 +149,30 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
+# Three CTAs per SM ("m2x3_pv_ef") read 2-3 % faster than two in fold-mode launches
+# of many waves (B256 at 4K-16K on an H200) and up to 16 % slower at one to two waves
+# (B64: the last wave runs a third of the SMs' slots), change 26.
+THREE_PER_SM_MIN_WAVES = 4
+
+
+def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
+                 mode: str | None) -> str:
+    """The "auto" variant of a launch, from public values only: "m2x3_pv_ef" for
+    fold-mode launches of at least `THREE_PER_SM_MIN_WAVES` waves of three CTAs per
+    SM (small Q tiles: GROUP <= 8), else "m2x2_pv_ef". Every variant has the same bits."""
+    p = plan(num_tokens, num_reqs, num_heads, num_kv_heads, capacity, dtype_name, "m2x3_pv_ef", mode)
+    if (num_heads // num_kv_heads <= 8 and not p["split"]
+            and num_tokens * num_kv_heads >= THREE_PER_SM_MIN_WAVES * p["slots"]):
+        return "m2x3_pv_ef"
+    return "m2x2_pv_ef"
+
+
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
-    ``variant``: one of `VARIANTS` (residency; same bits), or of
+    ``variant``: "auto" (`pick_variant`), one of `VARIANTS` (residency; same bits), or of
     `DIAGNOSTIC_VARIANTS` (wrong results on purpose; timing only). ``mode``: None picks
     split or fold by occupancy as the Triton launcher does; "split"/"fold" force
     one (tests; same bits). ``order``: fold mode's longest-first schedule, None =
@@ -156,8 +182,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
-    if variant not in _ALL_VARIANTS:
-        _fail("variant", repr(variant), ", ".join(_ALL_VARIANTS))
+    if variant != AUTO and variant not in _ALL_VARIANTS:
+        _fail("variant", repr(variant), ", ".join([AUTO, *_ALL_VARIANTS]))
     if mode not in MODES:
         _fail("mode", repr(mode), "None, 'fold', 'split'")
     if order not in (None, True, False):
@@ -177,6 +203,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     num_reqs = seq_lens.shape[0]
     dtype_name = "bfloat16" if query.dtype == torch.bfloat16 else "float16"
     with torch.cuda.device(query.device):
+        if variant == AUTO:
+            variant = pick_variant(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, mode)
         p = plan(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, variant, mode)
         null = ctypes.c_void_p(0)
         ws_acc = ws_m = ws_l = order_ws = null
