@@ -38,7 +38,7 @@ def test_shapes_refused(monkeypatch, kw, pattern):
 
 def test_variant_and_mode_refused(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: s4x1, s2x2, s2x3, s3x2, s2x2o, s3x2o"):
+    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: auto, s4x1, s2x2, s2x3, s3x2, s2x2o, s3x2o"):
         decode_sm90(*cpu_step(), scale=0.1, variant="fast")
     with pytest.raises(ValueError, match=r"mode is 'both'; accepted: None, 'fold', 'split'"):
         decode_sm90(*cpu_step(), scale=0.1, mode="both")
@@ -151,3 +151,22 @@ def test_merge_coefficients_scanned_equal_the_sequential_fold(seed):
     seq, scan = _coefficients_sequential(m), _coefficients_scanned(m)
     for a, b in zip(seq, scan):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (m, a, b)
+
+
+@pytest.mark.parametrize("B, ctx, group, expected", [
+    (256, 16384, 4, "m2x3_pv_ef"),   # fold mode, 2048 CTAs: >= 4 waves of 396 slots
+    (256, 4096, 8, "m2x3_pv_ef"),
+    (64, 32768, 4, "m2x2_pv_ef"),    # fold mode, 512 CTAs: 1.3 waves of three per SM
+    (16, 32768, 4, "m2x2_pv_ef"),    # split mode
+    (1, 4096, 4, "m2x2_pv_ef"),
+    (256, 16384, 16, "m2x2_pv_ef"),  # no small Q tile: three CTAs per SM do not fit
+])
+def test_pick_variant_by_waves(monkeypatch, B, ctx, group, expected):
+    from dhp_backend.ops import cuda_decode
+    from dhp_backend.ops.triton import launch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "num_sms_of", lambda device: 132)
+    got = cuda_decode.pick_variant(B, B, 8 * group, 8, ctx, "bfloat16", None)
+    assert got == expected
+    assert got in cuda_decode.VARIANTS
