@@ -966,6 +966,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV: return launch_opt<BF16, WRITE_PARTIALS, kPairedV>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst>(base, tq, tk, tv, p, grid, st);
+      case kPairedV | kMmaSync: return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst | kMmaSync:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kMmaSync | kDiagNoLoads:
