@@ -89,6 +89,9 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   rows are real: a quarter of the tensor work per step. GROUP <= 16
 //                   (larger groups run the wgmma consumer). Same bits.
 constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
+// kPlainMerge (host only): the merge launched without the programmatic dependent
+// launch attribute, for the A/B measurement of it (same bits).
+constexpr int kPlainMerge = 32;
 constexpr int kMmaMaxGroup = 16;
 constexpr uint32_t kBarRows = 2;  // named barrier of consume_mma's cross-warp row values
 
@@ -142,6 +145,7 @@ struct Params {
   int n_split_grid, spp;                    // split mode: splits in the workspace, splits per CTA
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
+  int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
 };
 
@@ -921,7 +925,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = p.merge_pdl ? 1 : 0;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16>, p));
 }
 
@@ -1063,6 +1067,8 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.spp = spp;
   p.qk_scale = qk_scale;
   p.causal = causal;
+  p.merge_pdl = !(variant >= 8 && ((variant / 8) & kPlainMerge));
+  if (!p.merge_pdl) variant -= 8 * kPlainMerge;
   const bool split = spp > 0;
   p.order = split ? nullptr : order_ws;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;

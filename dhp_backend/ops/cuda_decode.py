@@ -53,7 +53,8 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
-            "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2)}
+            "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
+            "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3)}
 # "m2x2_pv_ef" / "m2x3_pv_ef" / "m3x2_pv_ef" (+ kMmaSync): the consumer on a 16-row
 # tile by warp-level mma.sync, each warp a quarter of the step's positions and
 # output columns (a quarter of the 64-row wgmma tile's tensor work, which is
