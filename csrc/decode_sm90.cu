@@ -210,6 +210,12 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 __device__ __forceinline__ int first_step(const Work& w) { return min(w.s_lo, w.n_split) * kStepsPerSplit; }
 __device__ __forceinline__ int end_step(const Work& w) { return min(w.s_hi * kStepsPerSplit, w.n_kv); }
 
+// merge_launch_trigger: in split mode the merge is a programmatic dependent launch
+// (launch); the CTA lets it start when its consumer begins its last split and its
+// producer has issued its last load (griddepcontrol.launch_dependents; a CTA that
+// returns early triggers by exiting). Triggered at the CTA's start instead, the
+// waiting merge CTAs cost 1 % at B4 32K (their shared memory and registers held
+// through the walk); at the last split the launch still hides behind ~8 steps.
 // ---- producer (one warp) ---------------------------------------------------------
 template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, int OPT>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
@@ -299,6 +305,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     }
     __syncwarp();
   }
+  if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // see merge_launch_trigger
 }
 
 // ---- consumer (one warpgroup) ------------------------------------------------------
@@ -406,6 +413,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     issue_qk(j0);
   }
   for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
+    if (WRITE_PARTIALS && sp == w.s_hi - 1) grid_dependents_launch();  // see merge_launch_trigger
     // Every split from a fresh state (kernels.attention_kernel).
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -554,6 +562,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
   }
   const int j0 = first_step(w);
   for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
+    if (WRITE_PARTIALS && sp == w.s_hi - 1) grid_dependents_launch();  // see merge_launch_trigger
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
@@ -732,7 +741,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
   }
-  if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // the merge may launch (it waits for this grid's end)
   const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
   if (threadIdx.x == 0) bar.init(4);  // one release per consumer warp
