@@ -31,8 +31,11 @@
 //          splits of each row left to right and finalizes.
 // Warps 0-3 are the consumer warpgroup (S = Q K^T by m64n64k16 wgmma from
 // shared memory, the compat softmax, O += P V by m64n128k16 wgmma with P from
-// registers); warp 4 is the producer (lane 0 issues the TMA, the warp reads a
-// split's block ids one split ahead, one lane per page).
+// registers; or, with kMmaSync, the same on a 16-row tile by mma.sync, each warp a
+// quarter of the positions and output columns: consume_mma); warp 4 is the
+// producer (lane 0 issues the TMA, the warp reads a split's block ids one split
+// ahead, one lane per page). In split mode the merge is a programmatic dependent
+// launch (merge_launch_trigger).
 // Token tiles: token t of the step belongs to request r = the number of
 // query_start_loc[1..num_seqs] <= t (kernels.locate with token tiles); r ==
 // num_seqs is the padding pseudo-request (seq_len 0: neutral states, zeros out).

@@ -47,21 +47,23 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # "s2x2o_pv" (csrc code 4 + 8 x kPairedV): "s2x2o" with each V page loaded by one
 # TMA box holding both 64-column halves (half the V TMAs; same operands, same bits);
 # 1-5 % faster at B >= 16 on an H200 (docs/perf-notes.md, change 20).
-# "s2x2o_pv_ef" (+ kEvictFirst), the default: its K/V loads with an L2 evict_first
-# policy, so that the split states stay in L2 for the merge; same bits, 1-3 % faster
-# at B <= 16, equal at B >= 64 (docs/perf-notes.md, change 24).
+# "s2x2o_pv_ef" (+ kEvictFirst): its K/V loads with an L2 evict_first policy, so
+# that the split states stay in L2 for the merge; same bits, 1-3 % faster at B <= 16,
+# equal at B >= 64 (docs/perf-notes.md, change 24). "s3x2o_pv_ef": three stages.
+# "m2x2_pv_ef" / "m2x3_pv_ef" / "m3x2_pv_ef" (+ kMmaSync): the consumer on a 16-row
+# tile by warp-level mma.sync, each warp a quarter of the step's positions and
+# output columns (a quarter of the 64-row wgmma tile's tensor work, of which GROUP /
+# 64 is useful); stages x CTAs per SM as above; same bits. GROUP <= 16 (larger groups
+# run the wgmma consumer). "m2x2_pv_ef": 1-8 % faster than "s2x2o_pv_ef" on every
+# bench shape of one H200 run (docs/perf-notes.md, change 26).
+# Measurement variants (change 26): "m2x2_pv" (no evict_first), "*_plainmerge" (the
+# split merge launched without programmatic dependent launch).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
             "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
             "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3)}
-# "m2x2_pv_ef" / "m2x3_pv_ef" / "m3x2_pv_ef" (+ kMmaSync): the consumer on a 16-row
-# tile by warp-level mma.sync, each warp a quarter of the step's positions and
-# output columns (a quarter of the 64-row wgmma tile's tensor work, which is
-# GROUP / 64 useful); stages x CTAs per SM as above; same bits. GROUP <= 16 (larger
-# groups run the wgmma consumer); 2-13 % faster than "s2x2o_pv_ef" at B >= 4
-# (docs/perf-notes.md, change 26).
-# "auto" (the default): `pick_variant`.
+# "auto" (the default): `pick_variant` (m2x2_pv_ef or m2x3_pv_ef).
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
 # Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
