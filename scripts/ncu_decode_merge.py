@@ -9,7 +9,7 @@ from dhp_backend.bench.cuda_prefill import make_step
 
 B, ctx, reqs = _shape(sys.argv[1] if len(sys.argv) > 1 else "B16-32k")
 st = make_step(reqs, torch.Generator(device="cuda").manual_seed(0))
-fn = cuda_fn(st, "s2x2o_pv_ef", mode="split")
+fn = cuda_fn(st, "m2x2_pv_ef", mode="split")
 for _ in range(4):
     fn()
 torch.cuda.synchronize()
