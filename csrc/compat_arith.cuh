@@ -81,21 +81,43 @@ __device__ __forceinline__ float select_ex2(float a, float m) {
   return r;
 }
 
+// One 8-column group i of a thread's row pair (s[4i], s[4i+1]: row lo; s[4i+2],
+// s[4i+3]: row hi; col = the group's first column of this thread's pair): s * qk_scale,
+// then the mask select. The wgmma consumers hold 8 groups per 64-position step, the
+// mma.sync consumer (decode_sm90.cu consume_mma) 2.
+template <int N>
+__device__ __forceinline__ void scale_mask_group(float (&s)[N], int i, int col, int lim_lo, int lim_hi, bool masked,
+                                                 float qk_scale) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
+    s[4 * i + e] = (masked && col + e > lim_lo) ? -INFINITY : lo;
+    s[4 * i + 2 + e] = (masked && col + e > lim_hi) ? -INFINITY : hi;
+  }
+}
+
+// Group i: p = 2^(s - m) in place, and the group's row sums (own column pair,
+// + lane^2, + lane^1): the row-sum tree's leaves.
+template <int N>
+__device__ __forceinline__ void exp_group_sums(float (&s)[N], int i, float m_lo, float m_hi, float& g_lo, float& g_hi) {
+  s[4 * i] = ex2(__fsub_rn(s[4 * i], m_lo));
+  s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], m_lo));
+  s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], m_hi));
+  s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], m_hi));
+  float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+  y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
+  g_lo = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+  g_hi = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
+}
+
 // One 64-column half: mask, online-softmax update of (m, l), p in place; the
 // alphas for the running output come back.
 __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
                                                int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
                                                float& l_hi, float& a_lo, float& a_hi) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
-      const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
-      s[4 * i + e] = (masked && col > lim_lo) ? -INFINITY : lo;
-      s[4 * i + 2 + e] = (masked && col > lim_hi) ? -INFINITY : hi;
-    }
-  }
+  for (int i = 0; i < 8; ++i) scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, qk_scale);
   float mx_lo = s[0], mx_hi = s[2];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -109,17 +131,7 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
   m_hi = new_hi;
   float g_lo[8], g_hi[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
-    s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
-    s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
-    s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
-    float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
-    x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-    y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
-    g_lo[i] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-    g_hi[i] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
-  }
+  for (int i = 0; i < 8; ++i) exp_group_sums(s, i, new_lo, new_hi, g_lo[i], g_hi[i]);
   auto tree = [](const float (&g)[8]) {
     return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
                      __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
@@ -128,9 +140,12 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
   l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
 }
 
-__device__ __forceinline__ void scale_rows(float (&o)[64], float a_lo, float a_hi) {
+// An accumulator in the wgmma/mma.sync layout (N values: N / 4 groups of lo, lo, hi, hi)
+// scaled by its rows' alphas.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N], float a_lo, float a_hi) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
     o[4 * i] = __fmul_rn(o[4 * i], a_lo);
     o[4 * i + 1] = __fmul_rn(o[4 * i + 1], a_lo);
     o[4 * i + 2] = __fmul_rn(o[4 * i + 2], a_hi);
@@ -157,11 +172,12 @@ __device__ __forceinline__ float fold_value(float run, float acc, FoldCoef c) {
 }
 
 // This split's state (m, l, acc) of rows lo/hi folded into the running state (mr, lr, run).
-__device__ __forceinline__ void fold_rows(float (&run)[64], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
-                                          const float (&acc)[64], float m_lo, float m_hi, float l_lo, float l_hi) {
+template <int N>
+__device__ __forceinline__ void fold_rows(float (&run)[N], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
+                                          const float (&acc)[N], float m_lo, float m_hi, float l_lo, float l_hi) {
   const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
     run[4 * i] = fold_value(run[4 * i], acc[4 * i], lo);
     run[4 * i + 1] = fold_value(run[4 * i + 1], acc[4 * i + 1], lo);
     run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], hi);

@@ -590,15 +590,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
       const int kv0 = j * kStep;
       const bool masked = kv0 + kStep > w.ext;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = kv0 + 16 * warp + 8 * nt + c2 + e;
-          const float lo = __fmul_rn(s[4 * nt + e], p.qk_scale), hi = __fmul_rn(s[4 * nt + 2 + e], p.qk_scale);
-          s[4 * nt + e] = (masked && col > lim) ? -INFINITY : lo;
-          s[4 * nt + 2 + e] = (masked && col > lim) ? -INFINITY : hi;
-        }
-      }
+      for (int nt = 0; nt < 2; ++nt) scale_mask_group(s, nt, kv0 + 16 * warp + 8 * nt + c2, lim, lim, masked, p.qk_scale);
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.k_empty(st));  // this warp's K reads are done (release orders them)
       float mx_lo = quad_max(fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5])));
@@ -614,30 +606,17 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
       const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
       m_lo = new_lo;
       m_hi = new_hi;
-      float t_lo, t_hi;  // this warp's two groups: the tree's first level
-      {
-        float g_lo[2], g_hi[2];
+      float g_lo[2], g_hi[2];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          s[4 * nt] = ex2(__fsub_rn(s[4 * nt], new_lo));
-          s[4 * nt + 1] = ex2(__fsub_rn(s[4 * nt + 1], new_lo));
-          s[4 * nt + 2] = ex2(__fsub_rn(s[4 * nt + 2], new_hi));
-          s[4 * nt + 3] = ex2(__fsub_rn(s[4 * nt + 3], new_hi));
-          float x = __fadd_rn(s[4 * nt], s[4 * nt + 1]), y = __fadd_rn(s[4 * nt + 2], s[4 * nt + 3]);
-          x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-          y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
-          g_lo[nt] = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-          g_hi[nt] = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
-          // P (16-bit) into the shared A tile: row r, positions 16 w + 8 nt + c2, + 1 (chunk 2 w + nt).
-          const uint32_t off = 2 * c2;
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 2 * warp + nt) + off),
-                       "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 2 * warp + nt) + off),
-                       "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
-        }
-        t_lo = __fadd_rn(g_lo[0], g_lo[1]);
-        t_hi = __fadd_rn(g_hi[0], g_hi[1]);
+      for (int nt = 0; nt < 2; ++nt) {
+        exp_group_sums(s, nt, new_lo, new_hi, g_lo[nt], g_hi[nt]);
+        // P (16-bit) into the shared A tile: row r, positions 16 w + 8 nt + c2, + 1 (chunk 2 w + nt).
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 2 * warp + nt) + 2 * c2),
+                     "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 2 * warp + nt) + 2 * c2),
+                     "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
       }
+      const float t_lo = __fadd_rn(g_lo[0], g_lo[1]), t_hi = __fadd_rn(g_hi[0], g_hi[1]);  // the tree's first level
       if (lane % 4 == 0) {
         red_sum[warp * 16 + r_lo] = t_lo;
         red_sum[warp * 16 + r_hi] = t_hi;
@@ -655,13 +634,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
       if (valid < kStep)
         zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
                            (OPT & kPairedV) ? p.box_rows : kStep);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        acc[4 * nt] = __fmul_rn(acc[4 * nt], a_lo);
-        acc[4 * nt + 1] = __fmul_rn(acc[4 * nt + 1], a_lo);
-        acc[4 * nt + 2] = __fmul_rn(acc[4 * nt + 2], a_hi);
-        acc[4 * nt + 3] = __fmul_rn(acc[4 * nt + 3], a_hi);
-      }
+      scale_rows(acc, a_lo, a_hi);
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) {
         uint32_t pa[4];
@@ -694,14 +667,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
         }
       }
     } else {
-      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        run[4 * nt] = fold_value(run[4 * nt], acc[4 * nt], lo);
-        run[4 * nt + 1] = fold_value(run[4 * nt + 1], acc[4 * nt + 1], lo);
-        run[4 * nt + 2] = fold_value(run[4 * nt + 2], acc[4 * nt + 2], hi);
-        run[4 * nt + 3] = fold_value(run[4 * nt + 3], acc[4 * nt + 3], hi);
-      }
+      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
     }
   }
   if constexpr (!WRITE_PARTIALS) {
