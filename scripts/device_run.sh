@@ -16,6 +16,7 @@
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
 #   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
+#   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS)
 #   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
 # Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer]
 set -uo pipefail
@@ -24,13 +25,20 @@ export PYTHONUNBUFFERED=1
 # The commit of the tree (write it before the call: git rev-parse --short HEAD > .dhp-commit,
 # and carry .dhp-commit); the device's copy may hold a stale .git.
 [ -f .dhp-commit ] && export DHP_COMMIT=$(cat .dhp-commit)
-if [ ! -f /root/gpu-stack/env.sh ]; then
-  # FlashInfer is optional (only the harness's anchor needs it): leave it out of
-  # carry when the 64 MiB carry limit is tight (e.g. with .work/base).
-  parts=.gpu-stack/send/core; [ -d .gpu-stack/send/flashinfer ] && parts="$parts .gpu-stack/send/flashinfer"
-  bash .gpu-stack/bin/stage.sh $parts >"$OUT/stage.log" 2>&1 \
+# FlashInfer is optional (only the harness's anchor needs it). core + flashinfer
+# (61.5 MiB) and this repository do not fit one 64 MiB carry: send core in one
+# call and flashinfer in the next while the machine is warm (staged parts stay in
+# /root/gpu-stack/parts, and install.sh installs every family staged).
+parts=""
+for p in core flashinfer; do [ -d .gpu-stack/send/$p ] && parts="$parts .gpu-stack/send/$p"; done
+need=0
+[ -f /root/gpu-stack/env.sh ] || need=1
+[ -d .gpu-stack/send/flashinfer ] && [ ! -f /root/gpu-stack/env-flashinfer.sh ] && need=1
+if [ $need = 1 ]; then
+  { [ -z "$parts" ] || bash .gpu-stack/bin/stage.sh $parts >"$OUT/stage.log" 2>&1; } \
     && GPU_STACK_NO_CHECK=1 bash .gpu-stack/bin/install.sh >"$OUT/install.log" 2>&1 \
-    || { echo "gpu-stack install failed"; tail -30 "$OUT/install.log"; exit 1; }
+    || { echo "gpu-stack install failed (a fresh machine needs .gpu-stack/send/core carried)"
+         tail -30 "$OUT/stage.log" "$OUT/install.log" 2>/dev/null; exit 1; }
 fi
 . /root/gpu-stack/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH
@@ -78,6 +86,26 @@ for step in "$@"; do
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
+    ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
+             # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target
+             S=${NCUDEC_SHAPE:-B16-32k}; first=1
+             for tg in ${NCUDEC_TARGETS:-m2x2_pv_ef fa3}; do
+               if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"
+               else K="--kernel-name regex:decode_kernel"; fi
+               timeout 240 ncu --clock-control none $K --launch-skip 2 --launch-count 1 \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+                 --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+                 --section SourceCounters -o "$OUT/ncudec-$tg" -f python3 scripts/ncu_decode.py $S $tg \
+                 > "$OUT/ncudec-$tg.log" 2>&1; tail -2 "$OUT/ncudec-$tg.log"
+               ncu --import "$OUT/ncudec-$tg.ncu-rep" --page details > "$OUT/ncudec-$tg-details.txt" 2>&1
+               grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Warp Cycles Per Issued|Issued Warp|No Eligible|Registers Per|Achieved Occupancy|Block Limit|Stall|Mem Busy|Max Bandwidth" \
+                 "$OUT/ncudec-$tg-details.txt" | head -40
+               if [ $first = 1 ]; then
+                 ncu --import "$OUT/ncudec-$tg.ncu-rep" --page source --csv --print-source sass \
+                   > "$OUT/ncudec-$tg-source.csv" 2>&1; wc -l "$OUT/ncudec-$tg-source.csv"; first=0
+               fi
+               rm -f "$OUT/ncudec-$tg.ncu-rep"
+             done; (exit 0) ;;
     ncuprobe) # what this ncu reports per opcode and per SASS instruction for the CT prefill kernel (G1 design)
              export DHP_CUDA_PREFILL_CT=1; ncu --version | tail -1
              CH="python3 -m dhp_backend.audit.counters --child ${PROBE_SHAPE:-B4-L4096-q64} random --launches 2 --sidecar $OUT/probe-child.json"
