@@ -21,9 +21,9 @@
 //
 // One CTA = one query token x the GROUP query heads of one KV head (the Triton
 // kernels' token tile; rows GROUP..63 of the 64-row wgmma tile are unused), and
-// the splits [chunk * spp, ...) of its KV walk (512 positions each, at absolute
-// multiples of 512: the Triton kernels' splits). Two modes, the Triton
-// launcher's (launch.plan), with the same bits:
+// the splits chunk, chunk + chunks, ... of its KV walk (512 positions each, at
+// absolute multiples of 512: the Triton kernels' splits; split_schedule). Two
+// modes, the Triton launcher's (launch.plan), with the same bits:
 //   fold   (WRITE_PARTIALS false): one chunk; each split's state is folded into
 //          a running state in registers and the row is finalized and stored.
 //   split  (WRITE_PARTIALS true): each split's state (m, l, acc) goes to the
@@ -145,7 +145,7 @@ struct Params {
   const int* query_start_loc;
   int num_heads, block_size, box_rows;      // box_rows = min(block_size, 64): rows per TMA box
   int num_seqs, num_tokens, group;
-  int n_split_grid, spp;                    // split mode: splits in the workspace, splits per CTA
+  int n_split_grid;                         // split mode: splits the workspace holds per row
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
   int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
@@ -161,9 +161,19 @@ struct Work {
   int seq_len;               // keys of the request (0 for padding)
   int ext;                   // positions this token attends: [0, ext)
   int n_kv;                  // 64-position steps of the walk
-  int s_lo, s_hi;            // splits of this CTA
-  int n_split;               // splits with positions (the rest are neutral)
+  int n_split;               // splits with positions
+  // This CTA's splits: s_lo, s_lo + s_stride, ... below s_end (split_schedule).
+  int s_lo, s_stride, s_end;
 };
+
+// split_schedule: in split mode the chunks of a row take its splits round robin
+// (chunk c: c, c + chunks, ...; gridDim.z = chunks) and only splits with positions
+// are walked and stored; merge_kernel folds only those. The grid is sized for the
+// block table's capacity (a CUDA graph replays it for every length), and vLLM's
+// table is max_model_len wide: round robin spreads a short walk's splits over as
+// many chunks as it has splits, where contiguous ranges put them all in chunk 0
+// (a 4K context in a 32K table: 8 splits on one CTA instead of eight). A split's
+// state depends only on its own positions, so the bits do not change.
 
 // req: token t's request when the caller knows it (the longest-first schedule), else -1.
 __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, bool write_partials) {
@@ -199,19 +209,22 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   w.ext = max(0, min(w.seq_len, limit));
   w.n_kv = (w.ext + kStep - 1) / kStep;
   w.n_split = (w.n_kv + kStepsPerSplit - 1) / kStepsPerSplit;
-  if (write_partials) {
-    w.s_lo = chunk * p.spp;
-    w.s_hi = min(w.s_lo + p.spp, p.n_split_grid);
-  } else {
-    w.s_lo = 0;
-    w.s_hi = w.n_split;
-  }
+  w.s_lo = write_partials ? chunk : 0;
+  w.s_stride = write_partials ? static_cast<int>(gridDim.z) : 1;
+  w.s_end = min(w.n_split, p.n_split_grid);
   return w;
 }
 
-// Steps [first_step(w), end_step(w)) of the walk: the splits' steps that hold positions.
-__device__ __forceinline__ int first_step(const Work& w) { return min(w.s_lo, w.n_split) * kStepsPerSplit; }
-__device__ __forceinline__ int end_step(const Work& w) { return min(w.s_hi * kStepsPerSplit, w.n_kv); }
+// The CTA's 64-position steps, in walk order: [split_first(s), split_end(w, s)) for
+// each of its splits s; a running step count k indexes the stage ring.
+__device__ __forceinline__ int split_first(int s) { return s * kStepsPerSplit; }
+__device__ __forceinline__ int split_end(const Work& w, int s) { return min((s + 1) * kStepsPerSplit, w.n_kv); }
+// The number of steps the CTA walks (its last split may be short).
+__device__ __forceinline__ int cta_steps(const Work& w) {
+  if (w.s_lo >= w.s_end) return 0;
+  const int last = w.s_lo + (w.s_end - 1 - w.s_lo) / w.s_stride * w.s_stride;
+  return (last - w.s_lo) / w.s_stride * kStepsPerSplit + (split_end(w, last) - split_first(last));
+}
 
 // merge_launch_trigger: in split mode the merge is a programmatic dependent launch
 // (launch); the CTA lets it start when its consumer begins its last split and its
@@ -231,8 +244,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, t);
     tma_load_3d(smem + QTile<SMALL_Q>::kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, t);
   }
-  const int j0 = first_step(w), j1 = end_step(w);
-  if (j0 >= j1) return;
+  if (w.s_lo >= w.s_end) return;
   const int bs = p.block_size, rows = p.box_rows;
   const int pages_per_split = kSplitKV / bs;  // <= 32 (block_size >= 16)
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
@@ -256,57 +268,55 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
     else
       tma_load_5d(dst, map, mbar, c0, c1, c2, c3, c4);
   };
-  int s = j0 / kStepsPerSplit;
-  int ids = split_ids(s);
-  int ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
-  for (int j = j0; j < j1; ++j) {
-    if (j != j0 && j % kStepsPerSplit == 0) {
-      ++s;
-      ids = ids_next;
-      ids_next = s + 1 < w.n_split ? split_ids(s + 1) : 0;
-    }
-    const int k = j - j0, st = k % STAGES;
-    const uint32_t parity = ((k / STAGES) - 1) & 1;  // the release of step k - STAGES
-    const uint32_t k_dst = smem + L::kOffK + st * kTile, v_dst = smem + L::kOffV + st * kTile;
-    // Up to 4 boxes per step (16-token pages); every lane takes part in the shuffles.
-    int blk[4], row[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int pos = j * kStep + b * rows;
-      blk[b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
-      row[b] = pos % bs;
-    }
-    const int boxes = kStep / rows;
-    const bool no_load = (OPT & kDiagNoLoads) && k >= STAGES;
-    if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
-    if (lane == 0 && no_load) mbar_arrive(bar.k_full(st));
-    if (lane == 0 && !no_load) {
-      mbar_arrive_expect_tx(bar.k_full(st), kTile);
+  int ids_next = split_ids(w.s_lo);
+  int k = 0;  // the CTA's running step: its stage and phase in the ring
+  for (int s = w.s_lo; s < w.s_end; s += w.s_stride) {
+    const int ids = ids_next;
+    ids_next = s + w.s_stride < w.s_end ? split_ids(s + w.s_stride) : 0;
+    for (int j = split_first(s); j < split_end(w, s); ++j, ++k) {
+      const int st = k % STAGES;
+      const uint32_t parity = ((k / STAGES) - 1) & 1;  // the release of step k - STAGES
+      const uint32_t k_dst = smem + L::kOffK + st * kTile, v_dst = smem + L::kOffV + st * kTile;
+      // Up to 4 boxes per step (16-token pages); every lane takes part in the shuffles.
+      int blk[4], row[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        if (b < boxes) {
-          load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
-          load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
-        }
+        const int pos = j * kStep + b * rows;
+        blk[b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
+        row[b] = pos % bs;
       }
-    }
-    if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
-    if (lane == 0 && no_load) mbar_arrive(bar.v_full(st));
-    if (lane == 0 && !no_load) {
-      mbar_arrive_expect_tx(bar.v_full(st), kTile);
+      const int boxes = kStep / rows;
+      const bool no_load = (OPT & kDiagNoLoads) && k >= STAGES;
+      if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
+      if (lane == 0 && no_load) mbar_arrive(bar.k_full(st));
+      if (lane == 0 && !no_load) {
+        mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (b < boxes) {
-          if constexpr (OPT & kPairedV) {
-            load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
-          } else {
-            load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
-            load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+        for (int b = 0; b < 4; ++b) {
+          if (b < boxes) {
+            load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
+            load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
           }
         }
       }
+      if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
+      if (lane == 0 && no_load) mbar_arrive(bar.v_full(st));
+      if (lane == 0 && !no_load) {
+        mbar_arrive_expect_tx(bar.v_full(st), kTile);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          if (b < boxes) {
+            if constexpr (OPT & kPairedV) {
+              load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
+            } else {
+              load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
+              load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+            }
+          }
+        }
+      }
+      __syncwarp();
     }
-    __syncwarp();
   }
   if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // see merge_launch_trigger
 }
@@ -368,10 +378,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   uint32_t pa[16];
 
   mbar_wait(bar.q_full(), 0);
-  const int j0 = first_step(w), j1 = end_step(w);
+  const int n_steps = cta_steps(w);
   if constexpr (OPT & kDiagLoadsOnly) {
-    for (int j = j0; j < j1; ++j) {
-      const int k = j - j0, st = k % STAGES;
+    for (int k = 0; k < n_steps; ++k) {
+      const int st = k % STAGES;
       mbar_wait(bar.k_full(st), (k / STAGES) & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.k_empty(st));
@@ -390,10 +400,10 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       return desc_sw128(v_base + jj * 16 * 128, kHalf, 1024);
     }
   };
-  // S = Q K^T of the stage holding step j into s (asynchronous: wgmma_wait before
-  // reading s). The wait for the stage's K is the caller's.
-  auto issue_qk = [&](int j) {
-    const uint32_t k_base = smem + L::kOffK + ((j - j0) % STAGES) * kTile;
+  // S = Q K^T of the stage holding the CTA's step k into s (asynchronous:
+  // wgmma_wait before reading s). The wait for the stage's K is the caller's.
+  auto issue_qk = [&](int k) {
+    const uint32_t k_base = smem + L::kOffK + (k % STAGES) * kTile;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHead / 16; ++kk) {
@@ -403,7 +413,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
     }
     wgmma_commit();
   };
-  auto wait_k = [&](int j) { mbar_wait(bar.k_full((j - j0) % STAGES), ((j - j0) / STAGES) & 1); };
+  auto wait_k = [&](int k) { mbar_wait(bar.k_full(k % STAGES), (k / STAGES) & 1); };
   // OVERLAP: the QK^T of step j + 1 is issued right behind the PV of step j (its
   // K stage is ready long before), so it runs while this warpgroup waits for the
   // PV and writes split states; S does not depend on the softmax state, so the
@@ -412,23 +422,23 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   // divergent path): with no step left, a throwaway QK^T reads the current
   // stage, which the producer no longer refills; its S is never read.
   if constexpr (OVERLAP) {
-    if (j0 < j1) wait_k(j0);
-    issue_qk(j0);
+    if (n_steps > 0) wait_k(0);
+    issue_qk(0);
   }
-  for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
-    if (WRITE_PARTIALS && sp == w.s_hi - 1) grid_dependents_launch();  // see merge_launch_trigger
+  int k = 0;  // the CTA's running step
+  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
+    if (WRITE_PARTIALS && sp + w.s_stride >= w.s_end) grid_dependents_launch();  // see merge_launch_trigger
     // Every split from a fresh state (kernels.attention_kernel).
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
-    const int jb = sp * kStepsPerSplit, je = min(jb + kStepsPerSplit, w.n_kv);
-    for (int j = jb; j < je; ++j) {
-      const int k = j - j0, st = k % STAGES;
+    for (int j = split_first(sp); j < split_end(w, sp); ++j, ++k) {
+      const int st = k % STAGES;
       const uint32_t par = (k / STAGES) & 1;
       const uint32_t v_base = smem + L::kOffV + st * kTile;
       if constexpr (!OVERLAP) {
-        wait_k(j);
-        issue_qk(j);
+        wait_k(k);
+        issue_qk(k);
       }
       wgmma_wait<0>();  // S of step j (the PV of step j - 1 was waited for below)
       pin(s);
@@ -454,8 +464,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
       }
       wgmma_commit();
       if constexpr (OVERLAP) {
-        if (j + 1 < j1) wait_k(j + 1);
-        issue_qk(min(j + 1, j1 - 1));
+        if (k + 1 < n_steps) wait_k(k + 1);
+        issue_qk(min(k + 1, n_steps - 1));
         wgmma_wait<1>();  // the PV of step j (groups complete in order); S of j + 1 may still run
       } else {
         wgmma_wait<0>();
@@ -563,15 +573,14 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
 #pragma unroll
     for (int i = 0; i < 16; ++i) run[i] = 0.f;
   }
-  const int j0 = first_step(w);
-  for (int sp = w.s_lo; sp < w.s_hi; ++sp) {
-    if (WRITE_PARTIALS && sp == w.s_hi - 1) grid_dependents_launch();  // see merge_launch_trigger
+  int k = 0;  // the CTA's running step
+  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
+    if (WRITE_PARTIALS && sp + w.s_stride >= w.s_end) grid_dependents_launch();  // see merge_launch_trigger
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
-    const int jb = sp * kStepsPerSplit, je = min(jb + kStepsPerSplit, w.n_kv);
-    for (int j = jb; j < je; ++j) {
-      const int k = j - j0, st = k % STAGES;
+    for (int j = split_first(sp); j < split_end(w, sp); ++j, ++k) {
+      const int st = k % STAGES;
       const uint32_t par = (k / STAGES) & 1;
       const uint32_t k_base = smem + L::kOffK + st * kTile, v_base = smem + L::kOffV + st * kTile;
       float s[8];
@@ -812,13 +821,17 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   // (the decode grid complete, its writes visible). A no-op for a plain launch.
   grid_dependency_wait();
   const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+  // Only the row's splits with positions were stored (split_schedule); folding a
+  // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
+  // the row's result is that of folding all n_split_grid.
+  const int n_split = work_of(p, t, -1, 0, true).n_split;
   const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
   const uint32_t acc_base = smem_addr(&acc_sm[0][0]);
   float lr = 0.f, acc = 0.f;
   if (d == 0) mr_carry = kMInit;
-  for (int c0 = 0; c0 < p.n_split_grid; c0 += kMergeChunk) {
-    const int n = min(kMergeChunk, p.n_split_grid - c0);
+  for (int c0 = 0; c0 < n_split; c0 += kMergeChunk) {
+    const int n = min(kMergeChunk, n_split - c0);
     for (int k = d; k < n * (kHead / 4); k += kHead) {  // 16-byte pieces: split k / 32, columns 4 (k % 32)..
       const int j = k / (kHead / 4), c = 4 * (k % (kHead / 4));
       cp_async_16(acc_base + 4 * (j * kHead + c), p.ws_acc + (row0 + (c0 + j) * split_stride) * kHead + c);
@@ -992,8 +1005,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V rejected), -5 (unknown
 // variant), -6 (grid too large), -7 (query heads per KV head not in 1..64), -9
 // (split mode: ws_acc not 16-byte aligned).
-// Split mode when spp > 0: CTAs take splits [chunk * spp, ...) of n_split_grid,
-// grid.z = ceil(n_split_grid / spp); fold mode otherwise (grid.z = 1).
+// Split mode when spp > 0: grid.z = ceil(n_split_grid / spp) chunks, chunk c takes
+// splits c, c + grid.z, ... (split_schedule); fold mode otherwise (grid.z = 1).
 // order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
 // the longest-first schedule (order_kernel), written then read in stream order.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
@@ -1041,7 +1054,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.num_tokens = num_tokens;
   p.group = group;
   p.n_split_grid = n_split_grid;
-  p.spp = spp;
   p.qk_scale = qk_scale;
   p.causal = causal;
   p.merge_pdl = !(variant >= 8 && ((variant / 8) & kPlainMerge));

@@ -96,6 +96,54 @@ def test_long_contexts_and_split_modes_agree():
             assert torch.equal(bits(out[:3]), want), f"{variant}/{mode}"
 
 
+def test_wide_block_table_short_walks():
+    """vLLM's block table is max_model_len wide whatever the lengths, and a CUDA
+    graph keeps the grid of the table's capacity: short walks in a table of 128K
+    positions (256 splits per row; split mode deals a row's splits to the chunks
+    round robin and the merge folds only the splits with positions), in both
+    modes and every variant: the reference's values and the Triton kernel's bits
+    (whose merge folds all 256, neutral ones included); then captured at these
+    lengths and replayed with every length grown (more splits than at capture)."""
+    rng = random.Random(23)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    lens = [1, 511, 512, 513, 4000, 9000, 20000]
+    reqs = [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for s in lens]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=2, extra_rows=3, max_blocks=8192, spare_blocks=2000)
+    n = len(lens)
+    ref = reference(step, scale=SCALE, causal=True)
+    want = bits(run_triton(step, mode="split")[: step.num_tokens])
+    for mode in ("split", "fold"):
+        for variant in VARIANTS:
+            out = run(step, variant=variant, mode=mode)
+            assert rel_err(out, ref, n) < TOL[torch.bfloat16], f"{variant}/{mode}"
+            assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
+            assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
+            assert torch.equal(bits(out[: step.num_tokens]), want), f"{variant}/{mode}: bits differ from Triton's"
+    out = torch.full_like(step.query, float("nan"))
+    run(step, out=out, mode="split")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(step, out=out, mode="split", check=False)
+    # Grow every request (vLLM appends tokens in place): new pages from the spare
+    # blocks appended to its table row, K/V written at the new positions.
+    owned = {int(b) for i, s in enumerate(lens) for b in step.block_table[i, : -(-s // 16)].tolist()}
+    spare = iter(sorted(set(range(step.key_cache.shape[0])) - owned))
+    grown = [s + rng.randint(100, 2500) for s in lens]
+    for i, (old, new) in enumerate(zip(lens, grown)):
+        for page in range(-(-old // 16), -(-new // 16)):
+            step.block_table[i, page] = next(spare)
+        pos = torch.arange(old, new, device="cuda")
+        blk, slot = step.block_table[i, pos // 16].long(), pos % 16
+        for cache in (step.key_cache, step.value_cache):
+            cache[blk, :, slot] = torch.randn((new - old, 8, 128), generator=gen, device="cuda").to(cache.dtype)
+    step.seq_lens.copy_(torch.tensor(grown, dtype=torch.int32, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(step, scale=SCALE, causal=True), n) < TOL[torch.bfloat16]
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, mode="split")[: step.num_tokens]))
+
+
 def test_draft_tokens_causal_and_full():
     """Token tiles of requests with several query tokens (speculative drafts):
     each token sees its own causal prefix; non-causal sees all."""

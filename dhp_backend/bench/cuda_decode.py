@@ -28,21 +28,29 @@ import time
 import torch
 
 from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.cuda_prefill import D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
+from dhp_backend.bench.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from dhp_backend.bench.inputs import rel_err
 from dhp_backend.ops.cuda_decode import AUTO, DIAGNOSTIC_VARIANTS, VARIANTS
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
     """``B<batch>-<ctx>k``: every request at ctx; ``B<batch>-r<ctx>k``: lengths uniform
-    in [ctx / 8, ctx], seeded (vLLM's decode batches: requests of many lengths)."""
-    b, ctx = name.split("-")
+    in [ctx / 8, ctx], seeded (vLLM's decode batches: requests of many lengths). A
+    suffix ``-w<cap>k`` (`_table_width`) only widens the block table."""
+    b, ctx = name.split("-")[:2]
     B = int(b[1:])
     if ctx.startswith("r"):
         hi = int(ctx[1:-1]) * 1024
         rng = random.Random(name)
         return B, hi, [(1, rng.randint(hi // 8, hi)) for _ in range(B)]
     return B, int(ctx[:-1]) * 1024, [(1, int(ctx[:-1]) * 1024)] * B
+
+
+def _table_width(name: str) -> int:
+    """Block-table columns of a shape ``...-w<cap>k``: vLLM's table is max_model_len wide
+    whatever the lengths (0: just wide enough)."""
+    parts = name.split("-")
+    return int(parts[2][1:-1]) * 1024 // BS if len(parts) > 2 and parts[2].startswith("w") else 0
 
 
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
@@ -164,7 +172,8 @@ def main(argv=None):
     for k, shape in enumerate(shapes):
         B, ctx, reqs = _shape(shape)
         nbytes = kv_bytes(reqs)
-        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved) for _ in range(2)]
+        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved, width=_table_width(shape))
+                for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
         outs = {}
         for name in names:
