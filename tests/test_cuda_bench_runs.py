@@ -1,11 +1,12 @@
 """bench.cuda_runs (what the csrc kernels' benches share), on CPU tensors: a row is
 timed only when its output is right or it is a declared diagnostic; a missing anchor
-is a row that says so; both benches refuse a machine without an sm_90 GPU."""
+is a row that says so; the benches refuse a machine without an sm_90 GPU; the
+shape names of bench.cuda_decode; bench.sustained's table and plot."""
 
 import pytest
 import torch
 
-from dhp_backend.bench import cuda_decode, cuda_prefill, cuda_runs
+from dhp_backend.bench import cuda_decode, cuda_prefill, cuda_runs, sustained
 
 REF = torch.ones(4, 2, 8)
 
@@ -59,8 +60,33 @@ def test_fa3_ratios():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize("bench", [cuda_decode, cuda_prefill])
-def test_benches_refuse_without_gpu(bench, capsys):
+@pytest.mark.parametrize("bench,argv", [(cuda_decode, ["--probe"]), (cuda_prefill, ["--probe"]),
+                                        (sustained, ["--shapes", "B1-4k"])])
+def test_benches_refuse_without_gpu(bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(["--probe"])
+        bench.main(argv)
     assert e.value.code == 2 and "needs an sm_90 GPU (no CUDA device)" in capsys.readouterr().err
+
+
+def test_decode_shape_names():
+    assert cuda_decode._shape("B4-16k") == (4, 16384, [(1, 16384)] * 4)
+    B, ctx, reqs = cuda_decode._shape("B8-r4k-w128k")
+    assert (B, ctx, len(reqs)) == (8, 4096, 8) and all(512 <= s <= 4096 for _, s in reqs)
+    assert cuda_decode._shape("B8-r4k-w128k") == cuda_decode._shape("B8-r4k-w128k")  # seeded
+    assert cuda_decode._table_width("B1-4k") == 0
+    assert cuda_decode._table_width("B1-4k-w128k") == 128 * 1024 // 16  # columns of 16-token pages
+
+
+def test_sustained_table_and_plot(tmp_path):
+    rows = [dict(shape="B16-32k", target="fa3", burst_us=490.0, sustained_us=513.0, sustained_sm_mhz_median=1440.0,
+                 sustained_sm_mhz_p10=1110.0, sustained_power_w_median=695.0),
+            dict(shape="B16-32k", target="dhp", burst_us=507.0, sustained_us=514.0, burst_vs_fa3=490 / 507,
+                 sustained_vs_fa3=513 / 514, sustained_sm_mhz_median=1785.0, sustained_sm_mhz_p10=1425.0,
+                 sustained_power_w_median=696.0),
+            dict(shape="B1-4k", target="fa3", error="not available")]
+    md = sustained.table(rows).splitlines()
+    assert len(md) == 2 + len(rows)
+    assert md[3].split(" | ")[1:] == ["dhp", "507.0", "514.0", "1785, 1425", "696", "0.966", "0.998 |"]
+    assert md[4].endswith("not available") and "| - | - |" in md[4]
+    sustained.plot(rows, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 1000

@@ -41,7 +41,7 @@ def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
     B = int(b[1:])
     if ctx.startswith("r"):
         hi = int(ctx[1:-1]) * 1024
-        rng = random.Random(name)
+        rng = random.Random(f"{b}-{ctx}")  # the same lengths with or without a -w suffix
         return B, hi, [(1, rng.randint(hi // 8, hi)) for _ in range(B)]
     return B, int(ctx[:-1]) * 1024, [(1, int(ctx[:-1]) * 1024)] * B
 
