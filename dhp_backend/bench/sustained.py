@@ -126,22 +126,27 @@ def run(shapes, seconds: float) -> list[dict]:
         ref = sdpa_ref(sets[0], True)
         for target in TARGETS:
             row = dict(shape=shape, batch=B, ctx=ctx, target=target)
-            fns = [fa3_fn(s, True) if target == "fa3" else cuda_fn(s, "auto") for s in sets]
 
             def measure(fns_):
                 g = _graph(fns_)
                 row["burst_us"] = burst_us(g)
                 row.update({f"sustained_{key}": v for key, v in sustained(g, seconds).items()})
+                del g
                 return row["burst_us"] / 1e3
 
             try:
+                fns = [fa3_fn(s, True) if target == "fa3" else cuda_fn(s, "auto") for s in sets]
                 cuda_runs.check_and_time(row, fns, ref, measure)
             except Exception as e:  # noqa: BLE001 - a failing target is a row, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            fns = None  # FA3's copies of the cache and the graphs' pools go before the next target
+            torch.cuda.empty_cache()
             if row.get("sustained_us"):
                 row["sustained_tb_s"] = kv_bytes(reqs) / row["sustained_us"] / 1e6
             rows.append(row)
             time.sleep(0.5)
+        sets = ref = None
+        torch.cuda.empty_cache()
         mine = {r["target"]: r for r in rows[-len(TARGETS):]}
         fa3, dhp = mine.get("fa3", {}), mine.get("dhp", {})
         for key in ("burst_us", "sustained_us"):
