@@ -52,20 +52,21 @@ __device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2
 // pages) are zeroed in shared memory before the PV product: P is 0 there, but
 // 0 * NaN is NaN. POSITIONS: rows of the V tile, stored as boxes of box_rows
 // rows, each box two 64-column halves of box_rows x 128 B ([box][half][row]; the
-// default, one box, is [half][POSITIONS rows]). Run by one consumer warpgroup (128
-// threads, its own named barrier); where two warpgroups share a tile, both write
-// the same zeros.
-template <int POSITIONS>
+// default, one box, is [half][POSITIONS rows]). Run by the THREADS threads that
+// read the tile (a consumer warpgroup, or decode's two PV warps), tid in
+// [0, THREADS), with their own named barrier; where two warpgroups share a tile,
+// both write the same zeros.
+template <int POSITIONS, int THREADS = 128>
 __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int tid, uint32_t barrier_id,
                                             int box_rows = POSITIONS) {
-  for (int idx = tid; idx < (POSITIONS - valid_rows) * 16; idx += 128) {
+  for (int idx = tid; idx < (POSITIONS - valid_rows) * 16; idx += THREADS) {
     const int row = valid_rows + idx / 16, c = idx % 16;
     uint8_t* line = v_tile + (row / box_rows) * (2 * box_rows * 128) + (c / 8) * (box_rows * 128) +
                     (row % box_rows) * 128;
     reinterpret_cast<uint4*>(line)[c % 8] = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();
-  named_barrier(barrier_id, 128);
+  named_barrier(barrier_id, THREADS);
 }
 
 constexpr float kMInit = -3.4028234663852886e38f;

@@ -92,6 +92,10 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   rows are real: a quarter of the tensor work per step. GROUP <= 16
 //                   (larger groups run the wgmma consumer). Same bits.
 constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
+// kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
+constexpr int kMmaPipe = 64;
+template <int OPT>
+constexpr int kMmaForm = (OPT & kMmaSync) ? ((OPT & kMmaPipe) ? 2 : 1) : 0;
 // kPlainMerge (host only): the merge launched without the programmatic dependent
 // launch attribute, for the A/B measurement of it (same bits).
 constexpr int kPlainMerge = 32;
@@ -122,14 +126,16 @@ struct RunState {
 
 // Shared memory: Q | K stages | V stages | running state | [MMA: P tile | cross-warp
 // row values] | mbarriers, 1 KB aligned (swizzle atoms).
-template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, bool MMA = false>
+// MMA: 0 the wgmma consumer, 1 consume_mma, 2 consume_mma_pipe (P double-buffered,
+// its row values and the P ring's barriers).
+template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, int MMA = 0>
 struct Layout {
   static constexpr int kOffK = QTile<SMALL_Q>::kBytes;
   static constexpr int kOffV = kOffK + STAGES * kTile;
   static constexpr int kOffRun = kOffV + STAGES * kTile;
   static constexpr int kOffP = kOffRun + (MMA ? 0 : RunState<SMALL_Q, WRITE_PARTIALS>::kBytes);
-  static constexpr int kOffRed = kOffP + (MMA ? 16 * 128 : 0);           // P: 16 rows x 64 16-bit values
-  static constexpr int kOffBar = kOffRed + (MMA ? 2 * 4 * 16 * 4 : 0);   // max, sum x 4 warps x 16 rows
+  static constexpr int kOffRed = kOffP + MMA * 16 * 128;                  // P: 16 rows x 64 16-bit values
+  static constexpr int kOffBar = kOffRed + (MMA ? 1024 : 0);              // row values (+ the P ring's barriers)
   static constexpr int kBytes = kOffBar + 8 * RingBarriers<STAGES>::kCount + 1024;  // + barriers + alignment slack
 };
 
@@ -531,7 +537,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                             const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, true>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, 1>;
   using Q = QTile<SMALL_Q>;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int r_lo = lane / 4, r_hi = r_lo + 8, c2 = 2 * (lane % 4);  // this thread's rows, first column of a pair
@@ -695,11 +701,287 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
   }
 }
 
+// ---- consumer, mma.sync form on two warp pairs (kMmaSync | kMmaPipe) --------------
+// consume_mma's operations on the same operands, split by role so that a step's S
+// and softmax overlap the previous step's PV (in consume_mma every warp runs both,
+// one after the other, with two four-warp barriers per step):
+//   warps 0-1 (S): warp w computes S for positions [32 w, 32 w + 32) of a step (four
+//     n8 tiles, k16 slices in order from -0.0), the compat softmax (row max across
+//     the pair through shared memory; row sum: warp w adds its groups 4w..4w+3 as
+//     (g0 + g1) + (g2 + g3), the pair's two sums are added warp 0's first: compat's
+//     tree), keeps (m, l) and writes P and the rows' alphas into one of two P
+//     buffers; at a split's end the fold coefficients (fold mode) or (m, l) (split
+//     mode), at the CTA's end 1 / l;
+//   warps 2-3 (PV): warp w' scales and accumulates O for columns [64 w', 64 w' + 64)
+//     with the alphas and P of the buffer (k16 slices in order), folds or stores it
+//     at a split's end, and stores the output.
+// The P buffers form a two-slot ring (p_full: the 64 S threads arrive; p_empty: the
+// 64 PV threads arrive), so the S pair runs up to two steps ahead of the PV pair.
+constexpr int kPipeBarOff = 768;  // the P ring's barriers in the row-value area
+struct PipeBarriers {
+  uint32_t base;
+  __device__ uint32_t full(int b) const { return base + 8 * b; }
+  __device__ uint32_t empty(int b) const { return base + 16 + 8 * b; }
+  __device__ void init() const {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(full(b), 64);
+      mbar_init(empty(b), 64);
+    }
+    mbar_fence_init();
+  }
+};
+// The row-value area (floats): red_max [2 warps][16 rows], red_sum [2][16],
+// alpha [2 buffers][16], coef [2 buffers][16 rows][al, be], inv [16].
+constexpr int kPipeMax = 0, kPipeSum = 32, kPipeAlpha = 64, kPipeCoef = 96, kPipeInv = 160;
+
+template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
+__device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                                 const Barriers<STAGES>& bar, int kvh, int t) {
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, 2>;
+  using Q = QTile<SMALL_Q>;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int r_lo = lane / 4, r_hi = r_lo + 8, c2 = 2 * (lane % 4);
+  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
+  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
+  float* rv = reinterpret_cast<float*>(smem_ptr + L::kOffRed);
+  const PipeBarriers pb{smem + L::kOffRed + kPipeBarOff};
+  const int n_steps = cta_steps(w);
+  auto last_split = [&](int sp) { return sp + w.s_stride >= w.s_end; };
+
+  if (warp < 2) {  // ---- S pair
+    const int ws = warp;
+    mbar_wait(bar.q_full(), 0);
+    uint32_t qa[8][4];
+    {
+      const int qr = SMALL_Q ? lane % 8 : lane % 16;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
+    }
+    const int lim = w.ext - 1;
+    float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;
+    int k = 0;
+    for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
+      if (WRITE_PARTIALS && last_split(sp)) grid_dependents_launch();  // see merge_launch_trigger
+      float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
+      const int je = split_end(w, sp);
+      for (int j = split_first(sp); j < je; ++j, ++k) {
+        const int st = k % STAGES, b = k % 2;
+        const uint32_t k_base = smem + L::kOffK + st * kTile;
+        float s[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = -0.f;
+        mbar_wait(bar.k_full(st), (k / STAGES) & 1);
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          const int c = 2 * kk + (lane / 8) % 2;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // positions 32 ws + 16 h + [0, 16): two n8 tiles
+            uint32_t kb[4];
+            ldmatrix_x4<false>(kb, k_base + (c / 8) * kHalf +
+                                       sw128_offset(32 * ws + 16 * h + 8 * (lane / 16) + lane % 8, c % 8));
+            mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[8 * h]), qa[kk], kb[0], kb[1]);
+            mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[8 * h + 4]), qa[kk], kb[2], kb[3]);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar.k_empty(st));
+        const int kv0 = j * kStep;
+        const bool masked = kv0 + kStep > w.ext;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) scale_mask_group(s, nt, kv0 + 32 * ws + 8 * nt + c2, lim, lim, masked, p.qk_scale);
+        float mx_lo = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5]));
+        float mx_hi = fmaxf(fmaxf(s[2], s[3]), fmaxf(s[6], s[7]));
+        mx_lo = fmaxf(mx_lo, fmaxf(fmaxf(s[8], s[9]), fmaxf(s[12], s[13])));
+        mx_hi = fmaxf(mx_hi, fmaxf(fmaxf(s[10], s[11]), fmaxf(s[14], s[15])));
+        mx_lo = quad_max(mx_lo);
+        mx_hi = quad_max(mx_hi);
+        if (lane % 4 == 0) {
+          rv[kPipeMax + ws * 16 + r_lo] = mx_lo;
+          rv[kPipeMax + ws * 16 + r_hi] = mx_hi;
+        }
+        named_barrier(kBarRows, 64);
+        mx_lo = fmaxf(rv[kPipeMax + r_lo], rv[kPipeMax + 16 + r_lo]);
+        mx_hi = fmaxf(rv[kPipeMax + r_hi], rv[kPipeMax + 16 + r_hi]);
+        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+        const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        if (k >= 2) mbar_wait(pb.empty(b), ((k / 2) - 1) & 1);  // the PV pair is done with buffer b
+        const uint32_t p_tile = smem + L::kOffP + b * (16 * 128);
+        float g_lo[4], g_hi[4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          exp_group_sums(s, nt, new_lo, new_hi, g_lo[nt], g_hi[nt]);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 4 * ws + nt) + 2 * c2),
+                       "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 4 * ws + nt) + 2 * c2),
+                       "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
+        }
+        // The tree's first two levels on this warp's four groups.
+        const float u_lo = __fadd_rn(__fadd_rn(g_lo[0], g_lo[1]), __fadd_rn(g_lo[2], g_lo[3]));
+        const float u_hi = __fadd_rn(__fadd_rn(g_hi[0], g_hi[1]), __fadd_rn(g_hi[2], g_hi[3]));
+        if (lane % 4 == 0) {
+          rv[kPipeSum + ws * 16 + r_lo] = u_lo;
+          rv[kPipeSum + ws * 16 + r_hi] = u_hi;
+        }
+        named_barrier(kBarRows, 64);  // also: both warps have read red_max
+        l_lo = __fmaf_rn(l_lo, a_lo, __fadd_rn(rv[kPipeSum + r_lo], rv[kPipeSum + 16 + r_lo]));
+        l_hi = __fmaf_rn(l_hi, a_hi, __fadd_rn(rv[kPipeSum + r_hi], rv[kPipeSum + 16 + r_hi]));
+        if (ws == 0 && lane % 4 == 0) {
+          rv[kPipeAlpha + 16 * b + r_lo] = a_lo;
+          rv[kPipeAlpha + 16 * b + r_hi] = a_hi;
+        }
+        if (j + 1 == je) {  // the split's end: what the PV pair needs to fold or store it
+          if constexpr (WRITE_PARTIALS) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              if (ws != 0 || lane % 4 != 0 || !(h == 0 ? ok_lo : ok_hi)) continue;
+              const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
+                                  (h == 0 ? head_lo : head_hi);
+              p.ws_m[row] = h == 0 ? m_lo : m_hi;
+              p.ws_l[row] = h == 0 ? l_lo : l_hi;
+            }
+          } else {
+            const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+            if (ws == 0 && lane % 4 == 0) {
+              rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
+              rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
+              rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
+              rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
+              if (last_split(sp)) {
+                rv[kPipeInv + r_lo] = finalize_inv(lr_lo);
+                rv[kPipeInv + r_hi] = finalize_inv(lr_hi);
+              }
+            }
+          }
+        }
+        mbar_arrive(pb.full(b));  // every S thread: its P and row values are written
+      }
+    }
+    return;
+  }
+
+  // ---- PV pair
+  const int wv = warp - 2, tv = tid - 64;
+  auto v_addr = [&](uint32_t v_base, int pos, int c) {
+    if constexpr (OPT & kPairedV) {
+      const int rows = p.box_rows;
+      return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
+    } else {
+      return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
+    }
+  };
+  float acc[32];
+  float run[WRITE_PARTIALS ? 1 : 32];
+  if constexpr (!WRITE_PARTIALS) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) run[i] = 0.f;
+  }
+  int k = 0;
+  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
+    if (WRITE_PARTIALS && last_split(sp)) grid_dependents_launch();  // see merge_launch_trigger
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    const int je = split_end(w, sp);
+    for (int j = split_first(sp); j < je; ++j, ++k) {
+      const int st = k % STAGES, b = k % 2;
+      const uint32_t v_base = smem + L::kOffV + st * kTile, p_tile = smem + L::kOffP + b * (16 * 128);
+      mbar_wait(pb.full(b), (k / 2) & 1);
+      const float a_lo = rv[kPipeAlpha + 16 * b + r_lo], a_hi = rv[kPipeAlpha + 16 * b + r_hi];
+      mbar_wait(bar.v_full(st), (k / STAGES) & 1);
+      const int valid = w.seq_len - j * kStep;
+      if (valid < kStep)
+        zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, valid, tv, kBarVTail,
+                               (OPT & kPairedV) ? p.box_rows : kStep);
+      scale_rows(acc, a_lo, a_hi);
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) {
+        uint32_t pa[4];
+        ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t vb[4];
+          ldmatrix_x4<true>(vb, v_addr(v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
+                                       8 * wv + 2 * np + lane / 16));
+          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
+          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar.v_empty(st));
+      if (j + 1 == je) {
+        if constexpr (WRITE_PARTIALS) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (h == 0 ? !ok_lo : !ok_hi) continue;
+            const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
+                                (h == 0 ? head_lo : head_hi);
+            float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead + 64 * wv + c2);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) dst[4 * nt] = make_float2(acc[4 * nt + 2 * h], acc[4 * nt + 2 * h + 1]);
+          }
+        } else {
+          const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
+          const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            run[4 * i] = fold_value(run[4 * i], acc[4 * i], c_lo);
+            run[4 * i + 1] = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
+            run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
+            run[4 * i + 3] = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
+          }
+        }
+      }
+      // Buffer b's P, alphas and coefficients are read (the inv of the CTA's last
+      // step stays: nothing writes it after).
+      float inv_lo = 1.f, inv_hi = 1.f;
+      if (!WRITE_PARTIALS && k + 1 == n_steps) {
+        inv_lo = rv[kPipeInv + r_lo];
+        inv_hi = rv[kPipeInv + r_hi];
+      }
+      mbar_arrive(pb.empty(b));
+      if constexpr (!WRITE_PARTIALS) {
+        if (k + 1 == n_steps) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (h == 0 ? !ok_lo : !ok_hi) continue;
+            const float inv = h == 0 ? inv_lo : inv_hi;
+            uint32_t* dst = reinterpret_cast<uint32_t*>(
+                static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                                 static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
+                                                 64 * wv + c2));
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+              dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
+          }
+        }
+      }
+    }
+  }
+  if constexpr (!WRITE_PARTIALS) {
+    if (n_steps == 0) {  // no position to attend (padding rows, empty requests): zeros, as the fold of nothing
+      const float inv = finalize_inv(0.f);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h == 0 ? !ok_lo : !ok_hi) continue;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(
+            static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                             static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
+                                             64 * wv + c2));
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
+      }
+    }
+  }
+}
+
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, (OPT & kMmaSync) != 0>;
+  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, kMmaForm<OPT>>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -721,10 +1003,16 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   }
   const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
-  if (threadIdx.x == 0) bar.init(4);  // one release per consumer warp
+  if (threadIdx.x == 0) {
+    // One release per consumer warp that reads the stage (the pipe: two read K, two V).
+    bar.init(kMmaForm<OPT> == 2 ? 2 : 4);
+    if constexpr (kMmaForm<OPT> == 2) PipeBarriers{smem + L::kOffRed + kPipeBarOff}.init();
+  }
   __syncthreads();
   if (threadIdx.x >= 128)
     produce<STAGES, SMALL_Q, WRITE_PARTIALS, OPT>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
+  else if constexpr (kMmaForm<OPT> == 2)
+    consume_mma_pipe<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
   else if constexpr (OPT & kMmaSync)
     consume_mma<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
   else
@@ -886,7 +1174,7 @@ template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
   auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP, OPT>;
-  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, (OPT & kMmaSync) != 0>::kBytes;
+  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, kMmaForm<OPT>>::kBytes;
   // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
   static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
   static bool configured = false;
@@ -928,7 +1216,7 @@ template <bool BF16, bool WRITE_PARTIALS, int OPT>
 int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
                dim3 grid, cudaStream_t st) {
   if constexpr ((OPT & kMmaSync) != 0) {
-    constexpr int kWg = OPT & ~kMmaSync;
+    constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);
     if (p.group > kMmaMaxGroup) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
     if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
     if (base == 6) return launch<BF16, 3, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
@@ -963,6 +1251,9 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV | kMmaSync: return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync>(base, tq, tk, tv, p, grid, st);
       case kPairedV | kEvictFirst | kMmaSync:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync>(base, tq, tk, tv, p, grid, st);
+      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe:
+        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe>(base, tq, tk, tv, p,
+                                                                                               grid, st);
       case kPairedV | kMmaSync | kDiagNoLoads:
         if constexpr (BF16)
           return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);

@@ -88,5 +88,11 @@ def test_sustained_table_and_plot(tmp_path):
     assert len(md) == 2 + len(rows)
     assert md[3].split(" | ")[1:] == ["dhp", "507.0", "514.0", "1785, 1425", "696", "0.966", "0.998 |"]
     assert md[4].endswith("not available") and "| - | - |" in md[4]
-    sustained.plot(rows, str(tmp_path / "s.png"))
-    assert (tmp_path / "s.png").stat().st_size > 1000
+    why = sustained.plot(rows, str(tmp_path / "s.png"))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in why and not (tmp_path / "s.png").exists()
+    else:
+        assert why is None and (tmp_path / "s.png").stat().st_size > 1000
+        assert "no DHP row" in sustained.plot(rows[:1], str(tmp_path / "t.png"))

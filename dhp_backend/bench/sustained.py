@@ -180,14 +180,17 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, path: str) -> str | None:
+    """The PNG of the DHP rows' ratios; returns why not when it was not written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib to get it)"
     dhp = [r for r in rows if r["target"] == "dhp" and r.get("sustained_vs_fa3")]
     if not dhp:
-        return
+        return "plot skipped: no DHP row with both ratios"
     x = range(len(dhp))
     fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(dhp)), 3.6))
     ax.bar([i - 0.2 for i in x], [r["burst_vs_fa3"] for r in dhp], 0.4, label="burst (median of 60)")
@@ -201,6 +204,7 @@ def plot(rows, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return None
 
 
 def main(argv=None) -> int:
@@ -225,7 +229,9 @@ def main(argv=None) -> int:
             json.dump(doc, f, indent=1)
         with open(os.path.join(args.out, "sustained.md"), "w") as f:
             f.write(md + "\n")
-        plot(rows, os.path.join(args.out, "sustained.png"))
+        why = plot(rows, os.path.join(args.out, "sustained.png"))
+        if why:
+            print(why)
     return 0
 
 

@@ -58,11 +58,16 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # bench shape of one H200 run (docs/perf-notes.md, change 26).
 # Measurement variants (change 26): "m2x2_pv" (no evict_first), "*_plainmerge" (the
 # split merge launched without programmatic dependent launch).
+# "p2x2_pv_ef" / "p2x3_pv_ef" / "p3x2_pv_ef" (+ kMmaPipe): the mma.sync consumer split
+# by role, two warps computing S and the softmax, two accumulating PV, P passed
+# through a two-slot ring, so a step's softmax overlaps the previous step's PV; the
+# same operations per element, the same bits (csrc: consume_mma_pipe).
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
             "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
-            "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3)}
+            "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3),
+            "p2x2_pv_ef": (4 + 8 * 89, 2), "p2x3_pv_ef": (5 + 8 * 89, 3), "p3x2_pv_ef": (6 + 8 * 89, 2)}
 # "auto" (the default): `pick_variant` (m2x2_pv_ef or m2x3_pv_ef).
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
