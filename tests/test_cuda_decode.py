@@ -156,10 +156,10 @@ def test_merge_coefficients_scanned_equal_the_sequential_fold(seed):
 @pytest.mark.parametrize("B, ctx, group, expected", [
     (256, 16384, 4, "m2x3_pv_ef"),   # fold mode, 2048 CTAs: >= 4 waves of 396 slots
     (256, 4096, 8, "m2x3_pv_ef"),
-    (64, 32768, 4, "m2x2_pv_ef"),    # fold mode, 512 CTAs: 1.3 waves of three per SM
-    (16, 32768, 4, "m2x2_pv_ef"),    # split mode
-    (1, 4096, 4, "m2x2_pv_ef"),
-    (256, 16384, 16, "m2x2_pv_ef"),  # no small Q tile: three CTAs per SM do not fit
+    (64, 32768, 4, "p2x2_pv_ef"),    # fold mode, 512 CTAs: 1.3 waves of three per SM
+    (16, 32768, 4, "p2x2_pv_ef"),    # split mode
+    (1, 4096, 4, "p2x2_pv_ef"),
+    (256, 16384, 16, "p2x2_pv_ef"),  # no small Q tile: three CTAs per SM do not fit
 ])
 def test_pick_variant_by_waves(monkeypatch, B, ctx, group, expected):
     from dhp_backend.ops import cuda_decode

@@ -61,14 +61,17 @@ MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma ti
 # "p2x2_pv_ef" / "p2x3_pv_ef" / "p3x2_pv_ef" (+ kMmaPipe): the mma.sync consumer split
 # by role, two warps computing S and the softmax, two accumulating PV, P passed
 # through a two-slot ring, so a step's softmax overlaps the previous step's PV; the
-# same operations per element, the same bits (csrc: consume_mma_pipe).
+# same operations per element, the same bits (csrc: consume_mma_pipe). "p2x2_pv_ef"
+# against "m2x2_pv_ef", FA3 ratio on 9 bench shapes of one H200 run: -0.006 to +0.055
+# (B1 32K 1.07 -> 1.13, B4 16K 0.98 -> 1.01; B4 32K 0.984 -> 0.978), docs/perf-notes.md
+# change 29.
 VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
             "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
             "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
             "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3),
             "p2x2_pv_ef": (4 + 8 * 89, 2), "p2x3_pv_ef": (5 + 8 * 89, 3), "p3x2_pv_ef": (6 + 8 * 89, 2)}
-# "auto" (the default): `pick_variant` (m2x2_pv_ef or m2x3_pv_ef).
+# "auto" (the default): `pick_variant` (p2x2_pv_ef or m2x3_pv_ef).
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
 # Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
@@ -167,12 +170,12 @@ def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: i
                  mode: str | None) -> str:
     """The "auto" variant of a launch, from public values only: "m2x3_pv_ef" for
     fold-mode launches of at least `THREE_PER_SM_MIN_WAVES` waves of three CTAs per
-    SM (small Q tiles: GROUP <= 8), else "m2x2_pv_ef". Every variant has the same bits."""
+    SM (small Q tiles: GROUP <= 8), else "p2x2_pv_ef". Every variant has the same bits."""
     p = plan(num_tokens, num_reqs, num_heads, num_kv_heads, capacity, dtype_name, "m2x3_pv_ef", mode)
     if (num_heads // num_kv_heads <= 8 and not p["split"]
             and num_tokens * num_kv_heads >= THREE_PER_SM_MIN_WAVES * p["slots"]):
         return "m2x3_pv_ef"
-    return "m2x2_pv_ef"
+    return "p2x2_pv_ef"
 
 
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
