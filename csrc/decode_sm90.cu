@@ -94,10 +94,6 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
 // kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
 constexpr int kMmaPipe = 64;
-// kFusedMerge (split mode): no merge kernel; the last CTA of a row folds its splits
-// (fused_merge).
-constexpr int kFusedMerge = 128;
-constexpr uint32_t kBarMerge = 3;  // named barrier of the fused merge's 128 threads
 template <int OPT>
 constexpr int kMmaForm = (OPT & kMmaSync) ? ((OPT & kMmaPipe) ? 2 : 1) : 0;
 // kPlainMerge (host only): the merge launched without the programmatic dependent
@@ -159,7 +155,6 @@ struct Params {
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
   int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
-  int* row_count;                           // kFusedMerge: per (token, KV head) CTA counts, zero between launches
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
 };
 
@@ -982,129 +977,6 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
   }
 }
 
-// Split mode's second kernel: kernels.merge_kernel's fold, left to right from the
-// neutral state, with the same operations on the same operands, hence the same
-// bits; scheduled for latency. The fold of split s is
-//   m2 = fmax(mr, m_s); al = select_ex2(mr, m2); be = select_ex2(m_s, m2);
-//   lr = fma(lr, al, l_s * be); acc = fma(acc, al, acc_s * be); mr = m2.
-// Only the running max is a chain through the coefficients, and a running max is
-// a prefix max (fmax is exact, and ignores NaN in any order): a warp scans it,
-// then every split's (al, be) is computed in parallel, then each column thread
-// runs two fma chains. A chunk's acc rows (kMergeChunk x 512 B) come to shared
-// memory by cp.async, all in flight at once: per-thread loads (8 or 64 in flight)
-// read them at 0.4-1 TB/s, 8-13 us at 32K contexts on an H200 (ncu; perf-notes
-// change 24). The sign of a zero running max can differ from the sequential fmax
-// chain's, which no coefficient sees (select_ex2 compares with ==, and
-// 2^(a - (+-0)) is one value). One CTA per (token, query head), one thread per column.
-constexpr int kMergeChunk = 64;
-// Shared memory of merge_row (static in merge_kernel, carved from the stages in
-// the fused merge).
-struct MergeSmem {
-  float acc[kMergeChunk][kHead];
-  float m[kMergeChunk], l[kMergeChunk], mr[kMergeChunk], al[kMergeChunk], be[kMergeChunk];
-  float mr_carry;
-};
-// Row (t, head): fold its n_split splits with positions and store the output; run
-// by kHead threads (d: the column), `sync` their barrier.
-template <bool BF16, typename Sync>
-__device__ __forceinline__ void merge_row(const Params& p, int t, int head, int n_split, int d, MergeSmem& sm,
-                                          Sync sync) {
-  const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
-  const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
-  const uint32_t acc_base = smem_addr(&sm.acc[0][0]);
-  float lr = 0.f, acc = 0.f;
-  if (d == 0) sm.mr_carry = kMInit;
-  for (int c0 = 0; c0 < n_split; c0 += kMergeChunk) {
-    const int n = min(kMergeChunk, n_split - c0);
-    for (int k = d; k < n * (kHead / 4); k += kHead) {  // 16-byte pieces: split k / 32, columns 4 (k % 32)..
-      const int j = k / (kHead / 4), c = 4 * (k % (kHead / 4));
-      cp_async_16(acc_base + 4 * (j * kHead + c), p.ws_acc + (row0 + (c0 + j) * split_stride) * kHead + c);
-    }
-    if (d < n) {
-      sm.m[d] = p.ws_m[row0 + (c0 + d) * split_stride];
-      sm.l[d] = p.ws_l[row0 + (c0 + d) * split_stride];
-    }
-    sync();
-    if (d < 32) {  // the running max, a prefix max by warp scan (fmax is exact and order-free)
-      float carry = sm.mr_carry;
-      for (int base = 0; base < n; base += 32) {
-        float v = base + d < n ? sm.m[base + d] : -INFINITY;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const float u = __shfl_up_sync(0xffffffff, v, o);
-          if (d >= o) v = fmaxf(v, u);
-        }
-        v = fmaxf(v, carry);
-        if (base + d < n) sm.mr[base + d] = v;
-        carry = __shfl_sync(0xffffffff, v, 31);
-      }
-    }
-    sync();
-    if (d < n) {  // fold_stats' coefficients, every split at once
-      const float before = d == 0 ? sm.mr_carry : sm.mr[d - 1];
-      sm.al[d] = select_ex2(before, sm.mr[d]);
-      sm.be[d] = select_ex2(sm.m[d], sm.mr[d]);
-    }
-    cp_async_wait_all();
-    sync();  // the coefficients and every thread's pieces of the acc rows
-#pragma unroll 8
-    for (int j = 0; j < n; ++j) {
-      lr = __fmaf_rn(lr, sm.al[j], __fmul_rn(sm.l[j], sm.be[j]));  // fold_stats
-      acc = fold_value(acc, sm.acc[j][d], FoldCoef{sm.al[j], sm.be[j]});
-    }
-    sync();  // the chunk's shared state is read; the next chunk may overwrite it
-    if (d == 0) sm.mr_carry = sm.mr[n - 1];
-  }
-  const float o = __fmul_rn(acc, finalize_inv(lr));
-  char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                               static_cast<int64_t>(head) * p.out_head_stride + d);
-  if constexpr (BF16)
-    *reinterpret_cast<__nv_bfloat16*>(out) = __float2bfloat16_rn(o);
-  else
-    *reinterpret_cast<__half*>(out) = __float2half_rn(o);
-}
-
-template <bool BF16>
-__global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
-  __shared__ __align__(16) MergeSmem sm;
-  // Launched as a programmatic dependent of the decode kernel (launch): it may
-  // start before the decode grid ends; the split states are read after this wait
-  // (the decode grid complete, its writes visible). A no-op for a plain launch.
-  grid_dependency_wait();
-  const int t = blockIdx.x;
-  // Only the row's splits with positions were stored (split_schedule); folding a
-  // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
-  // the row's result is that of folding all n_split_grid.
-  merge_row<BF16>(p, t, blockIdx.y, work_of(p, t, -1, 0, true).n_split, threadIdx.x, sm, [] { __syncthreads(); });
-}
-
-// fused_merge (kFusedMerge): after its splits are stored, each CTA of a row (token
-// t, KV head kvh) counts itself in p.row_count; the last one (the count reaches
-// gridDim.z) folds the row's GROUP heads with merge_row's operations (the same bits
-// as merge_kernel, whichever CTA it is) and puts the count back to zero for the
-// next launch. Its consumer warpgroup's 128 threads run it, in the stage memory
-// (every stage is consumed by then). Saves the merge kernel's launch and the tail
-// after the decode grid (6.5 us of 508 at B16 32K on an H200, perf-notes change 30).
-template <bool BF16>
-__device__ __forceinline__ void fused_merge(const Params& p, const Work& w, int t, int kvh, uint8_t* stage_mem) {
-  __shared__ int is_last;
-  const int tid = threadIdx.x;
-  __threadfence();  // this CTA's split states visible before it is counted
-  named_barrier(kBarMerge, 128);
-  if (tid == 0) {
-    int* count = p.row_count + static_cast<int64_t>(t) * gridDim.x + kvh;
-    const int before = atomicAdd(count, 1);
-    is_last = before == static_cast<int>(gridDim.z) - 1;
-    if (is_last) *count = 0;  // every CTA of the row has counted: none touches it again this launch
-    __threadfence();
-  }
-  named_barrier(kBarMerge, 128);
-  if (!is_last) return;
-  MergeSmem& sm = *reinterpret_cast<MergeSmem*>(stage_mem);
-  for (int h = 0; h < p.group; ++h)
-    merge_row<BF16>(p, t, kvh * p.group + h, w.n_split, tid, sm, [] { named_barrier(kBarMerge, 128); });
-}
-
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -1145,9 +1017,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     consume_mma<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
   else
     consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
-  if constexpr (WRITE_PARTIALS && (OPT & kFusedMerge) != 0) {
-    if (threadIdx.x < 128) fused_merge<BF16>(p, w, t, kvh, smem_ptr + L::kOffK);
-  }
 }
 
 // Fold mode's schedule (policy off: the lengths are public). The hardware
@@ -1215,6 +1084,90 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, in
   for_each_token_key(p, [&](int t, int r, int bin) { order[atomicAdd(&start[bin], 1)] = make_int2(t, r); });
 }
 
+// Split mode's second kernel: kernels.merge_kernel's fold, left to right from the
+// neutral state, with the same operations on the same operands, hence the same
+// bits; scheduled for latency. The fold of split s is
+//   m2 = fmax(mr, m_s); al = select_ex2(mr, m2); be = select_ex2(m_s, m2);
+//   lr = fma(lr, al, l_s * be); acc = fma(acc, al, acc_s * be); mr = m2.
+// Only the running max is a chain through the coefficients, and a running max is
+// a prefix max (fmax is exact, and ignores NaN in any order): a warp scans it,
+// then every split's (al, be) is computed in parallel, then each column thread
+// runs two fma chains. A chunk's acc rows (kMergeChunk x 512 B) come to shared
+// memory by cp.async, all in flight at once: per-thread loads (8 or 64 in flight)
+// read them at 0.4-1 TB/s, 8-13 us at 32K contexts on an H200 (ncu; perf-notes
+// change 24). The sign of a zero running max can differ from the sequential fmax
+// chain's, which no coefficient sees (select_ex2 compares with ==, and
+// 2^(a - (+-0)) is one value). One CTA per (token, query head), one thread per column.
+constexpr int kMergeChunk = 64;
+template <bool BF16>
+__global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
+  __shared__ __align__(16) float acc_sm[kMergeChunk][kHead];
+  __shared__ float m_s[kMergeChunk], l_s[kMergeChunk], mr_s[kMergeChunk], al_s[kMergeChunk], be_s[kMergeChunk];
+  __shared__ float mr_carry;
+  // Launched as a programmatic dependent of the decode kernel (launch): it may
+  // start before the decode grid ends; the split states are read after this wait
+  // (the decode grid complete, its writes visible). A no-op for a plain launch.
+  grid_dependency_wait();
+  const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+  // Only the row's splits with positions were stored (split_schedule); folding a
+  // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
+  // the row's result is that of folding all n_split_grid.
+  const int n_split = work_of(p, t, -1, 0, true).n_split;
+  const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
+  const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
+  const uint32_t acc_base = smem_addr(&acc_sm[0][0]);
+  float lr = 0.f, acc = 0.f;
+  if (d == 0) mr_carry = kMInit;
+  for (int c0 = 0; c0 < n_split; c0 += kMergeChunk) {
+    const int n = min(kMergeChunk, n_split - c0);
+    for (int k = d; k < n * (kHead / 4); k += kHead) {  // 16-byte pieces: split k / 32, columns 4 (k % 32)..
+      const int j = k / (kHead / 4), c = 4 * (k % (kHead / 4));
+      cp_async_16(acc_base + 4 * (j * kHead + c), p.ws_acc + (row0 + (c0 + j) * split_stride) * kHead + c);
+    }
+    if (d < n) {
+      m_s[d] = p.ws_m[row0 + (c0 + d) * split_stride];
+      l_s[d] = p.ws_l[row0 + (c0 + d) * split_stride];
+    }
+    __syncthreads();
+    if (d < 32) {  // the running max, a prefix max by warp scan (fmax is exact and order-free)
+      float carry = mr_carry;
+      for (int base = 0; base < n; base += 32) {
+        float v = base + d < n ? m_s[base + d] : -INFINITY;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const float u = __shfl_up_sync(0xffffffff, v, o);
+          if (d >= o) v = fmaxf(v, u);
+        }
+        v = fmaxf(v, carry);
+        if (base + d < n) mr_s[base + d] = v;
+        carry = __shfl_sync(0xffffffff, v, 31);
+      }
+    }
+    __syncthreads();
+    if (d < n) {  // fold_stats' coefficients, every split at once
+      const float before = d == 0 ? mr_carry : mr_s[d - 1];
+      al_s[d] = select_ex2(before, mr_s[d]);
+      be_s[d] = select_ex2(m_s[d], mr_s[d]);
+    }
+    cp_async_wait_all();
+    __syncthreads();  // the coefficients and every thread's pieces of the acc rows
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+      lr = __fmaf_rn(lr, al_s[j], __fmul_rn(l_s[j], be_s[j]));  // fold_stats
+      acc = fold_value(acc, acc_sm[j][d], FoldCoef{al_s[j], be_s[j]});
+    }
+    __syncthreads();  // the chunk's shared state is read; the next chunk may overwrite it
+    if (d == 0) mr_carry = mr_s[n - 1];
+  }
+  const float o = __fmul_rn(acc, finalize_inv(lr));
+  char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
+                                               static_cast<int64_t>(head) * p.out_head_stride + d);
+  if constexpr (BF16)
+    *reinterpret_cast<__nv_bfloat16*>(out) = __float2bfloat16_rn(o);
+  else
+    *reinterpret_cast<__half*>(out) = __float2half_rn(o);
+}
+
 // ---- host ----------------------------------------------------------------------
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP = false,
           int OPT = 0>
@@ -1237,7 +1190,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   }
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || !WRITE_PARTIALS || (OPT & kFusedMerge)) return static_cast<int>(e);
+  if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
   // The merge as a programmatic dependent launch: its launch overlaps the decode
   // grid (which triggers it at its start) instead of following its end (~2 us per
   // call, the gap between the two kernels in a graph replay).
@@ -1263,7 +1216,7 @@ template <bool BF16, bool WRITE_PARTIALS, int OPT>
 int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
                dim3 grid, cudaStream_t st) {
   if constexpr ((OPT & kMmaSync) != 0) {
-    constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);  // kFusedMerge stays
+    constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);
     if (p.group > kMmaMaxGroup) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
     if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
     if (base == 6) return launch<BF16, 3, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
@@ -1301,9 +1254,6 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV | kEvictFirst | kMmaSync | kMmaPipe:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe>(base, tq, tk, tv, p,
                                                                                                grid, st);
-      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kFusedMerge:
-        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kFusedMerge>(
-            base, tq, tk, tv, p, grid, st);
       case kPairedV | kMmaSync | kDiagNoLoads:
         if constexpr (BF16)
           return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
@@ -1345,8 +1295,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // (spp == 0). Returns 0 or an error code: a cudaError_t, or -1 (no
 // cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V rejected), -5 (unknown
 // variant), -6 (grid too large), -7 (query heads per KV head not in 1..64), -9
-// (split mode: ws_acc not 16-byte aligned), -10 (kFusedMerge in split mode without
-// row_count: num_tokens x num_kv_heads int32 counters, zero, left zero).
+// (split mode: ws_acc not 16-byte aligned).
 // Split mode when spp > 0: grid.z = ceil(n_split_grid / spp) chunks, chunk c takes
 // splits c, c + grid.z, ... (split_schedule); fold mode otherwise (grid.z = 1).
 // order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
@@ -1358,7 +1307,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                const int* query_start_loc, int num_seqs, int num_q_rows, int num_tokens,
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
-                               int spp, int* order_ws, int* row_count, void* stream) {
+                               int spp, int* order_ws, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1399,7 +1348,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.qk_scale = qk_scale;
   p.causal = causal;
   p.merge_pdl = !(variant >= 8 && ((variant / 8) & kPlainMerge));
-  p.row_count = row_count;
   if (!p.merge_pdl) variant -= 8 * kPlainMerge;
   const bool split = spp > 0;
   p.order = split ? nullptr : order_ws;
@@ -1407,7 +1355,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   if (num_tokens <= 0) return 0;
   if (num_tokens > 65535 || chunks > 65535) return -6;
   if (split && (reinterpret_cast<uintptr_t>(ws_acc) & 15)) return -9;  // the merge's 16-byte cp.async
-  if (split && variant >= 8 && ((variant / 8) & kFusedMerge) && row_count == nullptr) return -10;
   const dim3 grid(num_kv_heads, num_tokens, chunks);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (is_bf16)

@@ -23,7 +23,6 @@ _LAUNCH_ERRORS = {
     -7: "query heads per KV head outside what the kernel accepts",
     -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
     -9: "the split-state workspace is not 16-byte aligned",
-    -10: "a fused-merge variant in split mode without its row counters",
 }
 
 

@@ -70,13 +70,7 @@ VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x
             "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
             "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
             "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3),
-            "p2x2_pv_ef": (4 + 8 * 89, 2), "p2x3_pv_ef": (5 + 8 * 89, 3), "p3x2_pv_ef": (6 + 8 * 89, 2),
-            "p2x2_pv_ef_fm": (4 + 8 * 217, 2)}
-# "_fm" (+ kFusedMerge, 128): in split mode no merge kernel: the last CTA of a row (an
-# atomic count in the workspace's row counters) folds the row's splits with the merge
-# kernel's operations (the same bits). Needs num_tokens x num_kv_heads counters
-# (workspace.ROW_COUNTS); a larger step runs the variant without it.
-FUSED_MERGE = 128
+            "p2x2_pv_ef": (4 + 8 * 89, 2), "p2x3_pv_ef": (5 + 8 * 89, 3), "p3x2_pv_ef": (6 + 8 * 89, 2)}
 # "auto" (the default): `pick_variant` (p2x2_pv_ef or m2x3_pv_ef).
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
@@ -116,7 +110,7 @@ def _entry():
     fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p, p, p]
+                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p, p]
     fn.restype = i32
     return fn
 
@@ -224,8 +218,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             variant = pick_variant(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, mode)
         p = plan(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, variant, mode)
         null = ctypes.c_void_p(0)
-        ws_acc = ws_m = ws_l = order_ws = row_count = null
-        code = _ALL_VARIANTS[variant][0]
+        ws_acc = ws_m = ws_l = order_ws = null
         spp = 0
         from dhp_backend.ops.triton import workspace as wsp
 
@@ -235,11 +228,6 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws, _, _ = wsp.reserve_workspace(query.device)
             acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
             ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
-            if code >= 8 and (code // 8) & FUSED_MERGE:
-                if num_tokens * Hkv <= wsp.ROW_COUNTS:
-                    row_count = wsp.row_counters(query.device).data_ptr()
-                else:
-                    code -= 8 * FUSED_MERGE  # the separate merge kernel (the same bits)
         elif order or (order is None and longest_first(p, num_tokens, Hkv)):
             # Fold mode leaves the split area unused: its head holds the schedule
             # ((token, request) int32 pairs, written and read in stream order by this launch).
@@ -251,8 +239,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       out.data_ptr(), out.stride(0), out.stride(1), block_table.data_ptr(), block_table.stride(0),
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
-                      int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
-                      ws_l, p["n_split_grid"], spp, order_ws, row_count, stream)
+                      int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_VARIANTS[variant][0], ws_acc, ws_m,
+                      ws_l, p["n_split_grid"], spp, order_ws, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out

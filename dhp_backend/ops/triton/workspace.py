@@ -30,11 +30,7 @@ SINK_FLOATS = SINK_ROWS * SINK_WIDTH + SINK_ROWS
 # policy off's kernels read as V for positions past a request's true length (one
 # row of the widest head in any dtype).
 ZERO_FLOATS = SINK_WIDTH
-# Before the sink: ROW_COUNTS int32 counters, zero between launches, for the csrc
-# decode kernel's fused merge (csrc/decode_sm90.cu fused_merge: the last CTA of a
-# row, by an atomic count, folds the row's splits and puts the counter back to 0).
-ROW_COUNTS = 1 << 18
-SPLIT_FLOATS = WORKSPACE_BYTES // 4 - ROW_COUNTS - SINK_FLOATS - ZERO_FLOATS
+SPLIT_FLOATS = WORKSPACE_BYTES // 4 - SINK_FLOATS - ZERO_FLOATS
 
 _lock = threading.Lock()
 _buffers: dict[torch.device, torch.Tensor] = {}
@@ -59,17 +55,5 @@ def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.T
         if buf is None:
             buf = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device)
             buf[-ZERO_FLOATS:].zero_()
-            buf[SPLIT_FLOATS: SPLIT_FLOATS + ROW_COUNTS].zero_()
             _buffers[device] = buf
-        sink_start = SPLIT_FLOATS + ROW_COUNTS
-        return buf[:SPLIT_FLOATS], buf[sink_start:-ZERO_FLOATS], buf[-ZERO_FLOATS:]
-
-
-def row_counters(device: torch.device | str) -> torch.Tensor:
-    """The ROW_COUNTS int32 counters of the device's workspace (allocated by
-    `reserve_workspace`, zero at allocation; every user leaves them zero)."""
-    reserve_workspace(device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _buffers[device][SPLIT_FLOATS: SPLIT_FLOATS + ROW_COUNTS].view(torch.int32)
+        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS:-ZERO_FLOATS], buf[-ZERO_FLOATS:]
