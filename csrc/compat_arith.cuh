@@ -172,11 +172,10 @@ __device__ __forceinline__ float fold_value(float run, float acc, FoldCoef c) {
   return __fmaf_rn(run, c.al, __fmul_rn(acc, c.be));
 }
 
-// This split's state (m, l, acc) of rows lo/hi folded into the running state (mr, lr, run).
+// An accumulator (wgmma/mma.sync layout: N / 4 groups of lo, lo, hi, hi) folded into
+// the running one with its rows' coefficients.
 template <int N>
-__device__ __forceinline__ void fold_rows(float (&run)[N], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
-                                          const float (&acc)[N], float m_lo, float m_hi, float l_lo, float l_hi) {
-  const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+__device__ __forceinline__ void fold_values(float (&run)[N], const float (&acc)[N], FoldCoef lo, FoldCoef hi) {
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) {
     run[4 * i] = fold_value(run[4 * i], acc[4 * i], lo);
@@ -184,6 +183,14 @@ __device__ __forceinline__ void fold_rows(float (&run)[N], float& mr_lo, float& 
     run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], hi);
     run[4 * i + 3] = fold_value(run[4 * i + 3], acc[4 * i + 3], hi);
   }
+}
+
+// This split's state (m, l, acc) of rows lo/hi folded into the running state (mr, lr, run).
+template <int N>
+__device__ __forceinline__ void fold_rows(float (&run)[N], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
+                                          const float (&acc)[N], float m_lo, float m_hi, float l_lo, float l_hi) {
+  const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+  fold_values(run, acc, lo, hi);
 }
 
 // kernels.finalize's reciprocal: 1 / l with l > 0 selected (div.full); rows

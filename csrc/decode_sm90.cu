@@ -4,7 +4,8 @@
 //
 // NOT constant-time, on purpose: the KV trip count follows the true length
 // (n_kv from seq_len and the causal diagonal), the mask and V-tail branches and
-// the row-guarded stores too. That is the contract of policy `off` only; the
+// the row-guarded stores too, and so do the splits a CTA walks and stores
+// (split_schedule) and the number of splits merge_kernel folds. That is the contract of policy `off` only; the
 // constant-time policies never reach this file (ops.step_kernel routes only
 // policy-off steps here).
 //
@@ -519,6 +520,62 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
 }
 
+// ---- the mma.sync consumers' PV product ------------------------------------------
+// The address of position pos, 16-byte chunk c (0..15: 8 columns) of a V stage (kPairedV:
+// boxes of box_rows rows, [box][half][row]; else [half][64 rows]), 128-byte swizzle.
+template <int OPT>
+__device__ __forceinline__ uint32_t v_chunk_addr(const Params& p, uint32_t v_base, int pos, int c) {
+  if constexpr (OPT & kPairedV) {
+    const int rows = p.box_rows;
+    return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
+  } else {
+    return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
+  }
+}
+// O += P V for one 64-position step on a 16-row tile: P (16 x 64, 16-bit) from the
+// shared tile p_tile, the output columns of 2 NP n8 tiles from chunk c0 on; k16
+// slices in order (compat's PV accumulation). acc: NP x 8 values, mma layout.
+template <bool BF16, int NP, int OPT>
+__device__ __forceinline__ void pv_step_mma(float (&acc)[8 * NP], const Params& p, uint32_t p_tile, uint32_t v_base,
+                                            int c0, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kStep / 16; ++kk) {
+    uint32_t pa[4];
+    ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+      // lane i: position 16 kk + 8 ((i / 8) % 2) + i % 8, the n8 tile 2 np + i / 16
+      uint32_t vb[4];
+      ldmatrix_x4<true>(vb, v_chunk_addr<OPT>(p, v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
+                                              c0 + 2 * np + lane / 16));
+      mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
+      mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
+    }
+  }
+}
+
+// Row half h (0: the thread's row lo, 1: hi) of an mma-layout accumulator of NT n8
+// tiles, columns col + 8 nt, col + 8 nt + 1 (col: the warp's first column + the
+// thread's pair): a split state's acc row to the workspace (row: its index), or
+// the output row (scaled by inv, 16-bit).
+template <int NT>
+__device__ __forceinline__ void store_split_half(const Params& p, int64_t row, int col, const float (&acc)[4 * NT],
+                                                 int h) {
+  float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead + col);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) dst[4 * nt] = make_float2(acc[4 * nt + 2 * h], acc[4 * nt + 2 * h + 1]);
+}
+template <bool BF16, int NT>
+__device__ __forceinline__ void store_out_half(const Params& p, int t, int head, int col, const float (&run)[4 * NT],
+                                               int h, float inv) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(
+      static_cast<char*>(p.out) +
+      2 * (static_cast<int64_t>(t) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride + col));
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
+}
+
 // ---- consumer, mma.sync form (kMmaSync, GROUP <= 16) ------------------------------
 // The operations of `consume` on the same operands, row for row, on a 16-row tile
 // (the GROUP real rows of the wgmma tile fit in one m16 fragment): warp w computes
@@ -562,15 +619,6 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
   // 8 columns (i / 8) % 2 of the slice): matrices {pos 0-7, pos 0-7, pos 8-15, pos 8-15}
   // x {columns 0-7, 8-15}: the b0, b1 of two n8 tiles.
   const int k_pos = 16 * warp + 8 * (lane / 16) + lane % 8, k_hi8 = (lane / 8) % 2;
-  // The V address of position pos, 16-byte chunk c (0..15) of a V stage.
-  auto v_addr = [&](uint32_t v_base, int pos, int c) {
-    if constexpr (OPT & kPairedV) {
-      const int rows = p.box_rows;
-      return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
-    } else {
-      return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
-    }
-  };
 
   float acc[16];
   float run[WRITE_PARTIALS ? 1 : 16];
@@ -650,20 +698,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
         zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
                            (OPT & kPairedV) ? p.box_rows : kStep);
       scale_rows(acc, a_lo, a_hi);
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) {
-        uint32_t pa[4];
-        ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          // lane i: position 16 kk + 8 ((i / 8) % 2) + i % 8, the n8 tile 2 np + i / 16 of this warp's 4
-          uint32_t vb[4];
-          ldmatrix_x4<true>(vb, v_addr(v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
-                                       4 * warp + 2 * np + lane / 16));
-          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
-          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
-        }
-      }
+      pv_step_mma<BF16, 2, OPT>(acc, p, p_tile, v_base, 4 * warp, lane);  // this warp's 32 columns
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.v_empty(st));
     }
@@ -673,9 +708,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
         if (h == 0 ? !ok_lo : !ok_hi) continue;
         const int head = h == 0 ? head_lo : head_hi;
         const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads + head;
-        float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead + 32 * warp + c2);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) dst[4 * nt] = make_float2(acc[4 * nt + 2 * h], acc[4 * nt + 2 * h + 1]);
+        store_split_half<4>(p, row, 32 * warp + c2, acc, h);
         if (warp == 0 && lane % 4 == 0) {
           p.ws_m[row] = h == 0 ? m_lo : m_hi;
           p.ws_l[row] = h == 0 ? l_lo : l_hi;
@@ -689,14 +722,8 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (h == 0 ? !ok_lo : !ok_hi) continue;
-      const float inv = finalize_inv(h == 0 ? lr_lo : lr_hi);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(
-          static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                           static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
-                                           32 * warp + c2));
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-        dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
+      store_out_half<BF16, 4>(p, t, h == 0 ? head_lo : head_hi, 32 * warp + c2, run, h,
+                              finalize_inv(h == 0 ? lr_lo : lr_hi));
     }
   }
 }
@@ -864,20 +891,18 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
 
   // ---- PV pair
   const int wv = warp - 2, tv = tid - 64;
-  auto v_addr = [&](uint32_t v_base, int pos, int c) {
-    if constexpr (OPT & kPairedV) {
-      const int rows = p.box_rows;
-      return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
-    } else {
-      return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
-    }
-  };
   float acc[32];
   float run[WRITE_PARTIALS ? 1 : 32];
   if constexpr (!WRITE_PARTIALS) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) run[i] = 0.f;
   }
+  auto store_out_rows = [&](float inv_lo, float inv_hi) {  // fold mode: the CTA's output rows
+    if constexpr (!WRITE_PARTIALS) {
+      if (ok_lo) store_out_half<BF16, 8>(p, t, head_lo, 64 * wv + c2, run, 0, inv_lo);
+      if (ok_hi) store_out_half<BF16, 8>(p, t, head_hi, 64 * wv + c2, run, 1, inv_hi);
+    }
+  };
   int k = 0;
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
     if (WRITE_PARTIALS && last_split(sp)) grid_dependents_launch();  // see merge_launch_trigger
@@ -895,19 +920,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
         zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, valid, tv, kBarVTail,
                                (OPT & kPairedV) ? p.box_rows : kStep);
       scale_rows(acc, a_lo, a_hi);
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) {
-        uint32_t pa[4];
-        ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          uint32_t vb[4];
-          ldmatrix_x4<true>(vb, v_addr(v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
-                                       8 * wv + 2 * np + lane / 16));
-          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
-          mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
-        }
-      }
+      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane);  // this warp's 64 columns
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.v_empty(st));
       if (j + 1 == je) {
@@ -917,20 +930,12 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
             if (h == 0 ? !ok_lo : !ok_hi) continue;
             const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                 (h == 0 ? head_lo : head_hi);
-            float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead + 64 * wv + c2);
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) dst[4 * nt] = make_float2(acc[4 * nt + 2 * h], acc[4 * nt + 2 * h + 1]);
+            store_split_half<8>(p, row, 64 * wv + c2, acc, h);
           }
         } else {
           const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
           const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            run[4 * i] = fold_value(run[4 * i], acc[4 * i], c_lo);
-            run[4 * i + 1] = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
-            run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
-            run[4 * i + 3] = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
-          }
+          fold_values(run, acc, c_lo, c_hi);
         }
       }
       // Buffer b's P, alphas and coefficients are read (the inv of the CTA's last
@@ -941,40 +946,11 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
         inv_hi = rv[kPipeInv + r_hi];
       }
       mbar_arrive(pb.empty(b));
-      if constexpr (!WRITE_PARTIALS) {
-        if (k + 1 == n_steps) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (h == 0 ? !ok_lo : !ok_hi) continue;
-            const float inv = h == 0 ? inv_lo : inv_hi;
-            uint32_t* dst = reinterpret_cast<uint32_t*>(
-                static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                                 static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
-                                                 64 * wv + c2));
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-              dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
-          }
-        }
-      }
+      if (k + 1 == n_steps) store_out_rows(inv_lo, inv_hi);
     }
   }
-  if constexpr (!WRITE_PARTIALS) {
-    if (n_steps == 0) {  // no position to attend (padding rows, empty requests): zeros, as the fold of nothing
-      const float inv = finalize_inv(0.f);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 0 ? !ok_lo : !ok_hi) continue;
-        uint32_t* dst = reinterpret_cast<uint32_t*>(
-            static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                             static_cast<int64_t>(h == 0 ? head_lo : head_hi) * p.out_head_stride +
-                                             64 * wv + c2));
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-          dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
-      }
-    }
-  }
+  // No position to attend (padding rows, empty requests): zeros, as the fold of nothing.
+  if (n_steps == 0) store_out_rows(finalize_inv(0.f), finalize_inv(0.f));
 }
 
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
