@@ -254,8 +254,8 @@ def test_line_info_from_an_edited_checkout_still_resolves_here(tmp_path):
     other.parent.mkdir(parents=True)
     other.write_text("\n" * 40 + open(here).read())  # the same kernels, 40 lines lower
     assert gate.resolve_source(str(other)) == here
-    line = next(i for i, t in enumerate(open(here), 1) if t.strip() == "for s in range(s_lo, s_hi):")
-    assert gate.source_line(str(other), line) == ("attention_kernel", "for s in range(s_lo, s_hi):")
+    line = next(i for i, t in enumerate(open(here), 1) if t.strip() == "for s in range(s_lo, s_hi, s_step):")
+    assert gate.source_line(str(other), line) == ("attention_kernel", "for s in range(s_lo, s_hi, s_step):")
     assert gate.source_line("/gone/elsewhere/kernels.py", line) == (None, "")
 
 

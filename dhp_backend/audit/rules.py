@@ -57,7 +57,7 @@ class KernelSpec:
     scenarios: tuple
 
 
-_SPLIT_BOUNDS = frozenset({"pid", "arg:spp", "arg:n_split_grid", "arg:l_scalar"})
+_SPLIT_BOUNDS = frozenset({"pid", "arg:split_stride", "arg:n_split_grid", "arg:l_scalar"})
 
 ATTENTION = KernelSpec(
     kernel="attention_kernel",
@@ -71,8 +71,9 @@ ATTENTION = KernelSpec(
                    frozenset({"arg:search_trips"}),
                    "trip count search_trips = ceil(num_reqs / SEARCH_BLOCK), computed on the host from the "
                    "public number of requests"),
-        SourceRule("split-loop", "attention_kernel", r"^for s in range\(s_lo, s_hi\):$", "loop", _SPLIT_BOUNDS,
-                   "splits [chunk*spp, min(chunk*spp + spp, n_split_grid)) in split mode (program id, host plan "
+        SourceRule("split-loop", "attention_kernel", r"^for s in range\(s_lo, s_hi, s_step\):$", "loop",
+                   _SPLIT_BOUNDS,
+                   "splits chunk, chunk + chunks, ... below n_split_grid in split mode (program id, host plan "
                    "from public geometry), ceil(ceil(L / BLOCK_N) / TILES_PER_SPLIT) in fold mode with L = l_scalar, "
                    "the public bucket"),
         SourceRule("kv-loop", "attention_kernel", r"^for j in range\(j_lo, j_hi\):$", "loop", _SPLIT_BOUNDS,

@@ -309,7 +309,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
 @triton.jit(do_not_specialize=[
     "num_reqs", "num_tokens", "q_rows", "l_scalar", "l_mode", "pad_l", "search_trips",
-    "n_split_grid", "spp", "token_tiles", "num_blocks", "max_blocks", "bt_stride", "decoy_magic", "decoy_mult",
+    "n_split_grid", "split_stride", "token_tiles", "num_blocks", "max_blocks", "bt_stride", "decoy_magic", "decoy_mult",
 ])
 def attention_kernel(
     q_ptr, sq_t, sq_h,
@@ -321,7 +321,7 @@ def attention_kernel(
     qk_scale,
     num_reqs, num_tokens, q_rows, num_heads,
     l_scalar, l_mode, pad_l, search_trips,
-    n_split_grid, spp, token_tiles,
+    n_split_grid, split_stride, token_tiles,
     num_blocks, max_blocks, decoy_magic, decoy_mult,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -394,11 +394,19 @@ def attention_kernel(
     n_kv = (ext + BLOCK_N - 1) // BLOCK_N
     n_split = (n_kv + TILES_PER_SPLIT - 1) // TILES_PER_SPLIT
 
-    s_lo = chunk * spp
+    # Split mode deals the splits to the chunks round robin (chunk c: c, c + chunks,
+    # ...; split_stride = chunks): a walk shorter than the grid's n_split_grid (a
+    # per-request bucket, policy off's true lengths, in a max_model_len-wide table)
+    # gets as many programs as it has splits. Every split's state depends only on
+    # its own positions, so the assignment never shows in the bits.
     if WRITE_PARTIALS:
-        s_hi = tl.minimum(s_lo + spp, n_split_grid)
+        s_lo = chunk
+        s_hi = n_split_grid
+        s_step = split_stride
     else:
+        s_lo = 0
         s_hi = n_split
+        s_step = 1
 
     m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
@@ -420,9 +428,10 @@ def attention_kernel(
     if PREFETCH:
         ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
                                 decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
-    # Public trip count: [s_lo, s_hi) comes from the program id and the host plan
-    # (split mode) or from L = l_scalar (fold mode); audit rule "split-loop".
-    for s in range(s_lo, s_hi):
+    # Public trip count: s_lo, s_lo + s_step, ... below s_hi from the program id and
+    # the host plan (split mode) or [0, ceil(ceil(L / BLOCK_N) / TILES_PER_SPLIT)) from
+    # L = l_scalar (fold mode); audit rule "split-loop".
+    for s in range(s_lo, s_hi, s_step):
         # Every split starts from a fresh state, so its partial result is the same
         # whether it is folded here or stored and folded by merge_kernel.
         m_i = tl.full([BLOCK_M], M_INIT, tl.float32)
@@ -432,7 +441,7 @@ def attention_kernel(
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
         if PREFETCH:
             ids = ids_next
-            ids_next = split_blocks(s + 1, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs,
+            ids_next = split_blocks(s + s_step, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs,
                                     num_blocks, decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE,
                                     CONST_TIME)
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
