@@ -828,8 +828,11 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   }
 }
 
+// WIDE_REGS: the register split of FA3's two-consumer kernels, 32 for the producer
+// warpgroup and 240 per consumer thread (32 + 2 x 240 per thread x 128 = 65536) instead of
+// 40 / 232: eight more registers for the consumers' accumulators and scores.
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0>
+          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -846,7 +849,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (CT) {
     // The m64n64 form of QK^T (code 32's): with the n128 form ptxas spilled ~200 B
     // per thread in this binary, with this one 16 B (same products, same bits).
-    static_assert(COMPAT && !S_N128 && STAGES == 2 && !DIAG, "CT is a walk of the compat arithmetic");
+    static_assert(COMPAT && !S_N128 && STAGES == 2 && !DIAG && !WIDE_REGS, "CT is a walk of the compat arithmetic");
     static_assert(8 * (Barriers<STAGES>::kCount + STAGES) <= 128, "the barriers fit their 128 bytes");
     const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
     if (threadIdx.x == 0) {
@@ -888,10 +891,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    regs_dealloc<40>();  // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers
+    // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers (WIDE_REGS: 32 + 2 x 240 = 65536)
+    regs_dealloc<WIDE_REGS ? 32 : 40>();
     if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
   } else {
-    regs_alloc<232>();
+    regs_alloc<WIDE_REGS ? 240 : 232>();
     if constexpr (COMPAT)
       consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh, g);
     else
@@ -901,10 +905,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host ----------------------------------------------------------------------
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0>
+          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE, WIDE_REGS>;
   constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -923,12 +927,13 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true>(tq, tk, tv, p, grid, st);
+  if (variant == 35) return launch<BF16, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 34) {  // one binary per bucket mode (l_mode 1: per-request buckets, policy request)
     if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1>(tq, tk, tv, p, grid, st);
     return launch<BF16, false, false, 2, 0, true, false, true, 0>(tq, tk, tv, p, grid, st);
   }
 #ifdef DHP_PREFILL_COMPAT_ONLY
-  // The build ops.paged_attention loads: the compat binaries only (codes 32-34,
+  // The build ops.paged_attention loads: the compat binaries only (codes 32-35,
   // a few seconds of nvcc on first use instead of ~20).
   return -5;
 #else
