@@ -828,8 +828,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
   }
 }
 
-// WIDE_REGS: the register split of FA3's two-consumer kernels, 32 for the producer
-// warpgroup and 240 per consumer thread (32 + 2 x 240 per thread x 128 = 65536) instead of
+// WIDE_REGS: the register split of FA3's two-consumer kernels, 24 for the producer
+// warpgroup and 240 per consumer thread (24 + 2 x 240 per thread x 128 = 64512) instead of
 // 40 / 232: eight more registers for the consumers' accumulators and scores.
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
           bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
@@ -891,8 +891,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers (WIDE_REGS: 32 + 2 x 240 = 65536)
-    regs_dealloc<WIDE_REGS ? 32 : 40>();
+    // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers (WIDE_REGS: 24 + 2 x 240 = 64512; 32 + 2 x 240 = 65536 hung the H200: setmaxnreg.inc waited forever)
+    regs_dealloc<WIDE_REGS ? 24 : 40>();
     if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
   } else {
     regs_alloc<WIDE_REGS ? 240 : 232>();

@@ -61,7 +61,7 @@ COMPAT = "compat"
 # Triton's tile issues two m64n64 batches. The products are the same and so are
 # the bits (H200: every bench shape and the GPU tests), 4-5 % faster than the
 # m64n64 form, kept as "compat_n64" (code 32) for comparison.
-# "compat_r240": code 33 with FA3's register split (producer 32, consumers 240 instead
+# "compat_r240": code 33 with FA3's register split (producer 24, consumers 240 instead
 # of 40 / 232; ptxas spills 56 B per thread instead of 100), an A/B of the same bits.
 _CODES = {COMPAT: 33, "compat_n64": 32, "compat_r240": 35}
 # The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
