@@ -57,7 +57,7 @@ SHAPES = {
     "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
-ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None, "compat_n64": None, "compat_r240": None}
+ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None, "compat_n64": None}
 # cuda_diag_*: timed without a check (wrong on purpose), to place the time by difference.
 
 
@@ -239,7 +239,7 @@ def main(argv=None):
             same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
             for r in rows[-len(names):]:
                 r["cuda_binaries_bit_equal"] = same
-        for cname in (COMPAT, "compat_n64", "compat_r240"):
+        for cname in (COMPAT, "compat_n64"):
             if f"cuda_{cname}" in outs and "triton_off" in outs:
                 same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
                 for r in rows[-len(names):]:

@@ -61,9 +61,10 @@ COMPAT = "compat"
 # Triton's tile issues two m64n64 batches. The products are the same and so are
 # the bits (H200: every bench shape and the GPU tests), 4-5 % faster than the
 # m64n64 form, kept as "compat_n64" (code 32) for comparison.
-# "compat_r240": code 33 with FA3's register split (producer 24, consumers 240 instead
-# of 40 / 232; ptxas spills 56 B per thread instead of 100), an A/B of the same bits.
-_CODES = {COMPAT: 33, "compat_n64": 32, "compat_r240": 35}
+# compat runs with FA3's register split (producer warpgroup 24, consumers 240 instead of
+# 40 / 232: ptxas spills 56 B per thread instead of 100), 1-2 % faster with the same bits
+# (H200, cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
+_CODES = {COMPAT: 33, "compat_n64": 32}
 # The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
 # binaries (csrc: CT; policies strict / batch / request): every tile walks the
 # public bucket, decoy pages past the true lengths, selects instead of branches.
