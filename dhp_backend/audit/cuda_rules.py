@@ -55,7 +55,7 @@ class Instance:
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE")
+_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS")
 
 RULES = (
     CudaRule("locate-loop", "prefill_sm90.cu", r"^for \(int base = 1; base <= p\.num_seqs; base \+= kThreads\) \{$",
