@@ -251,7 +251,7 @@ def paged_attention_triton(
         float(scale) * math.log2(math.e),
         num_reqs, num_tokens, q_rows, num_heads,
         l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
-        p["n_split_grid"], p["chunks"] if p["split"] else 1, 1 if p["token_tiles"] else 0,
+        p["n_split_grid"], p["chunks"] if p["split"] else p["spp"], 1 if p["token_tiles"] else 0,
         num_blocks, block_table.shape[1], decoy_magic(num_blocks),
         decoy_mult(num_blocks) if _decoy_mult is None else int(_decoy_mult),
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
