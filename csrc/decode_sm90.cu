@@ -239,6 +239,13 @@ __device__ __forceinline__ int cta_steps(const Work& w) {
 // returns early triggers by exiting). Triggered at the CTA's start instead, the
 // waiting merge CTAs cost 1 % at B4 32K (their shared memory and registers held
 // through the walk); at the last split the launch still hides behind ~8 steps.
+// Whether split s is the CTA's last one.
+__device__ __forceinline__ bool last_split(const Work& w, int s) { return s + w.s_stride >= w.s_end; }
+// Every consumer's entry into split s: in split mode the last one lets the merge launch.
+template <bool WRITE_PARTIALS>
+__device__ __forceinline__ void enter_split(const Work& w, int s) {
+  if (WRITE_PARTIALS && last_split(w, s)) grid_dependents_launch();
+}
 // ---- producer (one warp) ---------------------------------------------------------
 template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, int OPT>
 __device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
@@ -434,7 +441,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
   }
   int k = 0;  // the CTA's running step
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    if (WRITE_PARTIALS && sp + w.s_stride >= w.s_end) grid_dependents_launch();  // see merge_launch_trigger
+    enter_split<WRITE_PARTIALS>(w, sp);
     // Every split from a fresh state (kernels.attention_kernel).
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -629,7 +636,7 @@ __device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint
   }
   int k = 0;  // the CTA's running step
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    if (WRITE_PARTIALS && sp + w.s_stride >= w.s_end) grid_dependents_launch();  // see merge_launch_trigger
+    enter_split<WRITE_PARTIALS>(w, sp);
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
@@ -773,7 +780,6 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
   float* rv = reinterpret_cast<float*>(smem_ptr + L::kOffRed);
   const PipeBarriers pb{smem + L::kOffRed + kPipeBarOff};
   const int n_steps = cta_steps(w);
-  auto last_split = [&](int sp) { return sp + w.s_stride >= w.s_end; };
 
   if (warp < 2) {  // ---- S pair
     const int ws = warp;
@@ -789,7 +795,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
     float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;
     int k = 0;
     for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-      if (WRITE_PARTIALS && last_split(sp)) grid_dependents_launch();  // see merge_launch_trigger
+      enter_split<WRITE_PARTIALS>(w, sp);
       float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
       const int je = split_end(w, sp);
       for (int j = split_first(sp); j < je; ++j, ++k) {
@@ -876,7 +882,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
               rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
               rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
               rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
-              if (last_split(sp)) {
+              if (last_split(w, sp)) {
                 rv[kPipeInv + r_lo] = finalize_inv(lr_lo);
                 rv[kPipeInv + r_hi] = finalize_inv(lr_hi);
               }
@@ -905,7 +911,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
   };
   int k = 0;
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    if (WRITE_PARTIALS && last_split(sp)) grid_dependents_launch();  // see merge_launch_trigger
+    enter_split<WRITE_PARTIALS>(w, sp);
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     const int je = split_end(w, sp);
