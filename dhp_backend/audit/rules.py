@@ -57,7 +57,7 @@ class KernelSpec:
     scenarios: tuple
 
 
-_SPLIT_BOUNDS = frozenset({"pid", "arg:split_stride", "arg:n_split_grid", "arg:l_scalar"})
+_SPLIT_BOUNDS = frozenset({"pid", "arg:chunk_stride", "arg:n_split_grid", "arg:l_scalar"})
 
 ATTENTION = KernelSpec(
     kernel="attention_kernel",
