@@ -2,12 +2,14 @@
 // Triton kernels' bits (compat_arith.cuh): what ops.paged_attention runs for
 // policy-off decode steps (one query token per tile) on sm_90.
 //
-// NOT constant-time, on purpose: the KV trip count follows the true length
-// (n_kv from seq_len and the causal diagonal), the mask and V-tail branches and
-// the row-guarded stores too, and so do the splits a CTA walks and stores
-// (split_schedule) and the number of splits merge_kernel folds. That is the contract of policy `off` only; the
-// constant-time policies never reach this file (ops.step_kernel routes only
-// policy-off steps here).
+// The off binaries are NOT constant-time, on purpose: the KV trip count follows
+// the true length (n_kv from seq_len and the causal diagonal), the mask and V-tail
+// branches and the row-guarded stores too, and so do the splits a CTA walks and
+// stores (split_schedule) and the number of splits merge_kernel folds. That is the
+// contract of policy `off` only.
+// The CT binaries (option kConstTime, the consume_mma_pipe consumer, GROUP <= 16)
+// run decode steps of the constant-time policies on the walk of the Triton
+// CONST_TIME binaries, with their bits (see "constant-time walk" below).
 //
 // Why a CUDA kernel: decode is bytes. The Triton decode binary holds ~170
 // registers per thread, two programs per SM, and its K/V loads are per-thread
@@ -47,6 +49,7 @@
 #include <cmath>
 
 #include "compat_arith.cuh"
+#include "ct_walk.cuh"
 #include "sm90_primitives.cuh"
 #include "tma_maps.h"
 
@@ -95,6 +98,15 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
 // kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
 constexpr int kMmaPipe = 64;
+// kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
+// walks the public bucket L (one bucket, policies strict / batch / request with an
+// int), decoy pages past the true length, every score masked and every V operand
+// past it zeroed by selection. kBucketPerReq (with kConstTime): per-request public
+// buckets (policy request with a tensor).
+constexpr int kConstTime = 128, kBucketPerReq = 256;
+// The walk of a binary: 0 true lengths (policy off), 1 one bucket, 2 per-request buckets.
+template <int OPT>
+constexpr int kWalk = (OPT & kConstTime) ? ((OPT & kBucketPerReq) ? 2 : 1) : 0;
 template <int OPT>
 constexpr int kMmaForm = (OPT & kMmaSync) ? ((OPT & kMmaPipe) ? 2 : 1) : 0;
 // kPlainMerge (host only): the merge launched without the programmatic dependent
@@ -157,6 +169,11 @@ struct Params {
   int causal;
   int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
+  // CT binaries only: the public bucket and the decoy map (kernels.position_blocks).
+  int l_scalar;                             // the one bucket L (walk 1)
+  const int* bucket;                        // [num_seqs] per-request buckets (walk 2)
+  int max_blocks, num_blocks;               // block-table width, cache pages
+  uint32_t decoy_magic, decoy_mult;         // launch.decoy_magic / decoy_mult of num_blocks
 };
 
 template <int STAGES>
@@ -171,6 +188,7 @@ struct Work {
   int n_split;               // splits with positions
   // This CTA's splits: s_lo, s_lo + s_stride, ... below s_end (split_schedule).
   int s_lo, s_stride, s_end;
+  int page_req, page_len;    // CT: whose block-table row the walk reads, and its true length
 };
 
 // split_schedule: in split mode the chunks of a row take its splits round robin
@@ -222,6 +240,58 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   return w;
 }
 
+// ---- constant-time walk (CT binaries: policies strict / batch / request) ----------
+// The walk of the Triton CONST_TIME binaries with token tiles (kernels.attention_kernel,
+// docs/kernels.md section 2): every CTA runs the same code with the same trip counts
+// and the same loads and stores, whatever the secret lengths are.
+//   - token -> request: a count over all num_seqs keys (kernels.locate), no search and
+//     no fast path (work_of's test of query_start_loc[t] == t is a branch on data);
+//   - the walk covers the public bucket (n_kv = ceil(L / 64)), every split of it is
+//     walked, stored and merged; the longest-first order is never used (its sort keys
+//     are the true lengths);
+//   - pages at positions >= the true length are decoys (ct::decoy_page, the Triton
+//     kernels' map), chosen by a branch-free select;
+//   - every score is masked by select, and every V operand at a position >= the true
+//     length is zeroed in registers after its ldmatrix (pv_step_mma), where the off
+//     binaries zero the last page's tail in shared memory behind a branch;
+//   - the padding pseudo-request (index num_seqs) walks the last request's pages
+//     (re-reads), true length 0: its rows come out as 0.
+// Public facts the code may branch on: the bucket (l_scalar, or the per-request
+// buckets under walk 2), num_seqs, num_tokens, the step geometry, block size, group.
+template <int WALK>
+__device__ __forceinline__ Work work_ct(const Params& p, int t, int chunk, bool write_partials) {
+  static_assert(WALK == 1 || WALK == 2, "the constant-time walks");
+  // r = #{i in 1..num_seqs : qsl[i] <= t} (qsl non-decreasing: the last request whose
+  // span starts at or before t), by the whole CTA in chunks of blockDim.x keys.
+  int r = 0;
+  for (int base = 1; base <= p.num_seqs; base += blockDim.x) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const int qs = p.query_start_loc[min(i, p.num_seqs)];
+    r += __syncthreads_count((i <= p.num_seqs) & (qs <= t));
+  }
+  Work w;
+  const bool is_pad = r >= p.num_seqs;
+  const int r_row = min(r, p.num_seqs - 1);
+  const int q0 = p.query_start_loc[r];
+  const int q1 = ct::select_int(is_pad, p.num_tokens, p.query_start_loc[min(r + 1, p.num_seqs)]);
+  const int q_len = q1 - q0, qi = t - q0;
+  w.req = r;
+  w.page_req = r_row;
+  w.page_len = p.seq_lens[r_row];
+  w.seq_len = ct::select_int(is_pad, 0, w.page_len);
+  const int causal_limit = w.seq_len - q_len + qi + 1;
+  const int limit = ct::select_int(qi < q_len, ct::select_int(p.causal != 0, causal_limit, w.seq_len), 0);
+  w.ext = max(0, min(w.seq_len, limit));  // attendable positions: what the masks keep
+  int walk = p.l_scalar;
+  if constexpr (WALK == 2) walk = ct::select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
+  w.n_kv = (walk + kStep - 1) / kStep;
+  w.n_split = (w.n_kv + kStepsPerSplit - 1) / kStepsPerSplit;
+  w.s_lo = write_partials ? chunk : 0;
+  w.s_stride = write_partials ? static_cast<int>(gridDim.z) : 1;
+  w.s_end = min(w.n_split, p.n_split_grid);
+  return w;
+}
+
 // The CTA's 64-position steps, in walk order: [split_first(s), split_end(w, s)) for
 // each of its splits s; a running step count k indexes the stage ring.
 __device__ __forceinline__ int split_first(int s) { return s * kStepsPerSplit; }
@@ -262,11 +332,23 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   const int bs = p.block_size, rows = p.box_rows;
   const int pages_per_split = kSplitKV / bs;  // <= 32 (block_size >= 16)
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  const int* table = p.block_table + static_cast<int64_t>(w.req) * p.bt_stride;
+  constexpr bool kCT = kWalk<OPT> != 0;
+  const int* table = p.block_table + static_cast<int64_t>(kCT ? w.page_req : w.req) * p.bt_stride;
   // Lane i holds the block id of page i of a split (pages past the request's
   // last repeat it: their rows are masked in S and zeroed in V by the consumer).
+  // CT: every lane reads a table entry (in range) and selects it or the decoy page
+  // (kernels.position_blocks), the same loads whatever the true length is.
   auto split_ids = [&](int s) {
-    return lane < pages_per_split ? table[min(s * pages_per_split + lane, last_page)] : 0;
+    if constexpr (kCT) {
+      const int lb = s * pages_per_split + lane;
+      const int entry = table[min(lb, p.max_blocks - 1)];
+      const int id = ct::select_int(lb * bs < w.page_len, entry,
+                                    ct::decoy_page(p.num_seqs, p.num_blocks, p.decoy_magic, p.decoy_mult,
+                                                   w.page_req, lb));
+      return ct::select_int(lane < pages_per_split, id, 0);
+    } else {
+      return lane < pages_per_split ? table[min(s * pages_per_split + lane, last_page)] : 0;
+    }
   };
   // K/V loads: with kEvictFirst, an L2 evict_first policy (lane 0 issues them).
   const uint64_t policy = (OPT & kEvictFirst) ? l2_evict_first() : 0;
@@ -542,19 +624,39 @@ __device__ __forceinline__ uint32_t v_chunk_addr(const Params& p, uint32_t v_bas
 // O += P V for one 64-position step on a 16-row tile: P (16 x 64, 16-bit) from the
 // shared tile p_tile, the output columns of 2 NP n8 tiles from chunk c0 on; k16
 // slices in order (compat's PV accumulation). acc: NP x 8 values, mma layout.
+// CT (kConstTime): V at positions >= seq_len (kv0: the step's first position) is
+// zeroed in the B fragments by a mask, no branch: after the transposing ldmatrix a
+// thread holds positions 16 kk + 2 (lane % 4) + {0, 1} in vb[0] and vb[2] and the
+// same + 8 in vb[1] and vb[3] (low half: the first). The products see +0 there, as
+// the off binaries' zeroed shared-memory rows and the Triton kernels' V guard give.
+__device__ __forceinline__ uint32_t keep_pair(int pos, int seq_len) {
+  return ((0u - static_cast<uint32_t>(pos < seq_len)) & 0x0000ffffu) |
+         ((0u - static_cast<uint32_t>(pos + 1 < seq_len)) & 0xffff0000u);
+}
 template <bool BF16, int NP, int OPT>
 __device__ __forceinline__ void pv_step_mma(float (&acc)[8 * NP], const Params& p, uint32_t p_tile, uint32_t v_base,
-                                            int c0, int lane) {
+                                            int c0, int lane, int kv0 = 0, int seq_len = 0) {
 #pragma unroll
   for (int kk = 0; kk < kStep / 16; ++kk) {
     uint32_t pa[4];
     ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
+    uint32_t keep_lo = 0, keep_hi = 0;
+    if constexpr (kWalk<OPT> != 0) {
+      keep_lo = keep_pair(kv0 + 16 * kk + 2 * (lane % 4), seq_len);
+      keep_hi = keep_pair(kv0 + 16 * kk + 8 + 2 * (lane % 4), seq_len);
+    }
 #pragma unroll
     for (int np = 0; np < NP; ++np) {
       // lane i: position 16 kk + 8 ((i / 8) % 2) + i % 8, the n8 tile 2 np + i / 16
       uint32_t vb[4];
       ldmatrix_x4<true>(vb, v_chunk_addr<OPT>(p, v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
                                               c0 + 2 * np + lane / 16));
+      if constexpr (kWalk<OPT> != 0) {
+        vb[0] &= keep_lo;
+        vb[1] &= keep_hi;
+        vb[2] &= keep_lo;
+        vb[3] &= keep_hi;
+      }
       mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np]), pa, vb[0], vb[1]);
       mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&acc[8 * np + 4]), pa, vb[2], vb[3]);
     }
@@ -820,7 +922,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.k_empty(st));
         const int kv0 = j * kStep;
-        const bool masked = kv0 + kStep > w.ext;
+        const bool masked = kWalk<OPT> != 0 || kv0 + kStep > w.ext;  // CT: every step, by select
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) scale_mask_group(s, nt, kv0 + 32 * ws + 8 * nt + c2, lim, lim, masked, p.qk_scale);
         float mx_lo = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5]));
@@ -921,12 +1023,15 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
       mbar_wait(pb.full(b), (k / 2) & 1);
       const float a_lo = rv[kPipeAlpha + 16 * b + r_lo], a_hi = rv[kPipeAlpha + 16 * b + r_hi];
       mbar_wait(bar.v_full(st), (k / STAGES) & 1);
-      const int valid = w.seq_len - j * kStep;
-      if (valid < kStep)
-        zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, valid, tv, kBarVTail,
-                               (OPT & kPairedV) ? p.box_rows : kStep);
+      if constexpr (kWalk<OPT> == 0) {
+        const int valid = w.seq_len - j * kStep;
+        if (valid < kStep)
+          zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, valid, tv, kBarVTail,
+                                 (OPT & kPairedV) ? p.box_rows : kStep);
+      }
       scale_rows(acc, a_lo, a_hi);
-      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane);  // this warp's 64 columns
+      // this warp's 64 columns (CT: V past seq_len zeroed in the fragments)
+      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, j * kStep, w.seq_len);
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.v_empty(st));
       if (j + 1 == je) {
@@ -970,9 +1075,10 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
+  static_assert(kWalk<OPT> == 0 || kMmaForm<OPT> == 2, "the constant-time walk runs on consume_mma_pipe");
   const int kvh = blockIdx.x, chunk = blockIdx.z;
   int t = blockIdx.y, req = -1;
-  if (p.order != nullptr) {
+  if (kWalk<OPT> == 0 && p.order != nullptr) {
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
     req = e.y;
@@ -983,7 +1089,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
   }
-  const Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
+  Work w;
+  if constexpr (kWalk<OPT> != 0)
+    w = work_ct<kWalk<OPT>>(p, t, chunk, WRITE_PARTIALS);
+  else
+    w = work_of(p, t, req, chunk, WRITE_PARTIALS);
 
   if (threadIdx.x == 0) {
     // One release per consumer warp that reads the stage (the pipe: two read K, two V).
@@ -1081,7 +1191,9 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, in
 // chain's, which no coefficient sees (select_ex2 compares with ==, and
 // 2^(a - (+-0)) is one value). One CTA per (token, query head), one thread per column.
 constexpr int kMergeChunk = 64;
-template <bool BF16>
+// WALK (kWalk of the decode binary): 0 the splits of the true length, 1 those of the
+// one bucket, 2 those of the token's request bucket (work_ct's count, all 128 threads).
+template <bool BF16, int WALK>
 __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   __shared__ __align__(16) float acc_sm[kMergeChunk][kHead];
   __shared__ float m_s[kMergeChunk], l_s[kMergeChunk], mr_s[kMergeChunk], al_s[kMergeChunk], be_s[kMergeChunk];
@@ -1094,7 +1206,13 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   // Only the row's splits with positions were stored (split_schedule); folding a
   // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
   // the row's result is that of folding all n_split_grid.
-  const int n_split = work_of(p, t, -1, 0, true).n_split;
+  int n_split;
+  if constexpr (WALK == 0)
+    n_split = work_of(p, t, -1, 0, true).n_split;
+  else if constexpr (WALK == 1)
+    n_split = min((p.l_scalar + kSplitKV - 1) / kSplitKV, p.n_split_grid);
+  else
+    n_split = work_ct<2>(p, t, 0, true).s_end;
   const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
   const uint32_t acc_base = smem_addr(&acc_sm[0][0]);
@@ -1186,7 +1304,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.merge_pdl ? 1 : 0;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16>, p));
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, kWalk<OPT>>, p));
 }
 
 // Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with
@@ -1199,7 +1317,12 @@ int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUt
                dim3 grid, cudaStream_t st) {
   if constexpr ((OPT & kMmaSync) != 0) {
     constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);
-    if (p.group > kMmaMaxGroup) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
+    if (p.group > kMmaMaxGroup) {
+      if constexpr (kWalk<OPT> != 0)
+        return -7;  // the constant-time walk has no wgmma consumer
+      else
+        return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
+    }
     if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
     if (base == 6) return launch<BF16, 3, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
     return base == 5 ? launch<BF16, 2, WRITE_PARTIALS, 3, true, false, OPT>(tq, tk, tv, p, grid, st)
@@ -1236,6 +1359,13 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
       case kPairedV | kEvictFirst | kMmaSync | kMmaPipe:
         return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe>(base, tq, tk, tv, p,
                                                                                                grid, st);
+      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime:
+        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime>(
+            base, tq, tk, tv, p, grid, st);
+      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime | kBucketPerReq:
+        return launch_opt<BF16, WRITE_PARTIALS,
+                          kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime | kBucketPerReq>(
+            base, tq, tk, tv, p, grid, st);
       case kPairedV | kMmaSync | kDiagNoLoads:
         if constexpr (BF16)
           return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
@@ -1282,6 +1412,11 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // splits c, c + grid.z, ... (split_schedule); fold mode otherwise (grid.z = 1).
 // order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
 // the longest-first schedule (order_kernel), written then read in stream order.
+// CT variants (kConstTime in the variant's options): l_scalar (walk 1) or bucket
+// (walk 2, kBucketPerReq: num_seqs int32), max_blocks (block-table width),
+// decoy_magic / decoy_mult (the Triton launcher's, of num_blocks); order_ws is
+// ignored; -8 when num_seqs < 1 or a bucket argument is out of range. Off
+// variants ignore these.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -1289,7 +1424,8 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                const int* query_start_loc, int num_seqs, int num_q_rows, int num_tokens,
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
-                               int spp, int* order_ws, void* stream) {
+                               int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
+                               unsigned decoy_magic, unsigned decoy_mult, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1332,7 +1468,18 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.merge_pdl = !(variant >= 8 && ((variant / 8) & kPlainMerge));
   if (!p.merge_pdl) variant -= 8 * kPlainMerge;
   const bool split = spp > 0;
-  p.order = split ? nullptr : order_ws;
+  const int opts = variant >= 8 ? variant / 8 : 0;
+  const bool ct = (opts & kConstTime) != 0;
+  p.order = split || ct ? nullptr : order_ws;
+  p.l_scalar = l_scalar;
+  p.bucket = bucket;
+  p.max_blocks = max_blocks;
+  p.num_blocks = num_blocks;
+  p.decoy_magic = decoy_magic;
+  p.decoy_mult = decoy_mult;
+  if (ct && (num_seqs < 1 || max_blocks < 1 || num_blocks < 1 || decoy_magic == 0 ||
+             ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
+    return -8;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
   if (num_tokens > 65535 || chunks > 65535) return -6;

@@ -55,6 +55,7 @@
 #include <cmath>
 
 #include "compat_arith.cuh"
+#include "ct_walk.cuh"
 #include "sm90_primitives.cuh"
 #include "tma_maps.h"
 
@@ -237,27 +238,12 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 // buckets under policy request), num_seqs, the step geometry, block size, group.
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
-// c ? a : b without a branch the compiler could make of a ternary.
-__device__ __forceinline__ int select_int(bool c, int a, int b) { return b ^ ((a ^ b) & -static_cast<int>(c)); }
-__device__ __forceinline__ uint64_t select_u64(bool c, uint64_t a, uint64_t b) {
-  return b ^ ((a ^ b) & (0ull - static_cast<uint64_t>(c)));
-}
-
-// kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).
-__device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t magic) {
-  uint32_t y = x - __umulhi(x, magic) * n;
-#pragma unroll
-  for (int i = 0; i < 3; ++i) y -= n & (0u - static_cast<uint32_t>(y >= n));
-  return y;
-}
+using namespace ct;
 
 // kernels.decoy_block: the page read in place of request r's logical block lb
-// past its true length (same map, so both kernels read the same decoys).
+// past its true length (ct_walk.cuh: the same map in every kernel).
 __device__ __forceinline__ int decoy_block(const Params& p, int r, int lb) {
-  const uint32_t n = static_cast<uint32_t>(p.num_blocks);
-  const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(p.num_seqs + 1) +
-                                     static_cast<uint32_t>(r), n, p.decoy_magic);
-  return static_cast<int>(mod_barrett(x * p.decoy_mult, n, p.decoy_magic));
+  return decoy_page(p.num_seqs, p.num_blocks, p.decoy_magic, p.decoy_mult, r, lb);
 }
 
 // kernels.locate (request tiles): r = #{i in 1..num_seqs : qsl[i] / BQ + i <= g},

@@ -170,3 +170,40 @@ def test_pick_variant_by_waves(monkeypatch, B, ctx, group, expected):
     got = cuda_decode.pick_variant(B, B, 8 * group, 8, ctx, "bfloat16", None)
     assert got == expected
     assert got in cuda_decode.VARIANTS
+
+
+def test_constant_time_arguments_refused(monkeypatch):
+    """With a bucket (the constant-time walk): only the consume_mma_pipe variants,
+    no longest-first order (it sorts by the true lengths), GROUP <= 16, and a bucket
+    the table can hold; each refusal says what is accepted."""
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=r"variant is 'm2x2_pv_ef' with a bucket \(the constant-time walk\); "
+                                         r"accepted: auto, p2x2_pv_ef, p2x3_pv_ef, p3x2_pv_ef"):
+        decode_sm90(*cpu_step(), scale=0.1, variant="m2x2_pv_ef", bucket=64)
+    with pytest.raises(ValueError, match=r"order is True with a bucket; accepted: None or False"):
+        decode_sm90(*cpu_step(), scale=0.1, order=True, bucket=64)
+    with pytest.raises(ValueError, match=r"the number of KV heads is 1 for 32 query heads with a bucket; "
+                                         r"accepted: at most 16 query heads per KV head"):
+        decode_sm90(*cpu_step(Hkv=1), scale=0.1, bucket=64)
+    with pytest.raises(ValueError, match=r"bucket is 65; accepted: an int in \[1, block_table.shape\[1\] \* "
+                                         r"block_size = 64\]"):
+        decode_sm90(*cpu_step(), scale=0.1, bucket=65)
+    with pytest.raises(ValueError, match=r"bucket is a torch.int64 tensor of shape \(4,\)"):
+        decode_sm90(*cpu_step(), scale=0.1, bucket=torch.full((4,), 64, dtype=torch.int64))
+
+
+def test_step_kernel_routes_constant_time_decode_steps_only_when_enabled(with_nvcc, monkeypatch):
+    """Decode steps of strict/batch/request stay on Triton by default (the CT binary
+    is opt-in until its gates run) and go to cuda_decode_ct with DHP_CUDA_DECODE_CT=1
+    where the group fits its tile; prefill steps and policy off are unchanged."""
+    import dataclasses
+    for policy in ("strict", "batch", "request"):
+        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON
+    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "1")
+    attn._cuda_routes.cache_clear()
+    for policy in ("strict", "batch", "request"):
+        assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT
+        assert step_kernel(SPEC, policy, 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
+        assert step_kernel(dataclasses.replace(SPEC, num_heads=64, num_kv_heads=2), policy, 64, 64) \
+            == dispatch.TRITON  # GROUP 32: no mma.sync tile for it
+    assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE

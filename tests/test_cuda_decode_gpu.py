@@ -282,3 +282,144 @@ def test_longest_first_schedule_keeps_the_bits():
     torch.cuda.synchronize()
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
 
+
+
+# ---- the constant-time walk (bucket given: CT binaries) -----------------------------
+
+def next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+def run_ct(step, bucket, causal=True, variant="auto", mode=None):
+    out = torch.full_like(step.query, float("nan"))
+    return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
+                       mode=mode, bucket=bucket)
+
+
+def run_triton_policy(step, policy, bucket, causal=True):
+    from dhp_backend.ops.triton.launch import paged_attention_triton
+    out = torch.full_like(step.query, float("nan"))
+    return paged_attention_triton(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens,
+                                  policy=policy, bucket=bucket)
+
+
+def ct_buckets(step, reqs):
+    longest = max(r.seq_len for r in reqs)
+    per_req = torch.tensor([min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32,
+                           device="cuda")
+    return [("strict", step.capacity), ("batch", min(step.capacity, next_pow2(longest))), ("request", per_req)]
+
+
+def check_ct(step, reqs, dtype, causal=True, variants=None, modes=("split", "fold")):
+    """Every CT variant and mode under every policy's bucket: accurate, padding rows
+    0, rows past num_tokens untouched, and the bits of the Triton constant-time
+    kernels under the same policy and bucket, which are also the policy-off bits."""
+    from dhp_backend.ops.cuda_decode import CT_VARIANTS
+
+    n = int(step.query_start_loc[-1])
+    ref = reference(step, scale=SCALE, causal=causal)
+    off_bits = bits(run_triton(step, causal=causal)[: step.num_tokens])
+    for policy, bucket in ct_buckets(step, reqs):
+        tri = bits(run_triton_policy(step, policy, bucket, causal=causal)[: step.num_tokens])
+        assert torch.equal(tri, off_bits), f"Triton {policy} differs from policy off"
+        for mode in modes:
+            for variant in variants or CT_VARIANTS:
+                got = run_ct(step, bucket, causal=causal, variant=variant, mode=mode)
+                what = (f"{policy} L={bucket if isinstance(bucket, int) else bucket.tolist()} {variant}/{mode} "
+                        f"{[(r.q_len, r.seq_len) for r in reqs]}")
+                assert rel_err(got, ref, n) < TOL[dtype], what
+                assert (got[n: step.num_tokens] == 0).all(), f"padding rows must be zero: {what}"
+                assert torch.isnan(got[step.num_tokens:].float()).all(), f"rows at/after num_tokens written: {what}"
+                assert torch.equal(bits(got[: step.num_tokens]), tri), f"differs from Triton's bits: {what}"
+
+
+@pytest.mark.parametrize("H,Hkv,dtype,bs", [
+    (32, 8, torch.bfloat16, 16), (32, 8, torch.float16, 16), (16, 16, torch.bfloat16, 32),
+    (8, 1, torch.float16, 64), (32, 2, torch.bfloat16, 128), (12, 4, torch.bfloat16, 16),
+])
+def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs):
+    """Decode steps on the constant-time walk: one bucket (strict: the table's
+    capacity; batch: the step's longest length rounded up) and per-request buckets
+    (request), lengths at page/step/split edges, NaN/inf garbage in every unowned
+    slot, table entry and decoy page (the V operands past the true length must be
+    zeroed, not multiplied by 0)."""
+    rng = random.Random(H * 31 + Hkv + bs)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(2):
+        lens = [rng.choice(EDGE_LENS + (rng.randint(1, 3000),)) for _ in range(rng.randint(1, 9))]
+        reqs = [make_request(1, s, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen) for s in lens]
+        width = -(-rng.choice([max(lens), 2 * max(lens), 4100]) // bs) + 1
+        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 3]), extra_rows=3,
+                        max_blocks=max(width, -(-max(lens) // bs) + 1))
+        check_ct(step, reqs, dtype)
+
+
+def test_ct_drafts_and_non_causal():
+    """Token tiles of requests with several query tokens under the CT walk: each
+    token's causal limit comes from its own position, selected, not branched on."""
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((3, 700), (1, 64),
+                                                                                               (4, 513))]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=2, max_blocks=80)
+    for causal in (True, False):
+        check_ct(step, reqs, torch.bfloat16, causal=causal, variants=("p2x2_pv_ef",))
+
+
+def test_ct_more_requests_than_threads():
+    """The token -> request count runs in chunks of the CTA's threads (160; the
+    merge's 128): 300 requests take two or three chunks."""
+    rng = random.Random(23)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    reqs = [make_request(1, rng.randint(1, 600), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+            for _ in range(300)]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=5, max_blocks=48)
+    check_ct(step, reqs, torch.bfloat16, variants=("p2x2_pv_ef",))
+
+
+def test_ct_refuses_what_it_cannot_run():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    reqs = [make_request(1, 100, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)]
+    step = assemble(reqs, block_size=16, gen=gen, max_blocks=8)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] is 100, above its bucket 64"):
+        run_ct(step, 64)
+    with pytest.raises(ValueError, match=r"variant is 's2x2' with a bucket"):
+        run_ct(step, 128, variant="s2x2")
+    with pytest.raises(ValueError, match=r"bucket is 129; accepted: an int in \[1, "):
+        run_ct(step, 129)
+
+
+def test_paged_attention_routes_ct_decode_steps_when_enabled(monkeypatch):
+    """With DHP_CUDA_DECODE_CT=1, strict decode steps run on the CT binary (spied)
+    with the Triton kernels' strict bits; without it they stay on Triton."""
+    import dhp_backend.ops.attention as attn
+
+    calls = []
+    real = attn._CSRC_RUNNERS[attn.CUDA_DECODE_CT]
+
+    def spy():
+        run_real = real()
+
+        def wrapped(*a, **k):
+            calls.append(k["bucket"])
+            return run_real(*a, **k)
+        return wrapped
+
+    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_DECODE_CT, spy)
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    # No padding tokens: they would make a step of 6 requests "mixed" (request tiles).
+    reqs = [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+            for s in (900, 17, 2048, 1, 513, 64)]
+    step = assemble(reqs, block_size=16, gen=gen, max_blocks=160)
+    want = bits(run_triton_policy(step, "strict", 2048)[: step.num_tokens])
+    for enabled in ("1", "0"):
+        monkeypatch.setenv("DHP_CUDA_DECODE_CT", enabled)
+        attn._cuda_routes.cache_clear()
+        try:
+            calls.clear()
+            out = torch.full_like(step.query, float("nan"))
+            paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="strict", bucket=2048,
+                            num_tokens=step.num_tokens)
+            assert calls == ([2048] if enabled == "1" else []), f"DHP_CUDA_DECODE_CT={enabled}: {calls}"
+            assert torch.equal(bits(out[: step.num_tokens]), want)
+        finally:
+            attn._cuda_routes.cache_clear()

@@ -13,6 +13,12 @@ steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
 bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
 replay (decode launches are microseconds), two input sets alternating.
 Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
+
+``--bucket L`` adds the constant-time walk to L (policy strict): rows
+``triton_strict`` (DHP's Triton CONST_TIME kernel) and ``cuda_ct_<variant>`` (the
+csrc CT binaries, `CT_VARIANTS`), bits compared with ``triton_strict``; their
+``exec_tb_s`` counts the K/V bytes walked (every request to L), and
+``exec_fa3_over`` = exec_tb_s / FA3's tb_s is the strict-efficiency ratio.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from dhp_backend.bench import cuda_runs
 from dhp_backend.bench.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_decode import AUTO, DIAGNOSTIC_VARIANTS, VARIANTS
+from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, DIAGNOSTIC_VARIANTS, VARIANTS
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
@@ -64,11 +70,11 @@ def kv_bytes(reqs) -> int:
     return sum(s for _, s in reqs) * HKV * D * 2 * 2
 
 
-def cuda_fn(st, variant, mode=None, order=None):
+def cuda_fn(st, variant, mode=None, order=None, bucket=None):
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order)
+    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket)
     decode_sm90(*args, **kw)  # the metadata checked once
     return lambda: decode_sm90(*args, **kw, check=False)
 
@@ -110,21 +116,33 @@ def _cuda_variant(name: str):
     return (v, ORDERS[o]) if name.startswith("cuda_") and known and o in ORDERS else None
 
 
+def _ct_variant(name: str):
+    """``cuda_ct_<variant>`` -> the CT variant, or None for another name."""
+    v = name[len("cuda_ct_"):] if name.startswith("cuda_ct_") else None
+    return v if v in CT_VARIANTS or v == AUTO else None
+
+
+PROBE_BUCKET = 6144
+
+
 def probe() -> bool:
-    """Every variant and split mode right and bit-equal to Triton on small steps (and not hung)."""
+    """Every variant and split mode right and bit-equal to Triton on small steps (and
+    not hung); the CT variants too, on the walk to PROBE_BUCKET (Triton strict's bits)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     errs, same = {}, {}
     for lens in ((1,), (17, 64, 513), (1000, 5000, 63, 2)):
-        st = make_step([(1, s) for s in lens], gen)
+        st = make_step([(1, s) for s in lens], gen, width=PROBE_BUCKET // BS)
         ref = sdpa_ref(st, True)
         tri = triton_off_fn(st, True)()
-        for variant in VARIANTS:
-            for mode, order in (("split", None), ("fold", False), ("fold", True)):
-                o = cuda_fn(st, variant, mode, order)()
-                torch.cuda.synchronize()
-                key = f"{lens} {variant}/{mode}{'/lpt' if order else ''}"
-                errs[key] = rel_err(o, ref)
-                same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
+        runs = [(variant, mode, order, None) for variant in VARIANTS
+                for mode, order in (("split", None), ("fold", False), ("fold", True))]
+        runs += [(variant, mode, None, PROBE_BUCKET) for variant in CT_VARIANTS for mode in ("split", "fold")]
+        for variant, mode, order, bucket in runs:
+            o = cuda_fn(st, variant, mode, order, bucket)()
+            torch.cuda.synchronize()
+            key = f"{lens} {variant}/{mode}{'/lpt' if order else ''}{f'/ct{bucket}' if bucket else ''}"
+            errs[key] = rel_err(o, ref)
+            same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
     ok = all(e < 2e-2 for e in errs.values()) and all(same.values())
     print(f"probe: {'OK' if ok else 'WRONG'} errs " + json.dumps(errs) + " bits==triton " + json.dumps(same),
           flush=True)
@@ -145,8 +163,14 @@ def main(argv=None):
     ap.add_argument("--kernels", action="store_true",
                     help="also profile graph replays per kernel (torch.profiler): where a row's time goes "
                          "(split kernel, merge, schedule; FA3's kernels), and the gaps between them")
+    ap.add_argument("--bucket", type=int, default=0,
+                    help="also the constant-time walk to this bucket: rows triton_strict and cuda_ct_<variant> "
+                         f"(variants {', '.join(CT_VARIANTS)}, or auto)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.bucket:
+        ct_names = ["triton_strict", *(f"cuda_ct_{v}" for v in CT_VARIANTS)]
+        args.variants += "," + ",".join(n for n in ct_names if n not in args.variants.split(","))
     t0 = time.time()
     stop = cuda_runs.probe_first(ap, probe, "decode", args.probe)
     if stop is not None:
@@ -172,7 +196,12 @@ def main(argv=None):
     for k, shape in enumerate(shapes):
         B, ctx, reqs = _shape(shape)
         nbytes = kv_bytes(reqs)
-        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved, width=_table_width(shape))
+        if args.bucket and args.bucket < ctx:
+            print(f"{shape}: skipped, longer than the bucket {args.bucket}", flush=True)
+            continue
+        exec_bytes = kv_bytes([(1, args.bucket)] * B) if args.bucket else 0
+        width = max(_table_width(shape), -(-args.bucket // BS))
+        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved, width=width)
                 for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
         outs = {}
@@ -183,6 +212,10 @@ def main(argv=None):
                     fns = [fa3_fn(s, True) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, True) for s in sets]
+                elif name == "triton_strict" and args.bucket:
+                    fns = [triton_off_fn(s, True, "strict", args.bucket) for s in sets]
+                elif _ct_variant(name) and args.bucket:
+                    fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 elif _cuda_variant(name):
                     variant, order = _cuda_variant(name)
                     fns = [cuda_fn(s, variant, order=order) for s in sets]
@@ -196,28 +229,36 @@ def main(argv=None):
                     outs[name] = o
                 if row["us"]:
                     row["tb_s"] = nbytes / row["us"] / 1e6
+                    if name == "triton_strict" or _ct_variant(name):
+                        row["exec_tb_s"] = exec_bytes / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
         mine = rows[-len(names):]
         if "triton_off" in outs:
             for r in mine:
-                if r["variant"].startswith("cuda_") and r["variant"] in outs:
+                if (r["variant"].startswith("cuda_") or r["variant"] == "triton_strict") and r["variant"] in outs:
                     r["bits_equal_triton"] = bool(torch.equal(outs[r["variant"]].view(torch.int16),
                                                               outs["triton_off"].view(torch.int16)))
         cuda_runs.fa3_ratios(mine)
+        fa3_tb = next((r["tb_s"] for r in mine if r["variant"] == "fa3" and r["tb_s"]), None)
+        for r in mine:
+            if r.get("exec_tb_s") and fa3_tb:
+                r["exec_fa3_over"] = r["exec_tb_s"] / fa3_tb
         cuda_runs.print_progress(k, len(shapes), t0, shape, mine,
                                  lambda r: "" if r.get("bits_equal_triton", True) else " [BITS]")
         del sets
         torch.cuda.empty_cache()
 
-    print(f"\n{'shape':10s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'x FA3':>6s} {'rel err':>8s} bits==triton")
+    print(f"\n{'shape':10s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'x FA3':>6s} {'rel err':>8s} bits==triton"
+          f"{'  [executed TB/s, x FA3]' if args.bucket else ''}")
     for r in rows:
         us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
         bw = f"{r['tb_s']:6.2f}" if r["tb_s"] else f"{'-':>6s}"
         fx = f"{r['fa3_over']:6.3f}" if r["fa3_over"] else f"{'-':>6s}"
         er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
-        print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {r.get('bits_equal_triton', '')} "
+        ex = f"  [{r['exec_tb_s']:.2f}, {r.get('exec_fa3_over') or 0:.3f}]" if r.get("exec_tb_s") else ""
+        print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {r.get('bits_equal_triton', '')}{ex} "
               f"{r.get('error', '')}")
     if args.kernels:
         print("\nwhere the time goes (us per call, graph replay; gap = replay time - the kernels' sum)")
@@ -229,7 +270,7 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, spread=args.spread,
-                    interleaved=args.interleaved,
+                    interleaved=args.interleaved, bucket=args.bucket,
                     commit=os.environ.get("DHP_COMMIT", ""), date=time.strftime("%Y-%m-%d"))
         with open(os.path.join(args.out, "cuda_decode.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, separators=(",", ":"))

@@ -270,10 +270,12 @@ def _cuda_routes(spec, kind: str) -> bool:
         from dhp_backend.ops.cuda_prefill import routes_prefill as routes
     elif kind == "prefill_ct":
         from dhp_backend.ops.cuda_prefill import routes_prefill_ct as routes
+    elif kind == "decode_ct":
+        from dhp_backend.ops.cuda_decode import routes_decode_ct as routes
     else:
         from dhp_backend.ops.cuda_decode import routes_decode as routes
     ok, reason = routes(spec)
-    policies = "strict/batch/request" if kind == "prefill_ct" else "off"
+    policies = "strict/batch/request" if kind.endswith("_ct") else "off"
     logger.info("DHP paged_attention: policy=%s %s steps on %s", policies, kind.split("_")[0],
                 reason if ok else f"Triton ({reason})")
     return ok
@@ -282,6 +284,7 @@ def _cuda_routes(spec, kind: str) -> bool:
 CUDA_PREFILL = "cuda_prefill"
 CUDA_PREFILL_CT = "cuda_prefill_ct"
 CUDA_DECODE = "cuda_decode"
+CUDA_DECODE_CT = "cuda_decode_ct"
 
 
 def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
@@ -291,21 +294,26 @@ def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
     policy-``off`` decode steps (token tiles) on ``cuda_decode``
     (csrc/decode_sm90.cu), where the problem allows them; prefill steps of the
     constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
-    constant-time walk) where enabled (`cuda_prefill.routes_prefill_ct`); else
-    ``triton``. The csrc kernels give the Triton kernels' bits (GPU tests), so
+    constant-time walk) where enabled (`cuda_prefill.routes_prefill_ct`), and
+    their decode steps on ``cuda_decode_ct`` where enabled
+    (`cuda_decode.routes_decode_ct`, opt-in); else ``triton``. The csrc kernels give the Triton kernels' bits (GPU tests), so
     which kernel ran never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21)."""
     if spec.device_type != "cuda":
         return dispatch.TRITON
     from dhp_backend.ops.triton import launch
 
     prefill = launch.step_kind(num_tokens, num_reqs) == "prefill"
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    decode = not prefill and launch.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group,
+                                                dtype_name=spec.dtype)
     if Policy.parse(policy) is not Policy.OFF:
         # Which kernel runs follows the public step geometry only, as the Triton launcher's own choices do.
-        return CUDA_PREFILL_CT if prefill and _cuda_routes(spec, "prefill_ct") else dispatch.TRITON
+        if prefill:
+            return CUDA_PREFILL_CT if _cuda_routes(spec, "prefill_ct") else dispatch.TRITON
+        return CUDA_DECODE_CT if decode and _cuda_routes(spec, "decode_ct") else dispatch.TRITON
     if prefill:
         return CUDA_PREFILL if _cuda_routes(spec, "prefill") else dispatch.TRITON
-    group = spec.num_heads // max(1, spec.num_kv_heads)
-    if launch.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group, dtype_name=spec.dtype):
+    if decode:
         return CUDA_DECODE if _cuda_routes(spec, "decode") else dispatch.TRITON
     return dispatch.TRITON
 
@@ -346,6 +354,18 @@ def _cuda_decode_runner():
     return run
 
 
+def _cuda_decode_ct_runner():
+    from dhp_backend.ops.cuda_decode import decode_sm90
+
+    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
+            bucket, num_tokens):
+        del policy  # a constant-time policy: its public bucket is the walk's extent
+        return decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
+                           causal=causal, num_tokens=num_tokens, bucket=bucket, check=False)
+
+    return run
+
+
 def _triton_runner():
     from dhp_backend.ops.triton import paged_attention_triton
 
@@ -354,4 +374,4 @@ def _triton_runner():
 
 _PATH_RUNNERS = {dispatch.REFERENCE: _reference_runner, dispatch.TRITON: _triton_runner}
 _CSRC_RUNNERS = {CUDA_PREFILL: _cuda_prefill_runner, CUDA_PREFILL_CT: _cuda_prefill_ct_runner,
-                 CUDA_DECODE: _cuda_decode_runner}
+                 CUDA_DECODE: _cuda_decode_runner, CUDA_DECODE_CT: _cuda_decode_ct_runner}

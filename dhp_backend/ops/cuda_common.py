@@ -119,3 +119,19 @@ def validate_common(who: str, query, key_cache, value_cache, block_table, query_
              f"block_table {tuple(block_table.shape)}", "[n], [n + 1] and [>= n, max_blocks]")
     if not seq_lens.is_contiguous() or not query_start_loc.is_contiguous():
         fail("seq_lens/query_start_loc", "strided", "contiguous int32 vectors")
+
+
+def ct_bucket(who: str, bucket, num_seqs: int, capacity: int, device) -> tuple[int, int, torch.Tensor | None]:
+    """(l_mode, l_scalar, per-request tensor) of a constant-time walk, as the Triton
+    launcher's: an int bucket L in [1, capacity] (l_mode 0), or an int32 tensor of
+    ``num_seqs`` per-request buckets on ``device`` (l_mode 1)."""
+    if isinstance(bucket, torch.Tensor):
+        if bucket.dtype != torch.int32 or bucket.dim() != 1 or bucket.shape[0] != num_seqs or bucket.device != device:
+            raise ValueError(f"{who}: bucket is a {bucket.dtype} tensor of shape {tuple(bucket.shape)} on "
+                             f"{bucket.device}; accepted: an int, or an int32 tensor of {num_seqs} per-request "
+                             f"buckets on {device}")
+        return 1, 0, bucket
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= capacity:
+        raise ValueError(f"{who}: bucket is {bucket!r}; accepted: an int in [1, block_table.shape[1] * block_size "
+                         f"= {capacity}]")
+    return 0, int(bucket), None

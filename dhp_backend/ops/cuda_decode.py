@@ -17,7 +17,13 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
   "fold" mode folds inside each CTA) — both give the same bits.
 - Fold-mode launches of 1-4 waves run the step's walks longest first (a
   counting sort on the device; `longest_first`): timing only, same bits.
-- Not constant-time (it walks the true lengths).
+- Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
+  (the public length bucket of strict / batch / request), the CT binaries walk
+  the Triton CONST_TIME kernels' walk instead: every token to the bucket, decoy
+  pages past the true length, masks and V zeroing by selection, no longest-first
+  order (csrc: kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
+  constant-time kernels (GPU test). Opt-in for `ops.paged_attention`
+  (`routes_decode_ct`, ``DHP_CUDA_DECODE_CT=1``) until its gates are run.
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
@@ -36,7 +42,8 @@ import os
 import torch
 
 from dhp_backend.ops.cuda_build import load
-from dhp_backend.ops.cuda_common import common_route_refusal, launch_error, unavailable_reason, validate_common
+from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch_error, unavailable_reason,
+                                         validate_common)
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
 # Variants of the binary (csrc: launch_variant): K/V stages of 64 positions per
@@ -83,10 +90,32 @@ DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 8 * 3, 2), "diag_noloads": (4 + 8 
                        "diag_noloads_m2x2": (4 + 8 * 21, 2), "diag_noloads_m2x3": (5 + 8 * 21, 3)}
 _ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
+# The constant-time walk (csrc option kConstTime, with kBucketPerReq for per-request
+# buckets) exists for the consume_mma_pipe variants only (GROUP <= 16).
+CT_VARIANTS = ("p2x2_pv_ef", "p2x3_pv_ef", "p3x2_pv_ef")
+CT_DEFAULT_VARIANT = "p2x2_pv_ef"
+MAX_CT_GROUP = 16
+_CONST_TIME, _BUCKET_PER_REQ = 128, 256
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
     raise ValueError(f"cuda_decode: {what} is {got}; accepted: {accepted}")
+
+
+def routes_decode_ct(spec) -> tuple[bool, str]:
+    """Whether `ops.paged_attention` runs decode steps of the constant-time policies
+    (strict / batch / request) of ``spec`` on the CT binaries, and why not. Off by
+    default: ``DHP_CUDA_DECODE_CT=1`` turns it on (its SASS and counter gates have not
+    been run on it yet; the Triton kernels give the same bits)."""
+    if os.environ.get("DHP_CUDA_DECODE_CT", "0") != "1":
+        return False, "not enabled (DHP_CUDA_DECODE_CT=1 turns it on)"
+    why = common_route_refusal(spec, "decode_sm90.cu")
+    if why:
+        return False, why
+    g = spec.num_heads // max(1, spec.num_kv_heads)
+    if g > MAX_CT_GROUP:
+        return False, f"{g} query heads per KV head (the constant-time walk takes at most {MAX_CT_GROUP})"
+    return True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)"
 
 
 def routes_decode(spec) -> tuple[bool, str]:
@@ -109,8 +138,11 @@ def _entry():
     # Loaded and typed once, not per launch.
     fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    u32 = ctypes.c_uint32
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p, p]
+                   ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
+                   i32, p, i32, u32, u32,  # CT: l_scalar, bucket, max_blocks, decoy_magic, decoy_mult
+                   p]
     fn.restype = i32
     return fn
 
@@ -180,7 +212,8 @@ def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: i
 
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
-                mode: str | None = None, order: bool | None = None, check: bool = True) -> torch.Tensor:
+                mode: str | None = None, order: bool | None = None, check: bool = True,
+                bucket: int | torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant``: "auto" (`pick_variant`), one of `VARIANTS` (residency; same bits), or of
@@ -190,6 +223,10 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     by `longest_first`, True/False force it (split mode ignores it; timing only,
     same bits). ``check`` reads the metadata on the host first (the facts
     `ops.paged_attention` checks with ``check_values``; a device sync).
+    ``bucket``: None walks the true lengths (policy off); an int L or int32
+    per-request buckets run the constant-time walk to it (policies strict / batch /
+    request; variants `CT_VARIANTS`, "auto" = `CT_DEFAULT_VARIANT`; ``order`` must
+    not be True: the longest-first order sorts by the true lengths).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
@@ -199,15 +236,32 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("mode", repr(mode), "None, 'fold', 'split'")
     if order not in (None, True, False):
         _fail("order", repr(order), "None (by longest_first), True, False")
+    ct = bucket is not None
+    if ct:
+        l_mode, l_scalar, bucket_t = ct_bucket("cuda_decode", bucket, seq_lens.shape[0],
+                                               block_table.shape[1] * key_cache.shape[2], query.device)
+        if variant == AUTO:
+            variant = CT_DEFAULT_VARIANT
+        if variant not in CT_VARIANTS:
+            _fail("variant", f"{variant!r} with a bucket (the constant-time walk)", ", ".join([AUTO, *CT_VARIANTS]))
+        if order:
+            _fail("order", "True with a bucket", "None or False (the longest-first order sorts by the true lengths)")
+        g = query.shape[1] // key_cache.shape[1]
+        if g > MAX_CT_GROUP:
+            _fail("the number of KV heads", f"{key_cache.shape[1]} for {query.shape[1]} query heads with a bucket",
+                  f"at most {MAX_CT_GROUP} query heads per KV head (the constant-time walk's mma.sync tile)")
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_decode: cannot run here: {reason}")
     if check:
         from dhp_backend.ops.attention import _check_values
 
-        _check_values(query_start_loc, seq_lens, block_table, None, num_tokens, key_cache.shape[0],
+        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
                       key_cache.shape[2])
     if num_tokens == 0:
+        return out
+    if ct and seq_lens.shape[0] == 0:  # public geometry: a step without requests is all padding
+        out[:num_tokens].zero_()
         return out
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
@@ -216,7 +270,10 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     with torch.cuda.device(query.device):
         if variant == AUTO:
             variant = pick_variant(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, mode)
-        p = plan(num_tokens, num_reqs, H, Hkv, block_table.shape[1] * bs, dtype_name, variant, mode)
+        # The grid's extent: the table's capacity, or under one bucket the bucket
+        # itself (the Triton launcher's ext_grid).
+        ext_grid = l_scalar if ct and l_mode == 0 else block_table.shape[1] * bs
+        p = plan(num_tokens, num_reqs, H, Hkv, ext_grid, dtype_name, variant, mode)
         null = ctypes.c_void_p(0)
         ws_acc = ws_m = ws_l = order_ws = null
         spp = 0
@@ -228,19 +285,27 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws, _, _ = wsp.reserve_workspace(query.device)
             acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
             ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
-        elif order or (order is None and longest_first(p, num_tokens, Hkv)):
+        elif not ct and (order or (order is None and longest_first(p, num_tokens, Hkv))):
             # Fold mode leaves the split area unused: its head holds the schedule
             # ((token, request) int32 pairs, written and read in stream order by this launch).
             ws, _, _ = wsp.reserve_workspace(query.device)
             order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
+        code = _ALL_VARIANTS[variant][0]
+        ct_args = (0, null, 0, 0, 0)
+        if ct:
+            from dhp_backend.ops.triton import launch as tlaunch
+
+            code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
+            ct_args = (l_scalar, null if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1],
+                       tlaunch.decoy_magic(nb), tlaunch.decoy_mult(nb))
         stream = torch.cuda.current_stream().cuda_stream
         rc = _entry()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
                       value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,
                       out.data_ptr(), out.stride(0), out.stride(1), block_table.data_ptr(), block_table.stride(0),
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
-                      int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_VARIANTS[variant][0], ws_acc, ws_m,
-                      ws_l, p["n_split_grid"], spp, order_ws, stream)
+                      int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
+                      ws_l, p["n_split_grid"], spp, order_ws, *ct_args, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out

@@ -37,8 +37,8 @@ import os
 import torch
 
 from dhp_backend.ops.cuda_build import SM90A, load
-from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, launch_error,  # noqa: F401
-                                         unavailable_reason, validate_common)
+from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, ct_bucket,  # noqa: F401
+                                         launch_error, unavailable_reason, validate_common)
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
@@ -146,18 +146,6 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")
 
 
-def _ct_bucket(bucket, num_seqs: int, capacity: int, device) -> tuple[int, int, torch.Tensor | None]:
-    """(l_mode, l_scalar, per-request tensor) of the CT walk, as the Triton launcher's."""
-    if isinstance(bucket, torch.Tensor):
-        if bucket.dtype != torch.int32 or bucket.dim() != 1 or bucket.shape[0] != num_seqs or bucket.device != device:
-            _fail("bucket", f"a {bucket.dtype} tensor of shape {tuple(bucket.shape)} on {bucket.device}",
-                  f"an int, or an int32 tensor of {num_seqs} per-request buckets on {device}")
-        return 1, 0, bucket
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 < bucket <= capacity:
-        _fail("bucket", repr(bucket), f"an int in [1, block_table.shape[1] * block_size = {capacity}]")
-    return 0, int(bucket), None
-
-
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                  causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                  bucket: int | torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
@@ -180,8 +168,8 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
         _fail("bucket", "given" if bucket is not None else "missing",
               f"a bucket with variant {COMPAT_CT!r} and none with the others")
     if ct:
-        l_mode, l_scalar, bucket_t = _ct_bucket(bucket, seq_lens.shape[0], block_table.shape[1] * key_cache.shape[2],
-                                                query.device)
+        l_mode, l_scalar, bucket_t = ct_bucket("cuda_prefill", bucket, seq_lens.shape[0],
+                                               block_table.shape[1] * key_cache.shape[2], query.device)
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")

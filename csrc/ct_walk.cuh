@@ -1,0 +1,35 @@
+// Pieces of the constant-time walk shared by the csrc kernels' CT binaries
+// (prefill_sm90.cu, decode_sm90.cu): branch-free selects, the Triton kernels'
+// Barrett reduction and their decoy map (dhp_backend/ops/triton/kernels.py:
+// mod_barrett, decoy_block), so every kernel reads the same decoy pages.
+#pragma once
+
+#include <cstdint>
+
+namespace dhp::ct {
+
+// c ? a : b without a branch the compiler could make of a ternary.
+__device__ __forceinline__ int select_int(bool c, int a, int b) { return b ^ ((a ^ b) & -static_cast<int>(c)); }
+__device__ __forceinline__ uint64_t select_u64(bool c, uint64_t a, uint64_t b) {
+  return b ^ ((a ^ b) & (0ull - static_cast<uint64_t>(c)));
+}
+
+// kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).
+__device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t magic) {
+  uint32_t y = x - __umulhi(x, magic) * n;
+#pragma unroll
+  for (int i = 0; i < 3; ++i) y -= n & (0u - static_cast<uint32_t>(y >= n));
+  return y;
+}
+
+// kernels.decoy_block: the page read in place of request r's logical block lb
+// past its true length: x = (lb * (num_seqs + 1) + r) mod n, scattered by the
+// host's multiplier (launch.decoy_mult, coprime with n = num_blocks).
+__device__ __forceinline__ int decoy_page(int num_seqs, int num_blocks, uint32_t magic, uint32_t mult, int r, int lb) {
+  const uint32_t n = static_cast<uint32_t>(num_blocks);
+  const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(num_seqs + 1) +
+                                     static_cast<uint32_t>(r), n, magic);
+  return static_cast<int>(mod_barrett(x * mult, n, magic));
+}
+
+}  // namespace dhp::ct
