@@ -221,7 +221,7 @@ def main(argv=None):
                     fns = [cuda_fn(s, variant, order=order) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
-                diag = name.startswith("cuda_") and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
+                diag = bool(_cuda_variant(name)) and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms, diagnostic=diag)
                 if profiled:
                     row["kernels_us"] = dict(profiled)
