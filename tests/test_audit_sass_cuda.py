@@ -124,6 +124,25 @@ def test_instances_from_mangled_names():
     assert cuda_rules.instance("_Z12some_helperv") is None
 
 
+def test_decode_instances_from_mangled_names():
+    """decode_sm90.cu: option kConstTime (128) gates, with kBucketPerReq (256) it is
+    reported with the request's bucket documented; the merge by its WALK; policy-off
+    binaries are listed only."""
+    dec = ("_ZN3dhp47_GLOBAL__N__2b23ac5e_14_decode_sm90_cu_63b36a6b13decode_kernelI{}"
+           "EEv14CUtensorMap_stS2_S2_NS0_6ParamsE")
+    merge = "_ZN3dhp47_GLOBAL__N__2b23ac5e_14_decode_sm90_cu_63b36a6b12merge_kernelI{}EEvNS0_6ParamsE"
+    ct1 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi217E"))
+    ct2 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi473E"))
+    off = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi89E"))
+    assert ct1.gating and ct1.args == (1, 2, 1, 2, 1, 0, 217)
+    assert not ct2.gating and ct2.documented == frozenset({"mem"})
+    assert not off.gating and not off.documented and "policy off" in off.note
+    assert cuda_rules.instance(merge.format("Lb1ELi1E")).gating
+    assert cuda_rules.instance(merge.format("Lb0ELi2E")).documented == frozenset({"mem"})
+    assert not cuda_rules.instance(merge.format("Lb1ELi0E")).gating
+    assert cuda_rules.instance(merge.format("Lb1E")).gating  # an arity the table does not know: fails closed
+
+
 # --- the planted kernel ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -201,3 +220,19 @@ def test_prefill_constant_time_binaries_pass_the_gate():
         assert not r["documented"]
     # Per-request buckets: the one documented dependence (the request's bucket, from memory).
     assert len(reported) == 2 and all(r["passed"] and r["documented"] == ["mem"] for r in reported)
+
+
+@pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc to build csrc/decode_sm90.cu")
+def test_decode_constant_time_binaries_pass_the_gate():
+    _nvdisasm_or_skip()
+    s = cuda_gate.audit_sources(("decode_sm90.cu",), progress=lambda m: None)
+    gating = [r for r in s["results"] if r["gating"]]
+    reported = [r for r in s["results"] if not r["gating"] and r.get("audited", True)]
+    decode = [r for r in gating if r["kernel"] == "decode_kernel"]
+    assert len(decode) == 16 and len(gating) == 18 and s["passed"], [f for r in gating for f in r["failures"]][:5]
+    for r in decode:  # every kind of branch the CT walk has, each explained
+        assert {"dec-locate-loop", "dec-split-loop", "dec-step-loop", "dec-role", "wait", "elect-loop"} \
+            <= set(r["by_rule"])
+        assert not r["documented"]
+    assert reported and all(r["passed"] and r["documented"] == ["mem"] for r in reported)
+

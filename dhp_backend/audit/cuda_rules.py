@@ -17,13 +17,15 @@ PTX condition may carry (`ptx.Taint`):
 Anything else (``mem:*``: a value loaded from memory, a matrix result, another
 lane's data) makes the branch fail, whatever the rule says.
 
-Which binaries are gated: the constant-time walk of ``prefill_sm90.cu`` (template
-flag CT) with one public bucket (LMODE 0: policies strict, batch, request with one
-bucket) gates; LMODE 1 (per-request buckets, policy request) is reported with its
-documented extra label (the bucket of the tile's request: docs/kernels.md section
-5, as the Triton kernels' ``l_mode=1`` scenario). The other csrc binaries run
-policy ``off`` only, which is not constant-time by contract (design.md section
-2): they are listed, not gated.
+Which binaries are gated: the constant-time walks with one public bucket (policies
+strict, batch, request with one bucket): ``prefill_sm90.cu`` template flag CT with
+LMODE 0, and ``decode_sm90.cu``'s decode_kernel with option kConstTime and its
+merge_kernel with WALK 1. Their per-request-bucket forms (prefill LMODE 1, decode
+kBucketPerReq, merge WALK 2; policy request) are reported with their documented
+extra label (the bucket of the tile's request: docs/kernels.md section 5, as the
+Triton kernels' ``l_mode=1`` scenario). The other csrc binaries run policy ``off``
+only, which is not constant-time by contract (design.md section 2): they are
+listed, not gated.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class Instance:
 
 
 _PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS")
+_DECODE_ARGS = ("BF16", "STAGES", "WRITE_PARTIALS", "MIN_BLOCKS", "SMALL_Q", "OVERLAP", "OPT")
+_MERGE_ARGS = ("BF16", "WALK")
+DECODE_CONST_TIME, DECODE_BUCKET_PER_REQ = 128, 256  # decode_sm90.cu: kConstTime, kBucketPerReq
 
 RULES = (
     CudaRule("locate-loop", "prefill_sm90.cu", r"^for \(int base = 1; base <= p\.num_seqs; base \+= kThreads\) \{$",
@@ -78,6 +83,45 @@ RULES = (
     CudaRule("fold", "prefill_sm90.cu",
              r"^if \(\(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
              "the fold at the end of each 512-position split: step index and the bucket's step count"),
+    # decode_sm90.cu, the constant-time walk (kConstTime; walk 1 gates, walk 2 is reported).
+    CudaRule("dec-locate-loop", "decode_sm90.cu",
+             r"^for \(int base = 1; base <= p\.num_seqs; base \+= blockDim\.x\) \{$", PUBLIC,
+             "work_ct counts over all requests in chunks of the CTA's threads: ceil(num_seqs / blockDim.x) trips"),
+    CudaRule("dec-role", "decode_sm90.cu",
+             r"^if \((threadIdx\.x (==|>=) \d+|warp < 2|lane == 0|lane == 0 && !no_load|ws == 0 && lane % 4 == 0)\)"
+             r"( \{)?(\s+//.*)?$", PUBLIC,
+             "warp-specialised roles by thread index: barrier init, producer warp and its issuing lane, the S and "
+             "PV warp pairs, the lanes that write a row's values"),
+    CudaRule("dec-split-loop", "decode_sm90.cu",
+             r"^for \(int (sp|s) = w\.s_lo; (sp|s) < w\.s_end; (sp|s) \+= w\.s_stride\) \{$", PUBLIC,
+             "the CTA's splits chunk, chunk + chunks, ... below min(ceil(L / 512), n_split_grid): the CTA index, "
+             "the host's plan and the public bucket L"),
+    CudaRule("dec-no-split", "decode_sm90.cu", r"^if \(w\.s_lo >= w\.s_end\) return;$", PUBLIC,
+             "a chunk past the bucket's splits (CTA index, plan, bucket) issues no loads"),
+    CudaRule("dec-ids-ahead", "decode_sm90.cu",
+             r"^ids_next = s \+ w\.s_stride < w\.s_end \? split_ids\(s \+ w\.s_stride\) : 0;$", PUBLIC,
+             "the next split's block ids are read while there is a next split of the bucket"),
+    CudaRule("dec-step-loop", "decode_sm90.cu",
+             r"^for \(int j = split_first\((sp|s)\); j < (je|split_end\(w, s\)); \+\+j, \+\+k\) \{$", PUBLIC,
+             "a split's 64-position steps below ceil(L / 64): the bucket's step count"),
+    CudaRule("dec-ring-reuse", "decode_sm90.cu", r"^if \(k >= (STAGES|2)\) mbar_wait\(", PUBLIC,
+             "waits for a ring slot's release from its second round on: the running step index only"),
+    CudaRule("dec-boxes", "decode_sm90.cu", r"^if \(b < boxes\) \{$", PUBLIC,
+             "TMA boxes per 64-position step follow the block size (a kernel parameter)"),
+    CudaRule("dec-split-end", "decode_sm90.cu", r"^if \((j \+ 1 == je|last_split\(w, sp\))\) \{", PUBLIC,
+             "a split's last step and the CTA's last split: step and split indices of the bucket's walk"),
+    CudaRule("dec-cta-end", "decode_sm90.cu",
+             r"^if \((k \+ 1 == n_steps|n_steps == 0)\) store_out_rows\(", PUBLIC,
+             "the CTA's output rows after its last step (or at once with no step): the bucket's step count"),
+    CudaRule("dec-group-rows", "decode_sm90.cu", r"^if \(ok_(lo|hi)\) store_out_half<", PUBLIC,
+             "only the tile rows that are query heads of the group are stored: thread index and GROUP"),
+    CudaRule("merge-chunks", "decode_sm90.cu",
+             r"^(for \(int c0 = 0; c0 < n_split; c0 \+= kMergeChunk\) \{|"
+             r"for \(int k = d; k < n \* \(kHead / 4\); k \+= kHead\) \{|"
+             r"for \(int base = 0; base < n; base \+= 32\) \{|for \(int j = 0; j < n; \+\+j\) \{|"
+             r"if \(d < (n|32)\) \{|float v = base \+ d < n \? m_s\[base \+ d\] : -INFINITY;)", PUBLIC,
+             "the merge folds the bucket's splits, min(ceil(L / 512), n_split_grid), in chunks of 64 by the "
+             "thread index: public counts"),
     CudaRule("mbarrier-wait", "sm90_primitives.cuh", r"^\} while \(!done\);$", PUBLIC | {"mbarrier"},
              "mbar_wait's retry loop: it spins until a barrier phase completes. The phase completes on a fixed "
              "number of arrivals and TMA bytes (the same for every secret class); the number of spins is the "
@@ -90,7 +134,7 @@ _MANGLED_ARGS = re.compile(r"(Lb[01]E|Li-?\d+E)")
 
 def instance(mangled: str) -> Instance | None:
     """The csrc kernel instance a cubin function is, or None for a function this table does not know."""
-    for kernel in ("prefill_kernel", "decode_kernel"):
+    for kernel in ("prefill_kernel", "decode_kernel", "merge_kernel"):
         k = mangled.find(kernel)
         if k >= 0:
             break
@@ -98,11 +142,25 @@ def instance(mangled: str) -> Instance | None:
         return None
     tail = mangled[k + len(kernel):]
     args = tuple(int(m[2:-1]) for m in _MANGLED_ARGS.findall(tail.split("EEv", 1)[0] + "E"))
-    if kernel == "prefill_kernel" and len(args) != len(_PREFILL_ARGS):  # fail closed: a new template
-        return Instance(kernel, args, True, frozenset(),  # flag the table does not name yet gates
-                        f"{len(args)} template arguments, the table names {len(_PREFILL_ARGS)}: gated until it does")
+    names = {"prefill_kernel": _PREFILL_ARGS, "decode_kernel": _DECODE_ARGS, "merge_kernel": _MERGE_ARGS}[kernel]
+    if len(args) != len(names):  # fail closed: a new template flag the table does not name yet gates
+        return Instance(kernel, args, True, frozenset(),
+                        f"{len(args)} template arguments, the table names {len(names)}: gated until it does")
+    named = dict(zip(names, args))
+    # decode_sm90.cu: the walk of a binary (kWalk: 0 true lengths, 1 one bucket, 2 per-request buckets).
+    walk = None
+    if kernel == "decode_kernel" and named["OPT"] & DECODE_CONST_TIME:
+        walk = 2 if named["OPT"] & DECODE_BUCKET_PER_REQ else 1
+    elif kernel == "merge_kernel" and named["WALK"]:
+        walk = named["WALK"]
+    if walk == 1:
+        return Instance(kernel, args, True, frozenset(),
+                        "constant-time walk, one public bucket (strict, batch, request with one bucket)")
+    if walk == 2:
+        return Instance(kernel, args, False, frozenset({"mem"}),
+                        "constant-time walk, per-request buckets (policy request): each token's walk is its "
+                        "request's bucket, loaded by the token's request index (docs/kernels.md section 5)")
     if kernel == "prefill_kernel":
-        named = dict(zip(_PREFILL_ARGS, args))
         if named["CT"]:
             if named["LMODE"] == 0:
                 return Instance(kernel, args, True, frozenset(),
