@@ -69,8 +69,9 @@ DRAM_METRIC = "dram__bytes_read.sum"
 COUNT_METRICS = tuple(m for m in METRICS if m != DRAM_METRIC)
 DRAM_TOLERANCE = 0.01
 # The Triton kernels and the csrc prefill kernel (its CT binary runs constant-time
-# prefill steps unless DHP_CUDA_PREFILL_CT=0).
-KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel"
+# prefill steps unless DHP_CUDA_PREFILL_CT=0) and decode kernel (its CT binaries run
+# constant-time decode steps with DHP_CUDA_DECODE_CT=1).
+KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel|decode_kernel"
 DEFAULT_SHAPES = ("B16-L4096-q1", "B64-L4096-q1", "B16-L32768-q1", "B4-L4096-q64")
 SHORT_NAMES = {
     "smsp__inst_executed.sum": "instructions",
@@ -347,7 +348,7 @@ def profile(ncu: str, shape, cls: str, launches: int, timeout: float) -> dict:
         return {**res, "error": f"{e}: {tail}"}
     if child.get("path") != "triton":
         res["warning"] = f"the launch ran the {child.get('path')} path ({child.get('path_reason')})"
-    ws = [k for k in res["kernels"] if counters_pc.PER_INSTRUCTION_FILTER.split(":", 1)[1] in k["name"]]
+    ws = [k for k in res["kernels"] if counters_pc.is_warp_specialised(k["name"])]
     if len(ws) > 1:
         return {**res, "error": f"{len(ws)} warp-specialised kernels in one launch; G1 profiles one per launch"}
     if ws:
@@ -496,9 +497,10 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
           f"Commit {v.get('commit')}, dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')}, Triton "
           f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, {v.get('ncu')}. Produced by "
           "`dhp-backend audit counters` (`ncu --clock-control none`, kernels `attention_kernel|merge_kernel|"
-          "prefill_kernel` of the last of each child's launches). Rule: every count identical, DRAM bytes read "
-          f"within {s['dram_tolerance']:.0%}; for the warp-specialised csrc `prefill_kernel`, whose mbarrier and "
-          "setmaxnreg wait loops spin as long as the hardware takes, the instruction and branch totals are judged "
+          "prefill_kernel|decode_kernel` of the last of each child's launches). Rule: every count identical, DRAM "
+          f"bytes read within {s['dram_tolerance']:.0%}; for the warp-specialised csrc `prefill_kernel` and "
+          "`decode_kernel`, whose mbarrier (and setmaxnreg) wait loops spin as long as the hardware takes, the "
+          "instruction and branch totals are judged "
           "per SASS instruction instead: every instruction outside the wait loops executes equally often "
           "(ncu SourceCounters; `audit/counters_pc.py`). Gating pairs decide the gate; reported pairs (degenerate "
           "data) do not.", "",

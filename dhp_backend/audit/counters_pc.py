@@ -1,8 +1,9 @@
-"""G1 per instruction, for the warp-specialised csrc kernel: every SASS instruction's execution count
+"""G1 per instruction, for the warp-specialised csrc kernels: every SASS instruction's execution count
 identical across secret classes, except the instructions of wait loops.
 
-Why: the csrc constant-time prefill binary (`prefill_kernel<..., CT=1, ...>`) has
-a TMA producer warp and consumer warpgroups that meet on mbarriers, and consumer
+Why: the csrc constant-time binaries (`prefill_kernel<..., CT=1, ...>`, and
+`decode_kernel<...>` with option kConstTime) have a TMA producer warp and consumer
+warps that meet on mbarriers, and the prefill kernel's consumer
 warpgroups that take their registers with ``setmaxnreg.inc``. ptxas builds each
 wait as a retry loop (``SYNCS.PHASECHK`` or ``USETMAXREG.TRY_ALLOC``, the
 predicate copy, the branch back). How often such a loop spins is how long the
@@ -28,8 +29,14 @@ import csv
 import io
 import re
 
-# The kernels profiled per instruction (ncu --kernel-name syntax).
-PER_INSTRUCTION_FILTER = "regex:prefill_kernel"
+# The kernels profiled per instruction: the warp-specialised csrc kernels (their
+# constant-time binaries: prefill_sm90.cu CT, decode_sm90.cu kConstTime).
+WARP_SPECIALISED = ("prefill_kernel", "decode_kernel")
+PER_INSTRUCTION_FILTER = "regex:" + "|".join(WARP_SPECIALISED)  # ncu --kernel-name syntax
+
+
+def is_warp_specialised(kernel_name: str) -> bool:
+    return any(k in kernel_name for k in WARP_SPECIALISED)
 EXECUTED = "Instructions Executed"
 _WAIT_OPS = ("SYNCS.PHASECHK", "USETMAXREG")
 
