@@ -106,7 +106,8 @@ def test_ct_bucket_refused(monkeypatch, kw, pattern):
 def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
     """ops.step_kernel: prefill steps of strict/batch/request go to the csrc CT
     binary on an sm_90 GPU unless DHP_CUDA_PREFILL_CT=0, else stay on Triton; decode
-    steps of those policies stay on Triton either way; policy off is unchanged."""
+    steps of those policies do not go to it (with their own CT route turned off here,
+    test_cuda_decode covers it, they stay on Triton); policy off is unchanged."""
     import dhp_backend.ops.attention as attn
     from dhp_backend.ops import dispatch, step_kernel
     from dhp_backend.ops.cuda_prefill import routes_prefill_ct
@@ -114,6 +115,7 @@ def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, device_capability=(9, 0))
     monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "0")
+    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "0")
     attn._cuda_routes.cache_clear()
     ok, why = routes_prefill_ct(spec)
     assert not ok and "DHP_CUDA_PREFILL_CT=0" in why
