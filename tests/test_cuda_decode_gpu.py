@@ -175,7 +175,7 @@ def test_batch_invariant():
 
 def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     """ops.paged_attention (path auto, policy off) runs a decode step on the csrc
-    decode kernel with the Triton kernel's bits; strict runs on the CT binary, not the off one."""
+    decode kernel with the Triton kernel's bits; strict does not run on the off binary."""
     import dhp_backend.ops.attention as attn
     from dhp_backend.ops import dispatch
 
@@ -199,7 +199,7 @@ def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, causal=True, device_capability=(9, 0))
     assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE
-    assert step_kernel(spec, "strict", step.num_tokens, 6) == attn.CUDA_DECODE_CT
+    assert step_kernel(spec, "strict", step.num_tokens, 6) == dispatch.TRITON  # the CT binary is opt-in
     out = torch.full_like(step.query, float("nan"))
     paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="off", num_tokens=step.num_tokens)
     assert calls, "a policy-off decode step did not run on the csrc decode kernel"
@@ -389,8 +389,8 @@ def test_ct_refuses_what_it_cannot_run():
 
 
 def test_paged_attention_routes_ct_decode_steps_when_enabled(monkeypatch):
-    """By default (and with DHP_CUDA_DECODE_CT=1) strict decode steps run on the CT
-    binary (spied) with the Triton kernels' strict bits; with =0 they stay on Triton."""
+    """With DHP_CUDA_DECODE_CT=1 strict decode steps run on the CT binary (spied)
+    with the Triton kernels' strict bits; by default (=0) they stay on Triton."""
     import dhp_backend.ops.attention as attn
 
     calls = []
