@@ -113,13 +113,8 @@ def routes_decode_ct(spec) -> tuple[bool, str]:
     on an H200 against the Triton path's +0.24 %; docs/perf-notes.md change 34)."""
     if os.environ.get("DHP_CUDA_DECODE_CT", "0") != "1":
         return False, "not enabled (DHP_CUDA_DECODE_CT=1: faster, larger G4 page-locality signal)"
-    why = common_route_refusal(spec, "decode_sm90.cu")
-    if why:
-        return False, why
-    g = spec.num_heads // max(1, spec.num_kv_heads)
-    if g > MAX_CT_GROUP:
-        return False, f"{g} query heads per KV head (the constant-time walk takes at most {MAX_CT_GROUP})"
-    return True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)"
+    why = _refusal(spec, MAX_CT_GROUP, "the constant-time walk")
+    return (False, why) if why else (True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)")
 
 
 def routes_decode(spec) -> tuple[bool, str]:
@@ -128,13 +123,18 @@ def routes_decode(spec) -> tuple[bool, str]:
     off (the Triton kernels then run those steps, with the same bits)."""
     if os.environ.get("DHP_CUDA_DECODE", "1") == "0":
         return False, "disabled by DHP_CUDA_DECODE=0"
+    why = _refusal(spec, MAX_GROUP, "the kernel")
+    return (False, why) if why else (True, "policy off, decode steps: csrc/decode_sm90.cu")
+
+
+def _refusal(spec, max_group: int, who: str) -> str | None:
+    """Why the csrc decode kernel cannot run ``spec`` (device, nvcc, shape; query
+    heads per KV head up to ``max_group``), or None."""
     why = common_route_refusal(spec, "decode_sm90.cu")
     if why:
-        return False, why
+        return why
     g = spec.num_heads // max(1, spec.num_kv_heads)
-    if g > MAX_GROUP:
-        return False, f"{g} query heads per KV head (the kernel takes at most {MAX_GROUP})"
-    return True, "policy off, decode steps: csrc/decode_sm90.cu"
+    return f"{g} query heads per KV head ({who} takes at most {max_group})" if g > max_group else None
 
 
 @functools.lru_cache(maxsize=None)
