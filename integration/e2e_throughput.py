@@ -67,7 +67,12 @@ GPU_CONFIGS = {
     "dhp-strict": ("DHP", "strict"),
     "dhp-batch": ("DHP", "batch"),
     "dhp-request": ("DHP", "request"),
+    # DHP strict with its decode steps on the opt-in csrc constant-time decode binary
+    # (docs/perf-notes.md, change 34); "dhp-strict" is the default path.
+    "dhp-strict-ctdec": ("DHP", "strict"),
 }
+# Environment a configuration sets in its own process (over the caller's).
+CONFIG_ENV = {"dhp-strict-ctdec": {"DHP_CUDA_DECODE_CT": "1"}}
 CPU_CONFIGS = {
     "cpu-attn": ("CPU_ATTN", None),
     "dhp-off": ("DHP", "off"),
@@ -119,7 +124,8 @@ def parse_config(name: str, device: str) -> dict:
         raise ConfigError(f"unknown config {name!r} for --device {device}; accepted: "
                           + ", ".join(accepted_configs(device)))
     backend, policy = table[base]
-    return {"config": name, "backend": backend, "policy": policy, "batch_invariant": bi}
+    return {"config": name, "backend": backend, "policy": policy, "batch_invariant": bi,
+            "env": dict(CONFIG_ENV.get(base, {}))}
 
 
 def parse_configs(text: str, device: str) -> list[dict]:
@@ -408,6 +414,7 @@ def child_env(spec: dict, device: str, trace_file: str, multiprocessing: int | N
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if spec["batch_invariant"]:
         env["VLLM_BATCH_INVARIANT"] = "1"
+    env.update(spec.get("env", {}))
     if device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
