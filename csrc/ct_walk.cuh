@@ -32,4 +32,17 @@ __device__ __forceinline__ int decoy_page(int num_seqs, int num_blocks, uint32_t
   return static_cast<int>(mod_barrett(x * mult, n, magic));
 }
 
+// Host side: the walk's public arguments into a kernel's Params (the CT fields both
+// kernels name alike), for the C entry points of prefill_sm90.cu and decode_sm90.cu.
+template <class Params>
+inline void set_walk_params(Params& p, int l_scalar, const int* bucket, int max_blocks, int num_blocks,
+                            uint32_t decoy_magic, uint32_t decoy_mult) {
+  p.l_scalar = l_scalar;
+  p.bucket = bucket;
+  p.max_blocks = max_blocks;
+  p.num_blocks = num_blocks;
+  p.decoy_magic = decoy_magic;
+  p.decoy_mult = decoy_mult;
+}
+
 }  // namespace dhp::ct

@@ -1471,12 +1471,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   const int opts = variant >= 8 ? variant / 8 : 0;
   const bool ct = (opts & kConstTime) != 0;
   p.order = split || ct ? nullptr : order_ws;
-  p.l_scalar = l_scalar;
-  p.bucket = bucket;
-  p.max_blocks = max_blocks;
-  p.num_blocks = num_blocks;
-  p.decoy_magic = decoy_magic;
-  p.decoy_mult = decoy_mult;
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks, num_blocks, decoy_magic, decoy_mult);
   if (ct && (num_seqs < 1 || max_blocks < 1 || num_blocks < 1 || decoy_magic == 0 ||
              ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
     return -8;

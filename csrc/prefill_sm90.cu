@@ -1008,12 +1008,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
   p.l_mode = l_mode;
-  p.l_scalar = l_scalar;
-  p.bucket = bucket;
-  p.max_blocks = max_blocks;
-  p.num_blocks = num_blocks;
-  p.decoy_magic = decoy_magic;
-  p.decoy_mult = decoy_mult;
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks, num_blocks, decoy_magic, decoy_mult);
   p.q = q;
   p.q_tok_stride = q_tok_stride;
   p.q_head_stride = q_head_stride;
