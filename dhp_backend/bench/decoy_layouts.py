@@ -94,54 +94,86 @@ def _welch(a, b):
     return ma, mb, (ma - mb) / math.sqrt(va / len(a) + vb / len(b))
 
 
-def measure(shape: classes.Shape, kernel: str, rounds: int, seed: int = 0) -> list[dict]:
+def measure(shape: classes.Shape, kernel: str, rounds: int, seed: int = 0, chunk: int = 32) -> list[dict]:
+    """Graph replays of one launch per table, interleaved in random order, in chunks
+    queued behind a GPU sleep (as G4's timer: the host never starves the GPU)."""
+    from dhp_backend.audit.timing import gpu_sleep_cycles_per_ms
+
     x = classes.make_inputs(shape, "long", seed=0, device="cuda")
+    short = classes.make_inputs(shape, "short", seed=0, device="cuda")  # same layout and data, true length q_len
     nb = x["key_cache"].shape[0]
     width = x["block_table"].shape[1]
     tabs = tables(shape.batch, width, nb, x["block_table"])
-    out = classes.empty_out(x)
     scale = shape.head_size ** -0.5
+    # (name, table, seq_lens, test hooks): every table with all-real requests, and the
+    # G4 short class itself (its padding on the kernels' decoys; under Triton also on
+    # the table's own pages, the diagnostic of bench.padding_locality)
+    configs = [(f"long:{k}", t, x["seq_lens"], {}) for k, t in tabs.items()]
+    configs.append(("short:decoys", x["block_table"], short["seq_lens"], {}))
+    if kernel == "triton":
+        configs.append(("short:table", x["block_table"], short["seq_lens"], {"_decoy_mult": 0}))
 
-    def launch(t):
+    def launch(t, sl, o, hooks):
         if kernel == "cuda_ct":
             from dhp_backend.ops.cuda_decode import decode_sm90
 
-            decode_sm90(x["query"], x["key_cache"], x["value_cache"], t, x["query_start_loc"], x["seq_lens"], out,
+            decode_sm90(x["query"], x["key_cache"], x["value_cache"], t, x["query_start_loc"], sl, o,
                         scale=scale, causal=True, num_tokens=x["num_tokens"], bucket=shape.bucket, check=False)
         else:
             from dhp_backend.ops.triton import paged_attention_triton
 
             paged_attention_triton(x["query"], x["key_cache"], x["value_cache"], t, x["query_start_loc"],
-                                   x["seq_lens"], out, scale=scale, causal=True, num_tokens=x["num_tokens"],
-                                   policy="strict", bucket=shape.bucket)
+                                   sl, o, scale=scale, causal=True, num_tokens=x["num_tokens"],
+                                   policy="strict", bucket=shape.bucket, **hooks)
 
-    ref = None
-    for name, t in tabs.items():  # correctness first: every table reads real pages, so outputs differ
-        launch(t)
+    outs = [classes.empty_out(x) for _ in configs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for (_, t, sl, h), o in zip(configs, outs):
+            for _ in range(3):
+                launch(t, sl, o, h)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for (_, t, sl, h), o in zip(configs, outs):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch(t, sl, o, h)
+        graphs.append(g)
+    for (name, *_), g, o in zip(configs, graphs, outs):  # correctness first: no timing of broken launches
+        o.fill_(float("nan"))
+        g.replay()
         torch.cuda.synchronize()
-        if not torch.isfinite(out[: x["num_tokens"]].float()).all():
+        if not torch.isfinite(o[: x["num_tokens"]].float()).all():
             raise RuntimeError(f"{kernel} {name}: non-finite output")
-        ref = out.clone() if ref is None else ref
-        for _ in range(20):
-            launch(t)
-    names = list(tabs)
-    rng = random.Random(seed)
-    order = [k for _ in range(rounds) for k in rng.sample(names, len(names))]
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in order]
-    torch.cuda.synchronize()
-    for k, (e0, e1) in zip(order, ev):
-        e0.record()
-        launch(tabs[k])
-        e1.record()
-    torch.cuda.synchronize()
+    cyc = gpu_sleep_cycles_per_ms(torch)
+    names = [c[0] for c in configs]
     times = {k: [] for k in names}
-    for k, (e0, e1) in zip(order, ev):
-        times[k].append(e0.elapsed_time(e1) * 1e3)
+    rng = random.Random(seed)
+    n = len(configs)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(chunk * n)]
+    for g in graphs * 20:
+        g.replay()
+    done = 0
+    while done < rounds:
+        order = [i for _ in range(chunk) for i in rng.sample(range(n), n)]
+        torch.cuda.synchronize()
+        if cyc:
+            torch.cuda._sleep(int(2.0 * cyc))  # 2 ms: more than the host needs to queue the chunk
+        for i, (e0, e1) in zip(order, ev):
+            e0.record()
+            graphs[i].replay()
+            e1.record()
+        torch.cuda.synchronize()
+        for i, (e0, e1) in zip(order, ev):
+            times[names[i]].append(e0.elapsed_time(e1) * 1e3)
+        done += chunk
     rows = []
     for k in names:
-        m, mr, t = _welch(times[k], times["random"])
-        rows.append(dict(shape=shape.key, kernel=kernel, table=k, us=round(m, 3),
-                         vs_random_pct=round(100 * (m - mr) / mr, 3), welch_t=round(t, 2), rounds=rounds))
+        m, mr, t = _welch(times[k], times["long:random"])
+        rows.append(dict(shape=shape.key, kernel=kernel, config=k, us=round(m, 3),
+                         vs_random_pct=round(100 * (m - mr) / mr, 3), welch_t=round(t, 2), rounds=len(times[k])))
     return rows
 
 
@@ -163,10 +195,10 @@ def main(argv=None):
                 with open(a.out, "w") as f:
                     json.dump({"rows": rows}, f, indent=1)
     print("\ndecoy maps as page layouts, all-real requests (positive: slower than a random layout)")
-    print("| shape | kernel | table | us | vs random | Welch t |")
+    print("| shape | kernel | lengths:pages | us | vs long:random | Welch t |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['shape']} | {r['kernel']} | {r['table']} | {r['us']} | {r['vs_random_pct']:+.3f} % | "
+        print(f"| {r['shape']} | {r['kernel']} | {r['config']} | {r['us']} | {r['vs_random_pct']:+.3f} % | "
               f"{r['welch_t']:+.1f} |")
 
 
