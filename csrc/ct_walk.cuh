@@ -22,14 +22,42 @@ __device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t
   return y;
 }
 
+// kernels.mix32: a 32-bit integer mix (the decoy map's hash).
+__device__ __forceinline__ uint32_t mix32(uint32_t v) {
+  v ^= v >> 16;
+  v *= 0x7FEB352Du;
+  v ^= v >> 15;
+  v *= 0x846CA68Bu;
+  return v ^ (v >> 16);
+}
+
+// kernels.DECOY_ROUNDS / kernels.swap_or_not: a pseudo-random bijection of [0, n),
+// each round pairing x with k - x mod n and swapping by a hash of the pair (an
+// involution). Round keys from n alone (uniform: computed once per launch by the
+// compiler's hoisting or per call, either way public). No branch, no table.
+constexpr int kDecoyRounds = 12;
+__device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t magic) {
+#pragma unroll
+  for (int i = 0; i < kDecoyRounds; ++i) {
+    const uint32_t k = mod_barrett(mix32(n ^ (0x9E3779B9u * static_cast<uint32_t>(2 * i + 1))), n, magic);
+    const uint32_t p = k - x + (n & (0u - static_cast<uint32_t>(k < x)));
+    const uint32_t c = x > p ? x : p;  // max: a min/max instruction, not a branch
+    const uint32_t swap = mix32(c ^ (0x85EBCA6Bu * static_cast<uint32_t>(i + 1)) ^ k) & 1u;
+    x ^= (x ^ p) & (0u - swap);
+  }
+  return x;
+}
+
 // kernels.decoy_block: the page read in place of request r's logical block lb
 // past its true length: x = (lb * (num_seqs + 1) + r) mod n, scattered by the
-// host's multiplier (launch.decoy_mult, coprime with n = num_blocks).
+// host's multiplier (launch.decoy_mult, coprime with n = num_blocks), then
+// shuffled (swap_or_not), so the decoys' page order has a fragmented cache's
+// locality rather than a lattice's (docs/perf-notes.md change 35).
 __device__ __forceinline__ int decoy_page(int num_seqs, int num_blocks, uint32_t magic, uint32_t mult, int r, int lb) {
   const uint32_t n = static_cast<uint32_t>(num_blocks);
   const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(num_seqs + 1) +
                                      static_cast<uint32_t>(r), n, magic);
-  return static_cast<int>(mod_barrett(x * mult, n, magic));
+  return static_cast<int>(swap_or_not(mod_barrett(x * mult, n, magic), n, magic));
 }
 
 // Host side: the walk's public arguments into a kernel's Params (the CT fields both

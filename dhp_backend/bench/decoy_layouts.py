@@ -14,9 +14,14 @@ the same work) under block tables whose entries are:
 - ``consecutive``: a freshly filled cache (pages 0, 1, 2, ...);
 - ``colmajor``: the decoy map's column-major index x(r, lb) itself (the map before
   the scatter);
-- ``scatter``: the kernels' decoy map (x * decoy_mult mod n);
+- ``scatter``: x * decoy_mult mod n (the decoy map before perf-notes change 35);
 - ``perm``: a random permutation of the cache indexed by x (a table);
-- ``son<R>``: a swap-or-not shuffle of x with R rounds (`swap_or_not`, computed).
+- ``decoys``: the kernels' decoy map (the scatter shuffled by a swap-or-not
+  bijection, launch.decoy_page).
+
+With it the G4 short class itself (true length q_len: its padding on the kernels'
+decoys), and under Triton the same on the table's own pages (the diagnostic of
+bench.padding_locality: what is left when short and long read the same pages).
 
 Launches of all tables are interleaved in random order; each row gives the mean
 time, its difference to ``random`` and Welch's t.
@@ -33,35 +38,6 @@ import torch
 
 from dhp_backend.audit import classes
 
-MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for uint32 values in int64 (in 16-bit halves: no int64 overflow)."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & MASK32
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (int64 tensor holding uint32 values)."""
-    x = x & MASK32
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def swap_or_not(x: torch.Tensor, n: int, rounds: int) -> torch.Tensor:
-    """A bijection of [0, n) (Hoang, Morris, Rogaway's swap-or-not shuffle): each
-    round pairs x with K - x mod n and swaps by a hash of the pair, an involution."""
-    for i in range(rounds):
-        k = int(hash32(torch.tensor([n * 31 + i])).item()) % n
-        p = (k - x) % n
-        b = hash32(torch.maximum(x, p) ^ (0x9E3779B9 * (i + 1) & MASK32)) & 1
-        x = torch.where(b == 1, p, x)
-    return x
-
-
 def tables(batch: int, width: int, n: int, base: torch.Tensor) -> dict[str, torch.Tensor]:
     from dhp_backend.ops.triton import launch as tlaunch
 
@@ -77,8 +53,7 @@ def tables(batch: int, width: int, n: int, base: torch.Tensor) -> dict[str, torc
         "colmajor": x,
         "scatter": (x * tlaunch.decoy_mult(n)) % n,
         "perm": perm[x],
-        "son6": swap_or_not(x, n, 6),
-        "son12": swap_or_not(x, n, 12),
+        "decoys": torch.tensor([[tlaunch.decoy_page(i, j, batch, n) for j in range(width)] for i in range(batch)]),
     }
     for k, t in out.items():
         assert int(t.min()) >= 0 and int(t.max()) < n, k

@@ -31,6 +31,8 @@ import triton.language as tl
 # Lowest finite fp32: the running max starts here (finite, so that a row whose
 # scores are all -inf gives exp2(-inf - M_INIT) = 0 and never inf - inf).
 M_INIT = tl.constexpr(-3.4028234663852886e38)
+# Rounds of the decoy map's swap-or-not shuffle (decoy_block; launch.DECOY_ROUNDS, csrc/ct_walk.cuh kDecoyRounds).
+DECOY_ROUNDS = tl.constexpr(12)
 
 
 @triton.jit
@@ -120,6 +122,36 @@ def mod_barrett(x, n, magic):
 
 
 @triton.jit
+def mix32(v):
+    """A 32-bit integer mix of uint32 ``v`` (the decoy map's hash; launch.mix32 on the host)."""
+    v = v ^ (v >> 16)
+    v = v * tl.full(v.shape, 0x7FEB352D, tl.uint32)
+    v = v ^ (v >> 15)
+    v = v * tl.full(v.shape, 0x846CA68B, tl.uint32)
+    return v ^ (v >> 16)
+
+
+@triton.jit
+def swap_or_not(x, n, magic, ROUNDS: tl.constexpr):
+    """A pseudo-random bijection of [0, n) for uint32 ``x`` (Hoang, Morris and
+    Rogaway's swap-or-not shuffle; launch.swap_or_not on the host): each round pairs
+    x with k - x mod n (k from the scalar n and the round) and swaps the pair by a
+    hash of its larger member, an involution, so every round and the whole are
+    bijections. No branch, no table: the round keys come from n alone (public).
+    Each round is x -> x or k - x, so R rounds make the map piecewise x -> +-x + c
+    with up to 2**R pieces: 6 rounds left a request's page strides half as varied
+    as a random layout's at B64-L4096, 12 match it (tests/test_triton_decoys.py)."""
+    for i in tl.static_range(ROUNDS):
+        # the round's salts: constexpr arithmetic, folded at compile time
+        k = mod_barrett(mix32(n ^ tl.full(n.shape, (0x9E3779B9 * (2 * i + 1)) & 0xFFFFFFFF, tl.uint32)), n, magic)
+        p = tl.where(k < x, k - x + n, k - x)
+        c = tl.maximum(x, p)
+        swap = (mix32(c ^ tl.full(c.shape, (0x85EBCA6B * (i + 1)) & 0xFFFFFFFF, tl.uint32) ^ k) & 1) != 0
+        x = tl.where(swap, p, x)
+    return x
+
+
+@triton.jit
 def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
     """A cache block id in [0, num_blocks) for request r's logical block lb.
 
@@ -128,9 +160,9 @@ def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
     that misses L2 like a real one, not the null block that would hit it. A
     function of public values only (request index, logical block, number of
     requests, cache size); the same (r, lb) gives the same page in every tile and
-    head of r, as a real block does.
+    head of r, as a real block does. launch.decoy_pages is the host's copy.
 
-    Two bijections of [0, num_blocks):
+    Three bijections of [0, num_blocks):
     1. column-major index x = (lb * (num_reqs + 1) + r) mod num_blocks (the + 1 is
        the padding pseudo-request). Distinct (r, lb) get distinct x whenever
        (num_reqs + 1) * table_width <= num_blocks; otherwise an x repeats only
@@ -138,21 +170,26 @@ def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
        later in the walk, after the whole cache has been read in between, so the
        repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
        read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
-    2. scatter: page = (x * decoy_mult) mod num_blocks, decoy_mult coprime with
-       num_blocks and large (launch.decoy_params). Without it, the decoys that all
-       requests read at one step were adjacent pages (x, x+1, ... for r = 0, 1, ...),
-       with a DRAM/TLB locality that scattered real pages lack: a padded step ran
-       1.3% faster than a real one on an H200 (G4, t = -154). Scattered, decoys sit
-       decoy_mult pages apart, as far apart as the pages of a fragmented cache.
+    2. scatter: (x * decoy_mult) mod num_blocks, decoy_mult coprime with
+       num_blocks and large (launch.decoy_mult): the decoys that all requests read
+       at one step are no longer adjacent pages (x, x+1, ...), which made a padded
+       step 1.3% faster than a real one (G4).
+    3. shuffle: `swap_or_not` with DECOY_ROUNDS rounds. The scatter alone leaves a
+       lattice (the pages of one request 42 pages apart, every other block, at
+       B16-L4096) whose DRAM/TLB locality is still better than a fragmented cache's:
+       timed as a page layout, it ran 0.57-0.61 % faster than a random one in the
+       csrc CT decode and 0.11-0.37 % in the Triton one, which is what G4's all-
+       padding vs all-real pair measured; shuffled, 0.02-0.21 % (H200,
+       bench/decoy_layouts.py, docs/perf-notes.md change 35).
 
-    Both mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
+    The mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
     """
     n = num_blocks.to(tl.uint32)
     magic = decoy_magic.to(tl.uint32)
     x = lb.to(tl.uint32) * (num_reqs + 1).to(tl.uint32) + r.to(tl.uint32)
     x = mod_barrett(x, n, magic)
     y = mod_barrett(x * decoy_mult.to(tl.uint32), n, magic)
-    return y.to(tl.int32)
+    return swap_or_not(y, n, magic, DECOY_ROUNDS).to(tl.int32)
 
 
 @triton.jit

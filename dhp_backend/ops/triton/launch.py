@@ -43,6 +43,38 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
+# The decoy map on the host (kernels.decoy_block, csrc/ct_walk.cuh decoy_page): the
+# same integers, for tests and benches; the kernels compute it themselves.
+DECOY_ROUNDS = 12
+_M32 = 0xFFFFFFFF
+
+
+def mix32(v: int) -> int:
+    """kernels.mix32: a 32-bit integer mix."""
+    v &= _M32
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & _M32
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & _M32
+    return v ^ (v >> 16)
+
+
+def swap_or_not(x: int, n: int, rounds: int = DECOY_ROUNDS) -> int:
+    """kernels.swap_or_not: a pseudo-random bijection of [0, n)."""
+    for i in range(rounds):
+        k = mix32(n ^ ((0x9E3779B9 * (2 * i + 1)) & _M32)) % n
+        p = (k - x) % n
+        if mix32(max(x, p) ^ ((0x85EBCA6B * (i + 1)) & _M32) ^ k) & 1:
+            x = p
+    return x
+
+
+def decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
+    """kernels.decoy_block: the page request r reads for its logical block lb past its true length."""
+    x = (lb * (num_reqs + 1) + r) % num_blocks
+    return swap_or_not(x * decoy_mult(num_blocks) % num_blocks, num_blocks)
+
+
 def decoy_magic(num_blocks: int) -> int:
     """Barrett constant for the kernel's branch-free ``x mod num_blocks`` (kernels.mod_barrett)."""
     if not 1 <= num_blocks < 2**31:
