@@ -50,6 +50,22 @@ for num_reqs, width, num_blocks in json.loads(sys.argv[1]):
     table[(num_reqs + 1,)](out, num_reqs, num_blocks, decoy_magic(num_blocks), decoy_mult(num_blocks), W=width)
     res.append(out.tolist())
 print("DECOYS " + json.dumps(res))
+
+from dhp_backend.ops.triton.kernels import run_decoys
+
+@triton.jit
+def runs(out_ptr, num_reqs, num_blocks, magic, mult, N: tl.constexpr, BS: tl.constexpr):
+    r = tl.program_id(0)
+    run = tl.program_id(1)
+    tl.store(out_ptr + (r * tl.num_programs(1) + run) * N + tl.arange(0, N),
+             run_decoys(run * N, r, num_reqs, num_blocks, magic, mult, N, BS))
+
+res = []
+for num_reqs, n_runs, N, BS, num_blocks in json.loads(sys.argv[2]):
+    out = torch.full(((num_reqs + 1) * n_runs * N,), -1, dtype=torch.int32)
+    runs[(num_reqs + 1, n_runs)](out, num_reqs, num_blocks, decoy_magic(num_blocks), decoy_mult(num_blocks), N=N, BS=BS)
+    res.append(out.tolist())
+print("RUNS " + json.dumps(res))
 """
 
 # (num_reqs, table width, num_blocks): roomy caches, exactly full, too small, odd sizes, 1 block
@@ -57,12 +73,31 @@ CASES = [(3, 16, 200), (7, 32, 256), (15, 64, 1024 + 37), (4, 16, 50), (31, 64, 
          (5, 128, 60_013)]
 
 
-def test_decoy_map_is_a_bijection_or_repeats_only_after_the_whole_cache():
+# run_decoys: (num_reqs, runs per request, N, block size, num_blocks): whole pages per
+# run (computed per page, broadcast) and runs shorter than a page (per position)
+RUN_CASES = [(3, 4, 64, 16, 200), (2, 2, 512, 32, 4112), (2, 3, 16, 64, 1000), (1, 2, 128, 128, 77)]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES), json.dumps(RUN_CASES)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    tables = json.loads(proc.stdout.split("DECOYS ", 1)[1])
+    tables = json.loads(proc.stdout.split("DECOYS ", 1)[1].split("RUNS ", 1)[0])
+    runs = json.loads(proc.stdout.split("RUNS ", 1)[1])
+    return tables, runs
+
+
+def test_run_decoys_give_each_position_its_pages_decoy(interpreted):
+    for (num_reqs, n_runs, N, bs, num_blocks), got in zip(RUN_CASES, interpreted[1]):
+        expected = [decoy_page(r, (run * N + i) // bs, num_reqs, num_blocks)
+                    for r in range(num_reqs + 1) for run in range(n_runs) for i in range(N)]
+        assert got == expected, (num_reqs, n_runs, N, bs, num_blocks)
+
+
+def test_decoy_map_is_a_bijection_or_repeats_only_after_the_whole_cache(interpreted):
+    tables = interpreted[0]
     for (num_reqs, width, num_blocks), got in zip(CASES, tables):
         expected = [decoy_page(r, lb, num_reqs, num_blocks) for r in range(num_reqs + 1) for lb in range(width)]
         assert got == expected, (num_reqs, width, num_blocks)

@@ -230,14 +230,30 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 
 @triton.jit
-def position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                    decoy_mult, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
+def run_decoys(first_pos, r, num_reqs, num_blocks, decoy_magic, decoy_mult, N: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr):
+    """`decoy_block` of the N consecutive positions from ``first_pos`` (a multiple of
+    N), flat [N]. The map is computed once per page and broadcast over the page's
+    BLOCK_SIZE positions where the run holds whole pages: its shuffle rounds cost
+    ~200 integer operations, per page rather than per position."""
+    if N >= BLOCK_SIZE:
+        lb = first_pos // BLOCK_SIZE + tl.arange(0, N // BLOCK_SIZE)
+        d = decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)
+        return tl.reshape(tl.broadcast_to(d[:, None], (N // BLOCK_SIZE, BLOCK_SIZE)), (N,))
+    else:
+        pos = first_pos + tl.arange(0, N)
+        return decoy_block(r, pos // BLOCK_SIZE, num_reqs, num_blocks, decoy_magic, decoy_mult)
+
+
+@triton.jit
+def position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult,
+                    BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """Physical block of each KV position in ``pos`` (any shape): the block-table
-    entry for real positions (p < seq_len); for padding positions a decoy page
-    (`decoy_block`) under the constant-time policies, block 0 under policy off
-    (not constant-time: padding need not cost what real positions cost; block 0
-    is in range, its K scores are selected away and V is not read there, see
-    `kv_step`).
+    entry for real positions (p < seq_len); for padding positions the decoy page
+    of ``decoy`` (`run_decoys`, same shape) under the constant-time policies, block
+    0 under policy off (not constant-time: padding need not cost what real
+    positions cost; block 0 is in range, its K scores are selected away and V is
+    not read there, see `kv_step`).
 
     The table is read for every position whatever seq_len is (only the public
     table width masks the read); entries past the request's last block may be
@@ -251,7 +267,7 @@ def position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_r
     real = (pos < seq_len) | (decoy_mult == 0)
     # CONST_TIME is a constexpr: one binary per policy class, no branch.
     if CONST_TIME:
-        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+        return tl.where(real, entry, decoy).to(tl.int64)
     else:
         return tl.where(real, entry, 0).to(tl.int64)
 
@@ -261,8 +277,12 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """`position_blocks` for the BLOCK_N positions of KV step j."""
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                           decoy_mult, BLOCK_SIZE, CONST_TIME)
+    if CONST_TIME:
+        decoy = run_decoys(j * BLOCK_N, r, num_reqs, num_blocks, decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE)
+    else:
+        decoy = pos  # unused: policy off reads no decoys
+    return position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult, BLOCK_SIZE,
+                           CONST_TIME)
 
 
 @triton.jit
@@ -271,8 +291,13 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
                  CONST_TIME: tl.constexpr):
     """`position_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                           decoy_mult, BLOCK_SIZE, CONST_TIME)
+    if CONST_TIME:
+        decoy = tl.reshape(run_decoys(s * (TILES_PER_SPLIT * BLOCK_N), r, num_reqs, num_blocks, decoy_magic,
+                                      decoy_mult, TILES_PER_SPLIT * BLOCK_N, BLOCK_SIZE), (TILES_PER_SPLIT, BLOCK_N))
+    else:
+        decoy = pos  # unused: policy off reads no decoys
+    return position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult, BLOCK_SIZE,
+                           CONST_TIME)
 
 
 @triton.jit
