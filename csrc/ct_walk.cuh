@@ -1,7 +1,8 @@
 // Pieces of the constant-time walk shared by the csrc kernels' CT binaries
 // (prefill_sm90.cu, decode_sm90.cu): branch-free selects, the Triton kernels'
-// Barrett reduction and their decoy map (dhp_backend/ops/triton/kernels.py:
-// mod_barrett, decoy_block), so every kernel reads the same decoy pages.
+// Barrett reduction (dhp_backend/ops/triton/kernels.py: mod_barrett) and the
+// decoy map: the Triton kernels' (kernels.decoy_block) shuffled further
+// (swap_or_not). Host copies: launch.mix32, swap_or_not, csrc_decoy_page.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +23,7 @@ __device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t
   return y;
 }
 
-// kernels.mix32: a 32-bit integer mix (the decoy map's hash).
+// A 32-bit integer mix (lowbias32; the decoy shuffle's hash).
 __device__ __forceinline__ uint32_t mix32(uint32_t v) {
   v ^= v >> 16;
   v *= 0x7FEB352Du;
@@ -31,10 +32,12 @@ __device__ __forceinline__ uint32_t mix32(uint32_t v) {
   return v ^ (v >> 16);
 }
 
-// kernels.DECOY_ROUNDS / kernels.swap_or_not: a pseudo-random bijection of [0, n),
+// A pseudo-random bijection of [0, n) (Hoang, Morris and Rogaway's swap-or-not),
 // each round pairing x with k - x mod n and swapping by a hash of the pair (an
-// involution). Round keys from n alone (uniform: computed once per launch by the
-// compiler's hoisting or per call, either way public). No branch, no table.
+// involution). Round keys from n alone (public). No branch, no table. Each round
+// is x -> x or k - x, so R rounds make a piecewise map x -> +-x + c of up to 2^R
+// pieces: 6 rounds left a request's page strides half as varied as a random
+// layout's (B64-L4096), 12 match it (tests/test_triton_decoys.py).
 constexpr int kDecoyRounds = 12;
 __device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t magic) {
 #pragma unroll
@@ -48,11 +51,12 @@ __device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t
   return x;
 }
 
-// kernels.decoy_block: the page read in place of request r's logical block lb
-// past its true length: x = (lb * (num_seqs + 1) + r) mod n, scattered by the
+// The page read in place of request r's logical block lb past its true length:
+// kernels.decoy_block's x = (lb * (num_seqs + 1) + r) mod n scattered by the
 // host's multiplier (launch.decoy_mult, coprime with n = num_blocks), then
 // shuffled (swap_or_not), so the decoys' page order has a fragmented cache's
-// locality rather than a lattice's (docs/perf-notes.md change 35).
+// locality rather than the scatter's lattice, which the TMA walk felt: G4 short
+// vs long at B16-L4096 0.7-0.96 % -> 0.30-0.36 % (docs/perf-notes.md change 35).
 __device__ __forceinline__ int decoy_page(int num_seqs, int num_blocks, uint32_t magic, uint32_t mult, int r, int lb) {
   const uint32_t n = static_cast<uint32_t>(num_blocks);
   const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(num_seqs + 1) +

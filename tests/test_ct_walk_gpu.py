@@ -1,7 +1,8 @@
-"""The decoy map on the GPU: the csrc CT kernels' copy (csrc/ct_walk.cuh, through
-the test probe csrc/ct_walk_probe.cu) and the Triton kernels' (kernels.decoy_block,
-compiled, not interpreted) give the host's pages (launch.decoy_page) for every
-(request, logical block), in roomy, full, wrapping and large caches.
+"""The decoy maps on the GPU: the csrc CT kernels' (csrc/ct_walk.cuh, through the
+test probe csrc/ct_walk_probe.cu) and the Triton kernels' (kernels.decoy_block,
+compiled, not interpreted) give their host copies' pages (launch.csrc_decoy_page,
+launch.triton_decoy_page) for every (request, logical block), in roomy, full,
+wrapping and large caches.
 
 Nothing in an output shows which decoy page a kernel read (its scores are masked
 and its V rows zeroed), so this is where the three copies are compared. Run:
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dhp_backend.ops.cuda_build import find_nvcc, load
-from dhp_backend.ops.triton.launch import decoy_magic, decoy_mult, decoy_page
+from dhp_backend.ops.triton.launch import csrc_decoy_page, decoy_magic, decoy_mult, triton_decoy_page
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -23,8 +24,8 @@ CASES = [(3, 16, 200), (16, 256, 16 * 256 + 16), (64, 256, 64 * 256 + 16), (31, 
          (5, 128, 60_013), (7, 64, 2**20 + 7)]
 
 
-def host_pages(num_reqs, width, num_blocks):
-    return [decoy_page(r, lb, num_reqs, num_blocks) for r in range(num_reqs + 1) for lb in range(width)]
+def host_pages(num_reqs, width, num_blocks, page=csrc_decoy_page):
+    return [page(r, lb, num_reqs, num_blocks) for r in range(num_reqs + 1) for lb in range(width)]
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/")
@@ -41,6 +42,8 @@ def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks):
     assert rc == 0
     torch.cuda.synchronize()
     assert out.tolist() == host_pages(num_reqs, width, num_blocks)
+    if num_blocks > 16:
+        assert out.tolist() != host_pages(num_reqs, width, num_blocks, triton_decoy_page)  # the shuffle ran
 
 
 @pytest.mark.parametrize("num_reqs,width,num_blocks", CASES)
@@ -59,4 +62,4 @@ def test_triton_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks):
     out = torch.full(((num_reqs + 1) * width,), -1, dtype=torch.int32, device="cuda")
     table[(num_reqs + 1,)](out, num_reqs, num_blocks, decoy_magic(num_blocks), decoy_mult(num_blocks), W=width)
     torch.cuda.synchronize()
-    assert out.tolist() == host_pages(num_reqs, width, num_blocks)
+    assert out.tolist() == host_pages(num_reqs, width, num_blocks, triton_decoy_page)

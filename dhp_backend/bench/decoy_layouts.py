@@ -16,8 +16,8 @@ the same work) under block tables whose entries are:
   the scatter);
 - ``scatter``: x * decoy_mult mod n (the decoy map before perf-notes change 35);
 - ``perm``: a random permutation of the cache indexed by x (a table);
-- ``decoys``: the kernels' decoy map (the scatter shuffled by a swap-or-not
-  bijection, launch.decoy_page).
+- ``decoys``: the csrc CT kernels' decoy map (the scatter shuffled by a
+  swap-or-not bijection, launch.csrc_decoy_page).
 
 With it the G4 short class itself (true length q_len: its padding on the kernels'
 decoys), and under Triton the same on the table's own pages (the diagnostic of
@@ -53,7 +53,7 @@ def tables(batch: int, width: int, n: int, base: torch.Tensor) -> dict[str, torc
         "colmajor": x,
         "scatter": (x * tlaunch.decoy_mult(n)) % n,
         "perm": perm[x],
-        "decoys": torch.tensor([[tlaunch.decoy_page(i, j, batch, n) for j in range(width)] for i in range(batch)]),
+        "decoys": torch.tensor([[tlaunch.csrc_decoy_page(i, j, batch, n) for j in range(width)] for i in range(batch)]),
     }
     for k, t in out.items():
         assert int(t.min()) >= 0 and int(t.max()) < n, k

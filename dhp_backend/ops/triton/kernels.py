@@ -31,8 +31,6 @@ import triton.language as tl
 # Lowest finite fp32: the running max starts here (finite, so that a row whose
 # scores are all -inf gives exp2(-inf - M_INIT) = 0 and never inf - inf).
 M_INIT = tl.constexpr(-3.4028234663852886e38)
-# Rounds of the decoy map's swap-or-not shuffle (decoy_block; launch.DECOY_ROUNDS, csrc/ct_walk.cuh kDecoyRounds).
-DECOY_ROUNDS = tl.constexpr(12)
 
 
 @triton.jit
@@ -122,36 +120,6 @@ def mod_barrett(x, n, magic):
 
 
 @triton.jit
-def mix32(v):
-    """A 32-bit integer mix of uint32 ``v`` (the decoy map's hash; launch.mix32 on the host)."""
-    v = v ^ (v >> 16)
-    v = v * tl.full(v.shape, 0x7FEB352D, tl.uint32)
-    v = v ^ (v >> 15)
-    v = v * tl.full(v.shape, 0x846CA68B, tl.uint32)
-    return v ^ (v >> 16)
-
-
-@triton.jit
-def swap_or_not(x, n, magic, ROUNDS: tl.constexpr):
-    """A pseudo-random bijection of [0, n) for uint32 ``x`` (Hoang, Morris and
-    Rogaway's swap-or-not shuffle; launch.swap_or_not on the host): each round pairs
-    x with k - x mod n (k from the scalar n and the round) and swaps the pair by a
-    hash of its larger member, an involution, so every round and the whole are
-    bijections. No branch, no table: the round keys come from n alone (public).
-    Each round is x -> x or k - x, so R rounds make the map piecewise x -> +-x + c
-    with up to 2**R pieces: 6 rounds left a request's page strides half as varied
-    as a random layout's at B64-L4096, 12 match it (tests/test_triton_decoys.py)."""
-    for i in tl.static_range(ROUNDS):
-        # the round's salts: constexpr arithmetic, folded at compile time
-        k = mod_barrett(mix32(n ^ tl.full(n.shape, (0x9E3779B9 * (2 * i + 1)) & 0xFFFFFFFF, tl.uint32)), n, magic)
-        p = tl.where(k < x, k - x + n, k - x)
-        c = tl.maximum(x, p)
-        swap = (mix32(c ^ tl.full(c.shape, (0x85EBCA6B * (i + 1)) & 0xFFFFFFFF, tl.uint32) ^ k) & 1) != 0
-        x = tl.where(swap, p, x)
-    return x
-
-
-@triton.jit
 def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
     """A cache block id in [0, num_blocks) for request r's logical block lb.
 
@@ -160,9 +128,9 @@ def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
     that misses L2 like a real one, not the null block that would hit it. A
     function of public values only (request index, logical block, number of
     requests, cache size); the same (r, lb) gives the same page in every tile and
-    head of r, as a real block does. launch.decoy_pages is the host's copy.
+    head of r, as a real block does.
 
-    Three bijections of [0, num_blocks):
+    Two bijections of [0, num_blocks):
     1. column-major index x = (lb * (num_reqs + 1) + r) mod num_blocks (the + 1 is
        the padding pseudo-request). Distinct (r, lb) get distinct x whenever
        (num_reqs + 1) * table_width <= num_blocks; otherwise an x repeats only
@@ -170,26 +138,31 @@ def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
        later in the walk, after the whole cache has been read in between, so the
        repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
        read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
-    2. scatter: (x * decoy_mult) mod num_blocks, decoy_mult coprime with
-       num_blocks and large (launch.decoy_mult): the decoys that all requests read
-       at one step are no longer adjacent pages (x, x+1, ...), which made a padded
-       step 1.3% faster than a real one (G4).
-    3. shuffle: `swap_or_not` with DECOY_ROUNDS rounds. The scatter alone leaves a
-       lattice (the pages of one request 42 pages apart, every other block, at
-       B16-L4096) whose DRAM/TLB locality is still better than a fragmented cache's:
-       timed as a page layout, it ran 0.57-0.61 % faster than a random one in the
-       csrc CT decode and 0.11-0.37 % in the Triton one, which is what G4's all-
-       padding vs all-real pair measured; shuffled, 0.02-0.21 % (H200,
-       bench/decoy_layouts.py, docs/perf-notes.md change 35).
+    2. scatter: page = (x * decoy_mult) mod num_blocks, decoy_mult coprime with
+       num_blocks and large (launch.decoy_params). Without it, the decoys that all
+       requests read at one step were adjacent pages (x, x+1, ... for r = 0, 1, ...),
+       with a DRAM/TLB locality that scattered real pages lack: a padded step ran
+       1.3% faster than a real one on an H200 (G4, t = -154). Scattered, decoys sit
+       decoy_mult pages apart, as far apart as the pages of a fragmented cache.
 
-    The mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
+    Both mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
+    launch.triton_decoy_page is the host's copy.
+
+    The csrc CT kernels shuffle this map further (csrc/ct_walk.cuh, a swap-or-not
+    bijection: the scatter still leaves a lattice whose locality is better than a
+    fragmented cache's, and their TMA walk felt it: G4 0.7-0.96 % -> 0.30-0.36 %).
+    These kernels do not: computed here (per position or per page) the shuffle
+    cost the strict decode 6 % with no padding at all (B16 8K in an 8K bucket,
+    181 -> 193 us, H200), and their G4 signal did not fall with it
+    (docs/perf-notes.md change 35). Nothing in an output depends on which decoy
+    page is read (its scores are masked, its V rows zeroed).
     """
     n = num_blocks.to(tl.uint32)
     magic = decoy_magic.to(tl.uint32)
     x = lb.to(tl.uint32) * (num_reqs + 1).to(tl.uint32) + r.to(tl.uint32)
     x = mod_barrett(x, n, magic)
     y = mod_barrett(x * decoy_mult.to(tl.uint32), n, magic)
-    return swap_or_not(y, n, magic, DECOY_ROUNDS).to(tl.int32)
+    return y.to(tl.int32)
 
 
 @triton.jit
@@ -230,30 +203,14 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 
 @triton.jit
-def run_decoys(first_pos, r, num_reqs, num_blocks, decoy_magic, decoy_mult, N: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr):
-    """`decoy_block` of the N consecutive positions from ``first_pos`` (a multiple of
-    N), flat [N]. The map is computed once per page and broadcast over the page's
-    BLOCK_SIZE positions where the run holds whole pages: its shuffle rounds cost
-    ~200 integer operations, per page rather than per position."""
-    if N >= BLOCK_SIZE:
-        lb = first_pos // BLOCK_SIZE + tl.arange(0, N // BLOCK_SIZE)
-        d = decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)
-        return tl.reshape(tl.broadcast_to(d[:, None], (N // BLOCK_SIZE, BLOCK_SIZE)), (N,))
-    else:
-        pos = first_pos + tl.arange(0, N)
-        return decoy_block(r, pos // BLOCK_SIZE, num_reqs, num_blocks, decoy_magic, decoy_mult)
-
-
-@triton.jit
-def position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult,
-                    BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
+def position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                    decoy_mult, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """Physical block of each KV position in ``pos`` (any shape): the block-table
-    entry for real positions (p < seq_len); for padding positions the decoy page
-    of ``decoy`` (`run_decoys`, same shape) under the constant-time policies, block
-    0 under policy off (not constant-time: padding need not cost what real
-    positions cost; block 0 is in range, its K scores are selected away and V is
-    not read there, see `kv_step`).
+    entry for real positions (p < seq_len); for padding positions a decoy page
+    (`decoy_block`) under the constant-time policies, block 0 under policy off
+    (not constant-time: padding need not cost what real positions cost; block 0
+    is in range, its K scores are selected away and V is not read there, see
+    `kv_step`).
 
     The table is read for every position whatever seq_len is (only the public
     table width masks the read); entries past the request's last block may be
@@ -267,7 +224,7 @@ def position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, d
     real = (pos < seq_len) | (decoy_mult == 0)
     # CONST_TIME is a constexpr: one binary per policy class, no branch.
     if CONST_TIME:
-        return tl.where(real, entry, decoy).to(tl.int64)
+        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
     else:
         return tl.where(real, entry, 0).to(tl.int64)
 
@@ -277,12 +234,8 @@ def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, n
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """`position_blocks` for the BLOCK_N positions of KV step j."""
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    if CONST_TIME:
-        decoy = run_decoys(j * BLOCK_N, r, num_reqs, num_blocks, decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE)
-    else:
-        decoy = pos  # unused: policy off reads no decoys
-    return position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult, BLOCK_SIZE,
-                           CONST_TIME)
+    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                           decoy_mult, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit
@@ -291,13 +244,8 @@ def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, 
                  CONST_TIME: tl.constexpr):
     """`position_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    if CONST_TIME:
-        decoy = tl.reshape(run_decoys(s * (TILES_PER_SPLIT * BLOCK_N), r, num_reqs, num_blocks, decoy_magic,
-                                      decoy_mult, TILES_PER_SPLIT * BLOCK_N, BLOCK_SIZE), (TILES_PER_SPLIT, BLOCK_N))
-    else:
-        decoy = pos  # unused: policy off reads no decoys
-    return position_blocks(pos, decoy, r_row, seq_len, bt_ptr, bt_stride, max_blocks, decoy_mult, BLOCK_SIZE,
-                           CONST_TIME)
+    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
+                           decoy_mult, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit

@@ -43,14 +43,14 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-# The decoy map on the host (kernels.decoy_block, csrc/ct_walk.cuh decoy_page): the
-# same integers, for tests and benches; the kernels compute it themselves.
-DECOY_ROUNDS = 12
+# The decoy maps on the host (kernels.decoy_block; csrc/ct_walk.cuh decoy_page):
+# the same integers, for tests and benches; the kernels compute them themselves.
+DECOY_ROUNDS = 12  # csrc/ct_walk.cuh kDecoyRounds
 _M32 = 0xFFFFFFFF
 
 
 def mix32(v: int) -> int:
-    """kernels.mix32: a 32-bit integer mix."""
+    """ct_walk.cuh mix32: a 32-bit integer mix (lowbias32)."""
     v &= _M32
     v ^= v >> 16
     v = (v * 0x7FEB352D) & _M32
@@ -60,7 +60,8 @@ def mix32(v: int) -> int:
 
 
 def swap_or_not(x: int, n: int, rounds: int = DECOY_ROUNDS) -> int:
-    """kernels.swap_or_not: a pseudo-random bijection of [0, n)."""
+    """ct_walk.cuh swap_or_not: a pseudo-random bijection of [0, n) (Hoang, Morris
+    and Rogaway's swap-or-not shuffle with round keys from n alone)."""
     for i in range(rounds):
         k = mix32(n ^ ((0x9E3779B9 * (2 * i + 1)) & _M32)) % n
         p = (k - x) % n
@@ -69,10 +70,16 @@ def swap_or_not(x: int, n: int, rounds: int = DECOY_ROUNDS) -> int:
     return x
 
 
-def decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
-    """kernels.decoy_block: the page request r reads for its logical block lb past its true length."""
+def triton_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
+    """kernels.decoy_block: the page the Triton kernels read for request r's logical
+    block lb past its true length (column-major index, scattered)."""
     x = (lb * (num_reqs + 1) + r) % num_blocks
-    return swap_or_not(x * decoy_mult(num_blocks) % num_blocks, num_blocks)
+    return x * decoy_mult(num_blocks) % num_blocks
+
+
+def csrc_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
+    """ct_walk.cuh decoy_page: the csrc CT kernels' page, the Triton map shuffled."""
+    return swap_or_not(triton_decoy_page(r, lb, num_reqs, num_blocks), num_blocks)
 
 
 def decoy_magic(num_blocks: int) -> int:
