@@ -38,7 +38,14 @@ __device__ __forceinline__ uint32_t mix32(uint32_t v) {
 // is x -> x or k - x, so R rounds make a piecewise map x -> +-x + c of up to 2^R
 // pieces: 6 rounds left a request's page strides half as varied as a random
 // layout's (B64-L4096), 12 match it (tests/test_triton_decoys.py).
-constexpr int kDecoyRounds = 12;
+// Default 0: the Triton kernels' map as it is. 12 rounds (DHP_CT_DECOY_ROUNDS=12,
+// ops.cuda_build.decoy_rounds_flags) lower G4's audit signal but cost the
+// strict decode ~10 % end to end: decoys scattered over a serving-size cache
+// lose the TLB locality that real pages have (docs/perf-notes.md change 35).
+#ifndef DHP_CT_DECOY_ROUNDS
+#define DHP_CT_DECOY_ROUNDS 0
+#endif
+constexpr int kDecoyRounds = DHP_CT_DECOY_ROUNDS;
 __device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t magic) {
 #pragma unroll
   for (int i = 0; i < kDecoyRounds; ++i) {

@@ -70,9 +70,12 @@ GPU_CONFIGS = {
     # DHP strict with its decode steps on the opt-in csrc constant-time decode binary
     # (docs/perf-notes.md, change 34); "dhp-strict" is the default path.
     "dhp-strict-ctdec": ("DHP", "strict"),
+    "dhp-strict-ctdec-shuffle": ("DHP", "strict"),
 }
 # Environment a configuration sets in its own process (over the caller's).
-CONFIG_ENV = {"dhp-strict-ctdec": {"DHP_CUDA_DECODE_CT": "1"}}
+CONFIG_ENV = {"dhp-strict-ctdec": {"DHP_CUDA_DECODE_CT": "1"},
+              # the csrc CT kernels with the 12-round decoy shuffle (perf-notes change 35)
+              "dhp-strict-ctdec-shuffle": {"DHP_CUDA_DECODE_CT": "1", "DHP_CT_DECOY_ROUNDS": "12"}}
 CPU_CONFIGS = {
     "cpu-attn": ("CPU_ATTN", None),
     "dhp-off": ("DHP", "off"),

@@ -1,8 +1,9 @@
 """The decoy maps on the GPU: the csrc CT kernels' (csrc/ct_walk.cuh, through the
-test probe csrc/ct_walk_probe.cu) and the Triton kernels' (kernels.decoy_block,
-compiled, not interpreted) give their host copies' pages (launch.csrc_decoy_page,
-launch.triton_decoy_page) for every (request, logical block), in roomy, full,
-wrapping and large caches.
+test probe csrc/ct_walk_probe.cu; default build and the 12-round shuffle of
+DHP_CT_DECOY_ROUNDS) and the Triton kernels' (kernels.decoy_block, compiled, not
+interpreted) give their host copies' pages (launch.triton_decoy_page,
+launch.swap_or_not) for every (request, logical block), in roomy, full, wrapping
+and large caches.
 
 Nothing in an output shows which decoy page a kernel read (its scores are masked
 and its V rows zeroed), so this is where the three copies are compared. Run:
@@ -14,8 +15,8 @@ import ctypes
 import pytest
 import torch
 
-from dhp_backend.ops.cuda_build import find_nvcc, load
-from dhp_backend.ops.triton.launch import csrc_decoy_page, decoy_magic, decoy_mult, triton_decoy_page
+from dhp_backend.ops.cuda_build import DECOY_ROUNDS_ENV, find_nvcc, load
+from dhp_backend.ops.triton.launch import decoy_magic, decoy_mult, swap_or_not, triton_decoy_page
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -24,15 +25,21 @@ CASES = [(3, 16, 200), (16, 256, 16 * 256 + 16), (64, 256, 64 * 256 + 16), (31, 
          (5, 128, 60_013), (7, 64, 2**20 + 7)]
 
 
-def host_pages(num_reqs, width, num_blocks, page=csrc_decoy_page):
+def host_pages(num_reqs, width, num_blocks, page=triton_decoy_page):
     return [page(r, lb, num_reqs, num_blocks) for r in range(num_reqs + 1) for lb in range(width)]
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/")
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
                     reason="csrc is built for sm_90a")
+@pytest.mark.parametrize("rounds", [None, 12])
 @pytest.mark.parametrize("num_reqs,width,num_blocks", CASES)
-def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks):
+def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks, rounds, monkeypatch):
+    # None: the default build (no shuffle: the Triton map); 12: the DHP_CT_DECOY_ROUNDS=12 build
+    if rounds is None:
+        monkeypatch.delenv(DECOY_ROUNDS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DECOY_ROUNDS_ENV, str(rounds))
     fn = load("dhp_ct_walk_probe", "ct_walk_probe.cu").dhp_ct_decoy_pages
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
                    ctypes.c_void_p]
@@ -41,9 +48,13 @@ def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks):
             torch.cuda.current_stream().cuda_stream)
     assert rc == 0
     torch.cuda.synchronize()
-    assert out.tolist() == host_pages(num_reqs, width, num_blocks)
-    if num_blocks > 16:
-        assert out.tolist() != host_pages(num_reqs, width, num_blocks, triton_decoy_page)  # the shuffle ran
+    tri = host_pages(num_reqs, width, num_blocks, triton_decoy_page)
+    if rounds is None:
+        assert out.tolist() == tri
+    else:
+        assert out.tolist() == [swap_or_not(x, num_blocks, rounds) for x in tri]
+        if num_blocks > 16:
+            assert out.tolist() != tri  # the shuffle ran
 
 
 @pytest.mark.parametrize("num_reqs,width,num_blocks", CASES)

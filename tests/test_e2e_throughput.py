@@ -168,6 +168,8 @@ def test_parse_configs():
     assert et.parse_config("dhp-strict-bi", "cuda") == {"config": "dhp-strict-bi", "backend": "DHP",
                                                          "policy": "strict", "batch_invariant": True, "env": {}}
     assert et.parse_config("dhp-strict-ctdec-bi", "cuda")["env"] == {"DHP_CUDA_DECODE_CT": "1"}
+    assert et.parse_config("dhp-strict-ctdec-shuffle", "cuda")["env"] == {"DHP_CUDA_DECODE_CT": "1",
+                                                                          "DHP_CT_DECOY_ROUNDS": "12"}
     assert et.parse_config("flashinfer", "cuda")["backend"] == "FLASHINFER"
     assert et.parse_config("cpu-attn", "cpu")["backend"] == "CPU_ATTN"
     with pytest.raises(et.ConfigError, match="accepted: cpu-attn"):

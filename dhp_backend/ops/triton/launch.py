@@ -45,7 +45,7 @@ def _round_up(a: int, b: int) -> int:
 
 # The decoy maps on the host (kernels.decoy_block; csrc/ct_walk.cuh decoy_page):
 # the same integers, for tests and benches; the kernels compute them themselves.
-DECOY_ROUNDS = 12  # csrc/ct_walk.cuh kDecoyRounds
+DECOY_ROUNDS = 12  # the shuffle's rounds where it is built (DHP_CT_DECOY_ROUNDS=12; csrc/ct_walk.cuh)
 _M32 = 0xFFFFFFFF
 
 
@@ -77,9 +77,10 @@ def triton_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
     return x * decoy_mult(num_blocks) % num_blocks
 
 
-def csrc_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
-    """ct_walk.cuh decoy_page: the csrc CT kernels' page, the Triton map shuffled."""
-    return swap_or_not(triton_decoy_page(r, lb, num_reqs, num_blocks), num_blocks)
+def csrc_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int, rounds: int = DECOY_ROUNDS) -> int:
+    """ct_walk.cuh decoy_page built with ``rounds`` shuffle rounds (the default build
+    has none: the Triton map)."""
+    return swap_or_not(triton_decoy_page(r, lb, num_reqs, num_blocks), num_blocks, rounds)
 
 
 def decoy_magic(num_blocks: int) -> int:
