@@ -64,7 +64,8 @@ def test_triton_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks):
 
     from dhp_backend.ops.triton.kernels import decoy_block
 
-    @triton.jit(do_not_specialize=["num_blocks"])  # as attention_kernel: a cache of 1 block is no constexpr
+    # as attention_kernel: no integer argument specialised (a cache of 1 block has decoy_mult 1)
+    @triton.jit(do_not_specialize=["num_reqs", "num_blocks", "magic", "mult"])
     def table(out_ptr, num_reqs, num_blocks, magic, mult, W: tl.constexpr):
         r = tl.program_id(0)
         lb = tl.arange(0, W)
