@@ -38,12 +38,13 @@ __device__ __forceinline__ uint32_t mix32(uint32_t v) {
 // is x -> x or k - x, so R rounds make a piecewise map x -> +-x + c of up to 2^R
 // pieces: 6 rounds left a request's page strides half as varied as a random
 // layout's (B64-L4096), 12 match it (tests/test_triton_decoys.py).
-// Default 0: the Triton kernels' map as it is. 12 rounds (DHP_CT_DECOY_ROUNDS=12,
-// ops.cuda_build.decoy_rounds_flags) lower G4's audit signal but cost the
-// strict decode ~10 % end to end: decoys scattered over a serving-size cache
-// lose the TLB locality that real pages have (docs/perf-notes.md change 35).
+// 12 rounds by default; DHP_CT_DECOY_ROUNDS=0 (ops.cuda_build.decoy_rounds_flags)
+// builds the Triton kernels' map as it is. Measured on an H200 (docs/perf-notes.md
+// change 35): G4 short vs long at B16-L4096 0.72-0.96 % -> 0.19-0.36 %, at a cost
+// of ~5 % of DHP strict-BI end to end (20.4K -> 19.4K total tok/s, one run): decoys
+// spread over a serving-size cache lose the TLB locality of the scatter's lattice.
 #ifndef DHP_CT_DECOY_ROUNDS
-#define DHP_CT_DECOY_ROUNDS 0
+#define DHP_CT_DECOY_ROUNDS 12
 #endif
 constexpr int kDecoyRounds = DHP_CT_DECOY_ROUNDS;
 __device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t magic) {
@@ -62,8 +63,7 @@ __device__ __forceinline__ uint32_t swap_or_not(uint32_t x, uint32_t n, uint32_t
 // kernels.decoy_block's x = (lb * (num_seqs + 1) + r) mod n scattered by the
 // host's multiplier (launch.decoy_mult, coprime with n = num_blocks), then
 // shuffled (swap_or_not), so the decoys' page order has a fragmented cache's
-// locality rather than the scatter's lattice, which the TMA walk felt: G4 short
-// vs long at B16-L4096 0.7-0.96 % -> 0.30-0.36 % (docs/perf-notes.md change 35).
+// locality rather than the scatter's lattice, which the TMA walk felt.
 __device__ __forceinline__ int decoy_page(int num_seqs, int num_blocks, uint32_t magic, uint32_t mult, int r, int lb) {
   const uint32_t n = static_cast<uint32_t>(num_blocks);
   const uint32_t x = mod_barrett(static_cast<uint32_t>(lb) * static_cast<uint32_t>(num_seqs + 1) +

@@ -67,15 +67,16 @@ GPU_CONFIGS = {
     "dhp-strict": ("DHP", "strict"),
     "dhp-batch": ("DHP", "batch"),
     "dhp-request": ("DHP", "request"),
-    # DHP strict with its decode steps on the opt-in csrc constant-time decode binary
-    # (docs/perf-notes.md, change 34); "dhp-strict" is the default path.
-    "dhp-strict-ctdec": ("DHP", "strict"),
-    "dhp-strict-ctdec-shuffle": ("DHP", "strict"),
+    # DHP strict with its decode steps on the Triton kernels (DHP_CUDA_DECODE_CT=0), and
+    # with the csrc CT kernels' decoys unshuffled (docs/perf-notes.md, changes 34-35);
+    # "dhp-strict" is the default path (csrc CT decode, shuffled decoys).
+    "dhp-strict-triton": ("DHP", "strict"),
+    "dhp-strict-noshuffle": ("DHP", "strict"),
 }
 # Environment a configuration sets in its own process (over the caller's).
-CONFIG_ENV = {"dhp-strict-ctdec": {"DHP_CUDA_DECODE_CT": "1"},
-              # the csrc CT kernels with the 12-round decoy shuffle (perf-notes change 35)
-              "dhp-strict-ctdec-shuffle": {"DHP_CUDA_DECODE_CT": "1", "DHP_CT_DECOY_ROUNDS": "12"}}
+CONFIG_ENV = {"dhp-strict-triton": {"DHP_CUDA_DECODE_CT": "0"},
+              # the csrc CT kernels without the decoy shuffle (perf-notes change 35)
+              "dhp-strict-noshuffle": {"DHP_CT_DECOY_ROUNDS": "0"}}
 CPU_CONFIGS = {
     "cpu-attn": ("CPU_ATTN", None),
     "dhp-off": ("DHP", "off"),

@@ -65,7 +65,7 @@ def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
     assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
     assert step_kernel(SPEC, "off", 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
     for policy in ("strict", "batch", "request"):
-        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON  # constant-time: CT binaries are opt-in
+        assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT  # constant-time: the CT binaries
     import dataclasses
     for other in (dict(head_size=64), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
                   dict(device_capability=(8, 0))):
@@ -192,19 +192,20 @@ def test_constant_time_arguments_refused(monkeypatch):
         decode_sm90(*cpu_step(), scale=0.1, bucket=torch.full((4,), 64, dtype=torch.int64))
 
 
-def test_step_kernel_routes_constant_time_decode_steps_only_when_enabled(with_nvcc, monkeypatch):
-    """Decode steps of strict/batch/request stay on Triton by default (the CT binary's
-    G4 signal is larger than the Triton path's) and go to cuda_decode_ct with
-    DHP_CUDA_DECODE_CT=1 where the group fits its tile; mixed steps and policy off
-    are unchanged."""
+def test_step_kernel_routes_constant_time_decode_steps_unless_disabled(with_nvcc, monkeypatch):
+    """Decode steps of strict/batch/request go to cuda_decode_ct by default where the
+    group fits its tile, and stay on Triton with DHP_CUDA_DECODE_CT=0; mixed steps
+    and policy off are unchanged."""
     import dataclasses
-    for policy in ("strict", "batch", "request"):
-        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON
-    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "1")
+    monkeypatch.delenv("DHP_CUDA_DECODE_CT", raising=False)
     attn._cuda_routes.cache_clear()
     for policy in ("strict", "batch", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT
         assert step_kernel(SPEC, policy, 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
         assert step_kernel(dataclasses.replace(SPEC, num_heads=64, num_kv_heads=2), policy, 64, 64) \
             == dispatch.TRITON  # GROUP 32: no mma.sync tile for it
+    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "0")
+    attn._cuda_routes.cache_clear()
+    for policy in ("strict", "batch", "request"):
+        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON
     assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE

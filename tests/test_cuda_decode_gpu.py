@@ -388,9 +388,9 @@ def test_ct_refuses_what_it_cannot_run():
         run_ct(step, 129)
 
 
-def test_paged_attention_routes_ct_decode_steps_when_enabled(monkeypatch):
-    """With DHP_CUDA_DECODE_CT=1 strict decode steps run on the CT binary (spied)
-    with the Triton kernels' strict bits; by default (=0) they stay on Triton."""
+def test_paged_attention_routes_ct_decode_steps_unless_disabled(monkeypatch):
+    """By default (and with DHP_CUDA_DECODE_CT=1) strict decode steps run on the CT
+    binary (spied) with the Triton kernels' strict bits; with =0 they stay on Triton."""
     import dhp_backend.ops.attention as attn
 
     calls = []
@@ -411,15 +411,18 @@ def test_paged_attention_routes_ct_decode_steps_when_enabled(monkeypatch):
             for s in (900, 17, 2048, 1, 513, 64)]
     step = assemble(reqs, block_size=16, gen=gen, max_blocks=160)
     want = bits(run_triton_policy(step, "strict", 2048)[: step.num_tokens])
-    for enabled in ("1", "0"):
-        monkeypatch.setenv("DHP_CUDA_DECODE_CT", enabled)
+    for enabled in ("", "1", "0"):
+        if enabled:
+            monkeypatch.setenv("DHP_CUDA_DECODE_CT", enabled)
+        else:
+            monkeypatch.delenv("DHP_CUDA_DECODE_CT", raising=False)
         attn._cuda_routes.cache_clear()
         try:
             calls.clear()
             out = torch.full_like(step.query, float("nan"))
             paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="strict", bucket=2048,
                             num_tokens=step.num_tokens)
-            assert calls == ([2048] if enabled == "1" else []), f"DHP_CUDA_DECODE_CT={enabled}: {calls}"
+            assert calls == ([2048] if enabled != "0" else []), f"DHP_CUDA_DECODE_CT={enabled!r}: {calls}"
             assert torch.equal(bits(out[: step.num_tokens]), want)
         finally:
             attn._cuda_routes.cache_clear()

@@ -296,9 +296,9 @@ def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
     constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
     constant-time walk) where enabled (`cuda_prefill.routes_prefill_ct`), and
     their decode steps on ``cuda_decode_ct`` where enabled
-    (`cuda_decode.routes_decode_ct`, opt-in); else ``triton``. The csrc kernels
+    (`cuda_decode.routes_decode_ct`); else ``triton``. The csrc kernels
     give the Triton kernels' bits (GPU tests), so which kernel ran never shows in
-    a row's bits (docs/perf-notes.md, changes 17-18, 21, 34)."""
+    a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
     if spec.device_type != "cuda":
         return dispatch.TRITON
     from dhp_backend.ops.triton import launch

@@ -118,7 +118,8 @@ DECOY_ROUNDS_ENV = "DHP_CT_DECOY_ROUNDS"
 
 def decoy_rounds_flags() -> tuple[str, ...]:
     """A measurement hook: ``DHP_CT_DECOY_ROUNDS=N`` builds the csrc CT kernels with
-    N rounds of the decoy shuffle (csrc/ct_walk.cuh; unset: its default, none).
+    N rounds of the decoy shuffle (csrc/ct_walk.cuh; unset: its default, 12; 0: the
+    Triton kernels' map).
     Bits do not depend on it (decoy pages are masked); speed and the G4 signal do
     (docs/perf-notes.md change 35)."""
     v = os.environ.get(DECOY_ROUNDS_ENV, "")

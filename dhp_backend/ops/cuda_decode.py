@@ -22,10 +22,11 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
   the Triton CONST_TIME kernels' walk instead: every token to the bucket, decoy
   pages past the true length, masks and V zeroing by selection, no longest-first
   order (csrc: kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
-  constant-time kernels (GPU test). Its G1 and G2 gates pass (docs/audit), but its
-  G4 page-locality signal is larger than the Triton path's (docs/perf-notes.md,
-  change 34), so `ops.paged_attention` runs decode steps of those policies on it
-  only with ``DHP_CUDA_DECODE_CT=1`` (`routes_decode_ct`).
+  constant-time kernels (GPU test). `ops.paged_attention` runs decode steps of
+  those policies on it (`routes_decode_ct`; ``DHP_CUDA_DECODE_CT=0`` keeps them on
+  the Triton kernels). Its G1 and G2 gates pass (docs/audit); with its decoy
+  pages shuffled (csrc/ct_walk.cuh, docs/perf-notes.md change 35) its G4
+  all-padding vs all-real signal measured smaller than the Triton path's.
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
@@ -106,13 +107,15 @@ def _fail(what: str, got: str, accepted: str) -> None:
 
 def routes_decode_ct(spec) -> tuple[bool, str]:
     """Whether `ops.paged_attention` runs decode steps of the constant-time policies
-    (strict / batch / request) of ``spec`` on the CT binaries, and why not.
-    Opt-in, ``DHP_CUDA_DECODE_CT=1``: 1.1-1.4x the Triton kernels' speed on those
-    steps with the same bits, G1 and G2 pass, but G4 measures a larger timing
-    difference between all-padding and all-real steps (+0.72-0.96 % at B16 L4096
-    on an H200 against the Triton path's +0.24 %; docs/perf-notes.md change 34)."""
-    if os.environ.get("DHP_CUDA_DECODE_CT", "0") != "1":
-        return False, "not enabled (DHP_CUDA_DECODE_CT=1: faster, larger G4 page-locality signal)"
+    (strict / batch / request) of ``spec`` on the CT binaries, and why not. On by
+    default where the csrc decode kernel runs and the group fits its tile: the
+    Triton kernels' bits at 1.1-1.4x their speed on those steps, G1 and G2 pass,
+    and G4's all-padding vs all-real difference at B16 L4096 on an H200 measured
+    -0.19 % (cropped |t| 20) against the Triton path's +0.53 % (|t| 76) in one
+    session (docs/perf-notes.md changes 34-35). ``DHP_CUDA_DECODE_CT=0`` keeps
+    those steps on the Triton kernels (same bits)."""
+    if os.environ.get("DHP_CUDA_DECODE_CT", "1") == "0":
+        return False, "disabled (DHP_CUDA_DECODE_CT=0)"
     why = _refusal(spec, MAX_CT_GROUP, "the constant-time walk")
     return (False, why) if why else (True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)")
 
