@@ -1,6 +1,6 @@
 """The decoy maps on the GPU: the csrc CT kernels' (csrc/ct_walk.cuh, through the
-test probe csrc/ct_walk_probe.cu; default build and the 12-round shuffle of
-DHP_CT_DECOY_ROUNDS) and the Triton kernels' (kernels.decoy_block, compiled, not
+test probe csrc/ct_walk_probe.cu; the default build's 12-round shuffle and the
+DHP_CT_DECOY_ROUNDS builds) and the Triton kernels' (kernels.decoy_block, compiled, not
 interpreted) give their host copies' pages (launch.triton_decoy_page,
 launch.swap_or_not) for every (request, logical block), in roomy, full, wrapping
 and large caches.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dhp_backend.ops.cuda_build import DECOY_ROUNDS_ENV, find_nvcc, load
-from dhp_backend.ops.triton.launch import decoy_magic, decoy_mult, swap_or_not, triton_decoy_page
+from dhp_backend.ops.triton.launch import DECOY_ROUNDS, decoy_magic, decoy_mult, swap_or_not, triton_decoy_page
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -32,14 +32,16 @@ def host_pages(num_reqs, width, num_blocks, page=triton_decoy_page):
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/")
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
                     reason="csrc is built for sm_90a")
-@pytest.mark.parametrize("rounds", [None, 12])
+@pytest.mark.parametrize("rounds", [None, 0, 5])
 @pytest.mark.parametrize("num_reqs,width,num_blocks", CASES)
 def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks, rounds, monkeypatch):
-    # None: the default build (no shuffle: the Triton map); 12: the DHP_CT_DECOY_ROUNDS=12 build
+    # None: the default build (DECOY_ROUNDS shuffle rounds); 0: DHP_CT_DECOY_ROUNDS=0 (the
+    # Triton map as it is); 5: another count, so the hook is seen to reach the build
     if rounds is None:
         monkeypatch.delenv(DECOY_ROUNDS_ENV, raising=False)
     else:
         monkeypatch.setenv(DECOY_ROUNDS_ENV, str(rounds))
+    rounds = DECOY_ROUNDS if rounds is None else rounds
     fn = load("dhp_ct_walk_probe", "ct_walk_probe.cu").dhp_ct_decoy_pages
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32,
                    ctypes.c_void_p]
@@ -49,7 +51,7 @@ def test_csrc_decoy_pages_equal_the_host_map(num_reqs, width, num_blocks, rounds
     assert rc == 0
     torch.cuda.synchronize()
     tri = host_pages(num_reqs, width, num_blocks, triton_decoy_page)
-    if rounds is None:
+    if rounds == 0:
         assert out.tolist() == tri
     else:
         assert out.tolist() == [swap_or_not(x, num_blocks, rounds) for x in tri]

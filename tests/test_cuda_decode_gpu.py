@@ -199,7 +199,7 @@ def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, causal=True, device_capability=(9, 0))
     assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE
-    assert step_kernel(spec, "strict", step.num_tokens, 6) == dispatch.TRITON  # the CT binary is opt-in
+    assert step_kernel(spec, "strict", step.num_tokens, 6) == attn.CUDA_DECODE_CT  # constant-time: the CT binary
     out = torch.full_like(step.query, float("nan"))
     paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="off", num_tokens=step.num_tokens)
     assert calls, "a policy-off decode step did not run on the csrc decode kernel"
