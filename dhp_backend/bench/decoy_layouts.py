@@ -14,10 +14,11 @@ the same work) under block tables whose entries are:
 - ``consecutive``: a freshly filled cache (pages 0, 1, 2, ...);
 - ``colmajor``: the decoy map's column-major index x(r, lb) itself (the map before
   the scatter);
-- ``scatter``: x * decoy_mult mod n (the decoy map before perf-notes change 35);
+- ``scatter``: x * decoy_mult mod n (the Triton kernels' decoy map; the csrc CT
+  kernels' before perf-notes change 35);
 - ``perm``: a random permutation of the cache indexed by x (a table);
-- ``decoys``: the csrc CT kernels' decoy map (the scatter shuffled by a
-  swap-or-not bijection, launch.csrc_decoy_page).
+- ``decoys``: the csrc CT kernels' default decoy map (the scatter shuffled by a
+  12-round swap-or-not bijection, launch.csrc_decoy_page).
 
 With it the G4 short class itself (true length q_len: its padding on the kernels'
 decoys), and under Triton the same on the table's own pages (the diagnostic of

@@ -45,7 +45,7 @@ def _round_up(a: int, b: int) -> int:
 
 # The decoy maps on the host (kernels.decoy_block; csrc/ct_walk.cuh decoy_page):
 # the same integers, for tests and benches; the kernels compute them themselves.
-DECOY_ROUNDS = 12  # the shuffle's rounds where it is built (DHP_CT_DECOY_ROUNDS=12; csrc/ct_walk.cuh)
+DECOY_ROUNDS = 12  # the csrc CT kernels' shuffle rounds by default (csrc/ct_walk.cuh; DHP_CT_DECOY_ROUNDS)
 _M32 = 0xFFFFFFFF
 
 
@@ -78,8 +78,8 @@ def triton_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
 
 
 def csrc_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int, rounds: int = DECOY_ROUNDS) -> int:
-    """ct_walk.cuh decoy_page built with ``rounds`` shuffle rounds (the default build
-    has none: the Triton map)."""
+    """ct_walk.cuh decoy_page built with ``rounds`` shuffle rounds (the default build's
+    12; 0 = the Triton map)."""
     return swap_or_not(triton_decoy_page(r, lb, num_reqs, num_blocks), num_blocks, rounds)
 
 
