@@ -1,6 +1,6 @@
 // Test probe of ct_walk.cuh (not a kernel of the backend): the decoy map as the
 // CT kernels compute it, one thread per (request, logical block), so a GPU test
-// can compare it with the host's copy (launch.decoy_page) and the Triton kernels'.
+// can compare it with the host's copies (launch.triton_decoy_page, swap_or_not).
 #include <cuda_runtime.h>
 
 #include "ct_walk.cuh"

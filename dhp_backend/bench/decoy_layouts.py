@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 
 import torch
 
 from dhp_backend.audit import classes
+from dhp_backend.bench.padding_locality import welch
 
 def tables(batch: int, width: int, n: int, base: torch.Tensor) -> dict[str, torch.Tensor]:
     from dhp_backend.ops.triton import launch as tlaunch
@@ -61,13 +61,6 @@ def tables(batch: int, width: int, n: int, base: torch.Tensor) -> dict[str, torc
         if k not in ("random", "random2", "consecutive"):  # the maps are bijections: distinct pages when (B+1)W <= n
             assert t.unique().numel() == t.numel() or (batch + 1) * width > n, k
     return {k: t.to(torch.int32).cuda().contiguous() for k, t in out.items()}
-
-
-def _welch(a, b):
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    va = sum((v - ma) ** 2 for v in a) / (len(a) - 1)
-    vb = sum((v - mb) ** 2 for v in b) / (len(b) - 1)
-    return ma, mb, (ma - mb) / math.sqrt(va / len(a) + vb / len(b))
 
 
 def measure(shape: classes.Shape, kernel: str, rounds: int, seed: int = 0, chunk: int = 32) -> list[dict]:
@@ -147,7 +140,7 @@ def measure(shape: classes.Shape, kernel: str, rounds: int, seed: int = 0, chunk
         done += chunk
     rows = []
     for k in names:
-        m, mr, t = _welch(times[k], times["long:random"])
+        m, mr, t = welch(times[k], times["long:random"])
         rows.append(dict(shape=shape.key, kernel=kernel, config=k, us=round(m, 3),
                          vs_random_pct=round(100 * (m - mr) / mr, 3), welch_t=round(t, 2), rounds=len(times[k])))
     return rows

@@ -30,7 +30,8 @@ import torch
 from dhp_backend.audit import classes
 
 
-def _welch(a, b):
+def welch(a, b):
+    """(mean a, mean b, Welch's t of a - b) of two samples (also bench.decoy_layouts)."""
     ma, mb = sum(a) / len(a), sum(b) / len(b)
     va = sum((x - ma) ** 2 for x in a) / (len(a) - 1)
     vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1)
@@ -73,7 +74,7 @@ def measure(shape, layout, mult, rounds, seed=0):
     t = {"short": [], "long": []}
     for c, (e0, e1) in zip(order, ev):
         t[c].append(e0.elapsed_time(e1) * 1e3)
-    ms, ml, tt = _welch(t["short"], t["long"])
+    ms, ml, tt = welch(t["short"], t["long"])
     return dict(layout=layout, decoy_mult=mult, us_short=round(ms, 3), us_long=round(ml, 3),
                 short_vs_long_pct=round(100 * (ms - ml) / ml, 3), welch_t=round(tt, 2), rounds=rounds)
 
