@@ -35,7 +35,8 @@ import torch
 
 from dhp_backend.bench import cuda_runs
 from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, DIAGNOSTIC_VARIANTS, V_DESC, VARIANTS
+from dhp_backend.ops.cuda_prefill import (COMPAT, COMPAT_CT, COMPAT_CT_VARIANTS, COMPAT_VARIANTS, DIAGNOSTIC_VARIANTS,
+                                          V_DESC, VARIANTS)
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -57,7 +58,7 @@ SHAPES = {
     "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
-ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, COMPAT: None, "compat_n64": None}
+ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **dict.fromkeys(COMPAT_VARIANTS)}
 # cuda_diag_*: timed without a check (wrong on purpose), to place the time by difference.
 
 
@@ -163,7 +164,7 @@ def probe() -> bool:
     for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
         st = make_step(reqs, gen)
         ref = sdpa_ref(st, causal)
-        for variant in [*VARIANTS, COMPAT, COMPAT_CT]:
+        for variant in [*VARIANTS, *COMPAT_VARIANTS, COMPAT_CT]:
             bucket = st["table"].shape[1] * BS if variant == COMPAT_CT else None
             o = cuda_fn(st, causal, variant, bucket)()
             torch.cuda.synchronize()
@@ -216,8 +217,8 @@ def main(argv=None):
                     fns = [triton_off_fn(s, causal) for s in sets]
                 elif name == "triton_strict" and args.bucket:
                     fns = [triton_off_fn(s, causal, "strict", args.bucket) for s in sets]
-                elif name == f"cuda_{COMPAT_CT}" and args.bucket:
-                    fns = [cuda_fn(s, causal, COMPAT_CT, args.bucket) for s in sets]
+                elif name[5:] in COMPAT_CT_VARIANTS and args.bucket:
+                    fns = [cuda_fn(s, causal, name[5:], args.bucket) for s in sets]
                 elif name.startswith("cuda_") and name[5:] in ALL_CUDA:
                     fns = [cuda_fn(s, causal, name[5:]) for s in sets]
                 else:
@@ -227,7 +228,7 @@ def main(argv=None):
                 if o is not None:
                     outs[name] = o
                     row["tflops"] = flop / row["us"] / 1e6
-                    if name in ("triton_strict", f"cuda_{COMPAT_CT}"):
+                    if name == "triton_strict" or name[5:] in COMPAT_CT_VARIANTS:
                         row["bucket"] = args.bucket
                         row["exec_tflops"] = executed_flop(reqs, args.bucket) / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
@@ -239,16 +240,17 @@ def main(argv=None):
             same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
             for r in rows[-len(names):]:
                 r["cuda_binaries_bit_equal"] = same
-        for cname in (COMPAT, "compat_n64"):
+        for cname in COMPAT_VARIANTS:
             if f"cuda_{cname}" in outs and "triton_off" in outs:
                 same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
                 for r in rows[-len(names):]:
                     r[f"{cname}_bits_equal_triton"] = same
-        if f"cuda_{COMPAT_CT}" in outs and "triton_strict" in outs:
-            ct_out, strict_out = outs[f"cuda_{COMPAT_CT}"], outs["triton_strict"]
-            same = bool(torch.equal(ct_out.view(torch.int16), strict_out.view(torch.int16)))
-            for r in rows[-len(names):]:
-                r["compat_ct_bits_equal_triton_strict"] = same
+        for cname in COMPAT_CT_VARIANTS:
+            if f"cuda_{cname}" in outs and "triton_strict" in outs:
+                ct_out, strict_out = outs[f"cuda_{cname}"], outs["triton_strict"]
+                same = bool(torch.equal(ct_out.view(torch.int16), strict_out.view(torch.int16)))
+                for r in rows[-len(names):]:
+                    r[f"{cname}_bits_equal_triton_strict"] = same
         cuda_runs.fa3_ratios(rows[-len(names):])
         fa3 = next((r for r in rows[-len(names):] if r["variant"] == "fa3" and r["tflops"]), None)
         for r in rows[-len(names):]:
@@ -263,7 +265,9 @@ def main(argv=None):
             print(f"{r['shape']}: bits equal to triton_off: " + ", ".join(
                 f"{k[:-len('_bits_equal_triton')]} {v}" for k, v in r.items() if k.endswith("_bits_equal_triton")))
         if r["variant"] == "triton_strict":
-            print(f"{r['shape']}: compat_ct bits equal to triton_strict: {r.get('compat_ct_bits_equal_triton_strict')}")
+            print(f"{r['shape']}: bits equal to triton_strict: " + ", ".join(
+                f"{k[:-len('_bits_equal_triton_strict')]} {v}" for k, v in r.items()
+                if k.endswith("_bits_equal_triton_strict")))
     print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s} "
           f"{'exec TF/s':>9s} {'eff':>6s}")
     for r in rows:
