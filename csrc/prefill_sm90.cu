@@ -316,12 +316,14 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
 
 // K/V pages of every step up to the bucket: the block-table entry where the page
 // holds a real position, a decoy page elsewhere (kernels.position_blocks, per page:
-// a 16-row TMA box is one page). One warp: lane pg < 8 reads the table entry and
-// computes the decoy of the step's page pg, lane 0 issues the TMA loads. The decoy
-// shuffle (ct_walk.cuh, 12 hash rounds) is a few hundred dependent instructions per
-// page; one thread computing the 8 pages of a step in turn held the consumers back
-// (H200: causal 4K in a 16K bucket 7.05 ms, against 4.14 ms for the Triton strict
-// kernel on the same executed work).
+// a 16-row TMA box is one page). One warp: every 4 steps, lane l reads the table
+// entry and computes the decoy of page l % 8 of step t + l / 8; lane 0 issues the
+// TMA loads. Why: the decoy shuffle (ct_walk.cuh, 12 hash rounds) is ~450
+// instructions per page, and the producer warp shares its SM sub-partition with
+// two consumer warps, so its instructions delay theirs. H200, causal 4K in a 16K
+// bucket (docs/perf-notes.md change 36): one thread computing a step's 8 pages in
+// turn 7.05 ms; one lane per page 3.69 ms (2.92 ms without the shuffle); the Triton
+// strict kernel 4.14 ms on the same executed work.
 template <int STAGES>
 __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
                                            const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,
@@ -330,19 +332,19 @@ __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const
   const int* table = p.block_table + static_cast<int64_t>(w.page_req) * p.bt_stride;
   const int bs = p.block_size;
   const int pages_per_step = kCols / bs;
+  int mine = 0;  // this lane's page id of the current 4 steps
   for (int t = 0; t < w.n_steps; ++t) {
     const int s = t % STAGES;
     const uint32_t parity = ((t / STAGES) - 1) & 1;
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
-    int mine = 0;
-    if (lane < 8) {  // lane id: public
-      const int lb = t * pages_per_step + lane;
+    if (t % 4 == 0) {  // step index: public
+      const int lb = (t + lane / 8) * pages_per_step + lane % 8;
       const int entry = table[min(lb, p.max_blocks - 1)];
       mine = select_int(lb * bs < w.page_len, entry, decoy_block(p, w.page_req, lb));
     }
     int blk[8];
 #pragma unroll
-    for (int pg = 0; pg < 8; ++pg) blk[pg] = __shfl_sync(0xffffffff, mine, pg);
+    for (int pg = 0; pg < 8; ++pg) blk[pg] = __shfl_sync(0xffffffff, mine, 8 * (t % 4) + pg);
     if (lane == 0) {
       if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
       load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);

@@ -57,7 +57,8 @@ class Instance:
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS")
+_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS",
+                 "COMPAT_OPT")
 _DECODE_ARGS = ("BF16", "STAGES", "WRITE_PARTIALS", "MIN_BLOCKS", "SMALL_Q", "OVERLAP", "OPT")
 _MERGE_ARGS = ("BF16", "WALK")
 DECODE_CONST_TIME, DECODE_BUCKET_PER_REQ = 128, 256  # decode_sm90.cu: kConstTime, kBucketPerReq
@@ -71,6 +72,9 @@ RULES = (
     CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$", PUBLIC,
              "ceil(L / 128) KV steps of the public bucket L (l_scalar), for the producer, the V cleaners "
              "and the consumers alike"),
+    CudaRule("producer-lanes", "prefill_sm90.cu", r"^if \((lane == 0|t % 4 == 0)\) \{(\s+//.*)?$", PUBLIC,
+             "the producer warp computes the page ids of 4 steps at every 4th step (step index) and its lane 0 "
+             "issues the TMA loads (thread index)"),
     CudaRule("ring-reuse", "prefill_sm90.cu", r"^if \(t >= STAGES\) mbar_wait\(", PUBLIC,
              "the producer waits for a stage's release from the second round of the ring on: step index only"),
     CudaRule("pages-per-step", "prefill_sm90.cu", r"^if \(pg < pages_per_step\) \{", PUBLIC,
