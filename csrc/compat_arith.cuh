@@ -112,46 +112,8 @@ __device__ __forceinline__ void exp_group_sums(float (&s)[N], int i, float m_lo,
   g_hi = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
 }
 
-// The quad maxima of rows lo and hi with 3 shuffles instead of 4: the pair step
-// sends the other row (fmaxf is exact, so any order gives the same maxima).
-__device__ __forceinline__ void quad_max2(float& lo, float& hi, int lane) {
-  const bool odd = lane & 1;
-  float m = fmaxf(odd ? hi : lo, __shfl_xor_sync(0xffffffff, odd ? lo : hi, 1));  // even: lo, odd: hi
-  m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
-  const float o = __shfl_xor_sync(0xffffffff, m, 1);
-  lo = odd ? o : m;
-  hi = odd ? m : o;
-}
-
-// The row sums of exp_group_sums + the groups' pairwise tree, as a transposed
-// reduction: the same additions of the same operands (fp32 addition commutes
-// exactly), 14 shuffles per row pair instead of 32. x[i] / y[i]: group i's own
-// column-pair sums of rows lo / hi. Lane^2 exchanges the rows (lanes with bit 1
-// clear keep lo, the others hi), lane^1 the group halves (bit 0 clear keeps
-// groups 0-3); each lane then holds four whole group sums, adds its half of the
-// tree, and the two halves and the two rows are exchanged last.
-__device__ __forceinline__ void tree_sums_transposed(const float (&x)[8], const float (&y)[8], int lane,
-                                                     float& t_lo, float& t_hi) {
-  const bool b2 = lane & 2, b1 = lane & 1;
-  float w[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k)  // + lane^2: (own pair) + (lane^2's pair) of this lane's row
-    w[k] = __fadd_rn(b2 ? y[k] : x[k], __shfl_xor_sync(0xffffffff, b2 ? x[k] : y[k], 2));
-  float u[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k)  // + lane^1: whole group sums, groups 0-3 (bit 0 clear) or 4-7
-    u[k] = __fadd_rn(b1 ? w[4 + k] : w[k], __shfl_xor_sync(0xffffffff, b1 ? w[k] : w[4 + k], 1));
-  float t = __fadd_rn(__fadd_rn(u[0], u[1]), __fadd_rn(u[2], u[3]));
-  t = __fadd_rn(t, __shfl_xor_sync(0xffffffff, t, 1));  // (g0..g3) + (g4..g7): the row's tree
-  const float o = __shfl_xor_sync(0xffffffff, t, 2);
-  t_lo = b2 ? o : t;
-  t_hi = b2 ? t : o;
-}
-
 // One 64-column half: mask, online-softmax update of (m, l), p in place; the
-// alphas for the running output come back. TRANSPOSED: the same bits with fewer
-// shuffles (quad_max2, tree_sums_transposed).
-template <bool TRANSPOSED = false>
+// alphas for the running output come back.
 __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
                                                int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
                                                float& l_hi, float& a_lo, float& a_hi) {
@@ -163,43 +125,20 @@ __device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_
     mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
     mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
   }
-  if constexpr (TRANSPOSED) {
-    quad_max2(mx_lo, mx_hi, lane);
-  } else {
-    mx_lo = quad_max(mx_lo);
-    mx_hi = quad_max(mx_hi);
-  }
-  const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+  const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
   a_lo = select_ex2(m_lo, new_lo);
   a_hi = select_ex2(m_hi, new_hi);
   m_lo = new_lo;
   m_hi = new_hi;
-  if constexpr (TRANSPOSED) {
-    float x[8], y[8];
+  float g_lo[8], g_hi[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
-      s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
-      s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
-      s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
-      x[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
-      y[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
-    }
-    float t_lo, t_hi;
-    tree_sums_transposed(x, y, lane, t_lo, t_hi);
-    l_lo = __fmaf_rn(l_lo, a_lo, t_lo);
-    l_hi = __fmaf_rn(l_hi, a_hi, t_hi);
-  } else {
-    float g_lo[8], g_hi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) exp_group_sums(s, i, new_lo, new_hi, g_lo[i], g_hi[i]);
-    auto tree = [](const float (&g)[8]) {
-      return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
-                       __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
-    };
-    l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
-    l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
-  }
+  for (int i = 0; i < 8; ++i) exp_group_sums(s, i, new_lo, new_hi, g_lo[i], g_hi[i]);
+  auto tree = [](const float (&g)[8]) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
+                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
+  };
+  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
+  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
 }
 
 // An accumulator in the wgmma/mma.sync layout (N values: N / 4 groups of lo, lo, hi, hi)

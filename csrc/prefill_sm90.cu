@@ -322,8 +322,9 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
 // instructions per page, and the producer warp shares its SM sub-partition with
 // two consumer warps, so its instructions delay theirs. H200, causal 4K in a 16K
 // bucket (docs/perf-notes.md change 36): one thread computing a step's 8 pages in
-// turn 7.05 ms; one lane per page 3.69 ms (2.92 ms without the shuffle); the Triton
-// strict kernel 4.14 ms on the same executed work.
+// turn 7.05 ms; one lane per page of one step 3.69 ms; 32 pages (4 steps) per warp
+// pass 3.11 ms (2.82 ms without the shuffle); the Triton strict kernel 4.11 ms on
+// the same executed work.
 template <int STAGES>
 __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
                                            const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,
@@ -676,12 +677,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 // halves, instead of two m64n64 batches (each element is the same dot product;
 // measured bit-equal to Triton's m64n64 on the H200, and 4-5 % faster; ops'
 // "compat" is this form).
-// TRANSPOSED: compat_softmax's row sums by a transposed reduction (same adds, fewer
-// shuffles). EARLY_PV: the PV product of a step's first half is issued before
-// the softmax of its second half, which runs under it (the second half needs only
-// the first half's m and l, not the accumulator); the same operations in the same
-// order on every value.
-template <bool BF16, int STAGES, bool S_N128, bool CT = false, bool TRANSPOSED = false, bool EARLY_PV = false>
+template <bool BF16, int STAGES, bool S_N128, bool CT = false>
 __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh, int g) {
   using L = Layout<STAGES>;
@@ -751,40 +747,15 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
     const int kv0 = t * kCols;
     float aa_lo, aa_hi, ab_lo, ab_hi;
-    if constexpr (EARLY_PV) {
-      static_assert(!CT, "EARLY_PV is measured on the off walk only");
-      compat_softmax<TRANSPOSED>(sa, kv0, lim_lo, lim_hi, kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi,
-                                 l_lo, l_hi, aa_lo, aa_hi);
-      pack_p<BF16, 32>(sa, pa);
-      mbar_wait(bar.v_full(st), par);
-      const int valid = w.seq_len - kv0;
-      if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
-      scale_rows(acc, aa_lo, aa_hi);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
-        wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
-      }
-      wgmma_commit();
-      pin(sb);  // the second half's softmax after the issue (volatile asm keeps the order) ...
-      compat_softmax<TRANSPOSED>(sb, kv0 + 64, lim_lo, lim_hi, kv0 + 128 > mask_from, lane, p.scale_log2, m_lo,
-                                 m_hi, l_lo, l_hi, ab_lo, ab_hi);
-      pack_p<BF16, 32>(sb, pb);
-      pin(pb);  // ... and before the wait
-      wgmma_wait<0>();
-      pin(acc);
-      pin(pa);
-    } else {
     // CT: every step masked (the mask is a select; which steps need it is secret).
-    compat_softmax<TRANSPOSED>(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
+    compat_softmax(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
                    aa_lo, aa_hi);
     // CT: the second half waits for the first (its scale carries + 0 * l, l finite): with
     // every step masked the two halves are straight-line code that ptxas interleaves
     // into local-memory spills; the off binary's mask branch keeps them apart.
     const float scale_b = CT ? __fadd_rn(p.scale_log2, __fmul_rn(l_lo, 0.f)) : p.scale_log2;
-    compat_softmax<TRANSPOSED>(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo,
-                               m_hi, l_lo, l_hi, ab_lo, ab_hi);
+    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
+                   l_hi, ab_lo, ab_hi);
     pack_p<BF16, 32>(sa, pa);
     pack_p<BF16, 32>(sb, pb);
 
@@ -806,7 +777,6 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    }
     scale_rows(acc, ab_lo, ab_hi);
     wgmma_fence();
 #pragma unroll
@@ -862,9 +832,8 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 // 40 / 232: eight more registers for the consumers' accumulators and scores (compat:
 // spills 100 -> 56 B per thread, 1-2 % faster, same bits). The CT binary keeps 40 / 232:
 // its producer warpgroup (Q loads, V cleaning) spills at 24.
-// COMPAT_OPT (compat only): bit 1 TRANSPOSED, bit 2 EARLY_PV of consume_compat.
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, bool WIDE_REGS = false, int COMPAT_OPT = 0>
+          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -900,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     } else {
       regs_alloc<232>();
-      consume_compat<BF16, STAGES, S_N128, true, (COMPAT_OPT & 1) != 0>(p, w, smem_ptr, smem, bar, kvh, g);
+      consume_compat<BF16, STAGES, S_N128, true>(p, w, smem_ptr, smem, bar, kvh, g);
     }
     return;
   }
@@ -930,8 +899,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     regs_alloc<WIDE_REGS ? 240 : 232>();
     if constexpr (COMPAT)
-      consume_compat<BF16, STAGES, S_N128, false, (COMPAT_OPT & 1) != 0, (COMPAT_OPT & 2) != 0>(p, w, smem_ptr,
-                                                                                                smem, bar, kvh, g);
+      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh, g);
     else
       consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
   }
@@ -939,10 +907,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host ----------------------------------------------------------------------
 template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, bool WIDE_REGS = false, int COMPAT_OPT = 0>
+          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
 int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
            cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE, WIDE_REGS, COMPAT_OPT>;
+  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE, WIDE_REGS>;
   constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -961,16 +929,9 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
                    const Params& p, dim3 grid, cudaStream_t st) {
   if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
-  if (variant == 35) return launch<BF16, false, false, 2, 0, true, true, false, 0, true, 1>(tq, tk, tv, p, grid, st);
-  if (variant == 36) return launch<BF16, false, false, 2, 0, true, true, false, 0, true, 2>(tq, tk, tv, p, grid, st);
-  if (variant == 37) return launch<BF16, false, false, 2, 0, true, true, false, 0, true, 3>(tq, tk, tv, p, grid, st);
   if (variant == 34) {  // one binary per bucket mode (l_mode 1: per-request buckets, policy request)
     if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1>(tq, tk, tv, p, grid, st);
     return launch<BF16, false, false, 2, 0, true, false, true, 0>(tq, tk, tv, p, grid, st);
-  }
-  if (variant == 38) {  // 34 with the transposed row sums
-    if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1, false, 1>(tq, tk, tv, p, grid, st);
-    return launch<BF16, false, false, 2, 0, true, false, true, 0, false, 1>(tq, tk, tv, p, grid, st);
   }
 #ifdef DHP_PREFILL_COMPAT_ONLY
   // The build ops.paged_attention loads: the compat binaries only (codes 32-34,
@@ -1068,7 +1029,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.q_magic = q_magic;
   p.sink = sink;
   if (p.num_tiles > 65535) return -6;
-  if ((variant == 34 || variant == 38) && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
+  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);

@@ -57,8 +57,7 @@ class Instance:
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS",
-                 "COMPAT_OPT")
+_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS")
 _DECODE_ARGS = ("BF16", "STAGES", "WRITE_PARTIALS", "MIN_BLOCKS", "SMALL_Q", "OVERLAP", "OPT")
 _MERGE_ARGS = ("BF16", "WALK")
 DECODE_CONST_TIME, DECODE_BUCKET_PER_REQ = 128, 256  # decode_sm90.cu: kConstTime, kBucketPerReq

@@ -65,16 +65,12 @@ COMPAT = "compat"
 # 40 / 232: ptxas spills 56 B per thread instead of 100), 1-2 % faster with the same bits
 # (H200, cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
 _CODES = {COMPAT: 33, "compat_n64": 32}
-# Schedules of compat's arithmetic under measurement (same bits): the row sums by a
-# transposed reduction (fewer shuffles), the first half's PV issued under the second
-# half's softmax, both.
-_CODES.update({"compat_tr": 35, "compat_epv": 36, "compat_tr_epv": 37})
 # The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
 # binaries (csrc: CT; policies strict / batch / request): every tile walks the
 # public bucket, decoy pages past the true lengths, selects instead of branches.
 # It is compat_n64's QK^T form (the n128 form spilled in this binary).
 COMPAT_CT = "compat_ct"
-_CT_CODES = {COMPAT_CT: 34, "compat_ct_tr": 38}  # 38: with the transposed row sums (same bits)
+_CT_CODES = {COMPAT_CT: 34}
 # Every binary with the Triton kernels' bits under policy off.
 COMPAT_VARIANTS = tuple(_CODES)
 # Every binary with the Triton CONST_TIME kernels' bits (takes a bucket).
