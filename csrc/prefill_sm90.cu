@@ -346,12 +346,15 @@ __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const
     int blk[8];
 #pragma unroll
     for (int pg = 0; pg < 8; ++pg) blk[pg] = __shfl_sync(0xffffffff, mine, 8 * (t % 4) + pg);
-    if (lane == 0) {
-      if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-      load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
-      if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-      load_stage(v_dst, tm_v, bar.v_full(s), blk, pages_per_step, bs, kvh);
-    }
+    // The whole warp waits (one try_wait answers all lanes alike) and lane 0 issues: lane 0
+    // alone in the wait loop left the warp diverged at the next step's shuffle for as
+    // many steps as the hardware's timing chose, and ptxas's divergent-shuffle path
+    // then ran a timing-dependent number of times (G1 per instruction, H200).
+    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    if (lane == 0) load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
+    __syncwarp();
+    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    if (lane == 0) load_stage(v_dst, tm_v, bar.v_full(s), blk, pages_per_step, bs, kvh);
     __syncwarp();
   }
 }
