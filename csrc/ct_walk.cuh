@@ -40,9 +40,10 @@ __device__ __forceinline__ uint32_t mix32(uint32_t v) {
 // layout's (B64-L4096), 12 match it (tests/test_triton_decoys.py).
 // 12 rounds by default; DHP_CT_DECOY_ROUNDS=0 (ops.cuda_build.decoy_rounds_flags)
 // builds the Triton kernels' map as it is. Measured on an H200 (docs/perf-notes.md
-// change 35): G4 short vs long at B16-L4096 0.72-0.96 % -> 0.19-0.36 %, at a cost
-// of ~5 % of DHP strict-BI end to end (20.4K -> 19.4K total tok/s, one run): decoys
-// spread over a serving-size cache lose the TLB locality of the scatter's lattice.
+// change 35): G4 short vs long at B16-L4096 0.72-0.96 % -> 0.19-0.36 %. End to end
+// DHP strict-BI 20.66K vs 20.76K total tok/s unshuffled (one run, change 36), once
+// the prefill producer computed page ids by its warp: ~450 instructions per page,
+// so a kernel computes them in lanes, off its consumers' sub-partition budget.
 #ifndef DHP_CT_DECOY_ROUNDS
 #define DHP_CT_DECOY_ROUNDS 12
 #endif
