@@ -323,8 +323,8 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
 // two consumer warps, so its instructions delay theirs. H200, causal 4K in a 16K
 // bucket (docs/perf-notes.md change 36): one thread computing a step's 8 pages in
 // turn 7.05 ms; one lane per page of one step 3.69 ms; 32 pages (4 steps) per warp
-// pass 3.11 ms (2.82 ms without the shuffle); the Triton strict kernel 4.11 ms on
-// the same executed work.
+// pass 3.11 ms, and 2.93 ms with the waits below (unshuffled: 2.82 ms); the Triton
+// strict kernel 4.11-4.14 ms on the same executed work.
 template <int STAGES>
 __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
                                            const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,

@@ -71,7 +71,8 @@ RULES = (
     CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$", PUBLIC,
              "ceil(L / 128) KV steps of the public bucket L (l_scalar), for the producer, the V cleaners "
              "and the consumers alike"),
-    CudaRule("producer-lanes", "prefill_sm90.cu", r"^if \((lane == 0|t % 4 == 0)\) (\{(\s+//.*)?|load_stage\(.*\);)$", PUBLIC,
+    CudaRule("producer-lanes", "prefill_sm90.cu",
+             r"^if \((lane == 0|t % 4 == 0)\) (\{(\s+//.*)?|load_stage\(.*\);)$", PUBLIC,
              "the producer warp computes the page ids of 4 steps at every 4th step (step index) and its lane 0 "
              "issues the TMA loads (thread index)"),
     CudaRule("ring-reuse", "prefill_sm90.cu", r"^if \(t >= STAGES\) mbar_wait\(", PUBLIC,
