@@ -44,6 +44,9 @@ def test_variant_and_mode_refused(monkeypatch):
         decode_sm90(*cpu_step(), scale=0.1, mode="both")
     with pytest.raises(ValueError, match=r"order is 'yes'; accepted: None \(by longest_first\), True, False"):
         decode_sm90(*cpu_step(), scale=0.1, order="yes")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=r"spp is .*; accepted: None or an int >= 1"):
+            decode_sm90(*cpu_step(), scale=0.1, spp=bad)
 
 
 SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,

@@ -94,6 +94,11 @@ def test_long_contexts_and_split_modes_agree():
             out = run(step, variant=variant, mode=mode)
             assert rel_err(out, ref, 3) < TOL[torch.bfloat16]
             assert torch.equal(bits(out[:3]), want), f"{variant}/{mode}"
+    # The splits dealt to the CTAs otherwise (64 splits per row at 32K): same bits.
+    for spp in (1, 5, 16, 64):
+        out = decode_sm90(*step.args(), torch.full_like(step.query, float("nan")), scale=SCALE, causal=True,
+                          num_tokens=step.num_tokens, mode="split", spp=spp)
+        assert torch.equal(bits(out[:3]), want), f"split mode, spp {spp}"
 
 
 def test_wide_block_table_short_walks():

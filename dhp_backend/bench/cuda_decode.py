@@ -62,7 +62,8 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
-# cuda_<variant>[:grid|:lpt]: fold mode's schedule forced off (grid order) or on (longest first).
+# cuda_<variant>[:grid|:lpt|:spp<N>]: fold mode's schedule forced off (grid order) or on
+# (longest first), or split mode's splits per CTA forced to N (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
 
 
@@ -70,11 +71,11 @@ def kv_bytes(reqs) -> int:
     return sum(s for _, s in reqs) * HKV * D * 2 * 2
 
 
-def cuda_fn(st, variant, mode=None, order=None, bucket=None):
+def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None):
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket)
+    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp)
     decode_sm90(*args, **kw)  # the metadata checked once
     return lambda: decode_sm90(*args, **kw, check=False)
 
@@ -110,10 +111,14 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 
 
 def _cuda_variant(name: str):
-    """``cuda_<variant>[:grid|:lpt]`` -> (variant, order), or None for another name."""
+    """``cuda_<variant>[:grid|:lpt|:spp<N>]`` -> (variant, order, spp), or None for another name."""
     v, _, o = name[5:].partition(":")
     known = v in VARIANTS or v in DIAGNOSTIC_VARIANTS or v == AUTO
-    return (v, ORDERS[o]) if name.startswith("cuda_") and known and o in ORDERS else None
+    if not (name.startswith("cuda_") and known):
+        return None
+    if re.fullmatch(r"spp[1-9][0-9]*", o):
+        return v, None, int(o[3:])
+    return (v, ORDERS[o], None) if o in ORDERS else None
 
 
 def _ct_variant(name: str):
@@ -134,13 +139,15 @@ def probe() -> bool:
         st = make_step([(1, s) for s in lens], gen, width=PROBE_BUCKET // BS)
         ref = sdpa_ref(st, True)
         tri = triton_off_fn(st, True)()
-        runs = [(variant, mode, order, None) for variant in VARIANTS
+        runs = [(variant, mode, order, None, None) for variant in VARIANTS
                 for mode, order in (("split", None), ("fold", False), ("fold", True))]
-        runs += [(variant, mode, None, PROBE_BUCKET) for variant in CT_VARIANTS for mode in ("split", "fold")]
-        for variant, mode, order, bucket in runs:
-            o = cuda_fn(st, variant, mode, order, bucket)()
+        runs += [(variant, mode, None, PROBE_BUCKET, None) for variant in CT_VARIANTS for mode in ("split", "fold")]
+        runs += [(AUTO, "split", None, None, spp) for spp in (1, 3)]  # splits dealt otherwise: same bits
+        for variant, mode, order, bucket, spp in runs:
+            o = cuda_fn(st, variant, mode, order, bucket, spp)()
             torch.cuda.synchronize()
-            key = f"{lens} {variant}/{mode}{'/lpt' if order else ''}{f'/ct{bucket}' if bucket else ''}"
+            key = (f"{lens} {variant}/{mode}{'/lpt' if order else ''}{f'/ct{bucket}' if bucket else ''}"
+                   f"{f'/spp{spp}' if spp else ''}")
             errs[key] = rel_err(o, ref)
             same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
     ok = all(e < 2e-2 for e in errs.values()) and all(same.values())
@@ -217,8 +224,8 @@ def main(argv=None):
                 elif _ct_variant(name) and args.bucket:
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 elif _cuda_variant(name):
-                    variant, order = _cuda_variant(name)
-                    fns = [cuda_fn(s, variant, order=order) for s in sets]
+                    variant, order, spp = _cuda_variant(name)
+                    fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 diag = bool(_cuda_variant(name)) and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS

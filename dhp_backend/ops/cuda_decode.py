@@ -220,7 +220,7 @@ def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: i
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True,
-                bucket: int | torch.Tensor | None = None) -> torch.Tensor:
+                bucket: int | torch.Tensor | None = None, spp: int | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant``: "auto" (`pick_variant`), one of `VARIANTS` (residency; same bits), or of
@@ -234,6 +234,9 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     per-request buckets run the constant-time walk to it (policies strict / batch /
     request; variants `CT_VARIANTS`, "auto" = `CT_DEFAULT_VARIANT`; ``order`` must
     not be True: the longest-first order sorts by the true lengths).
+    ``spp``: split mode's splits per CTA, forced (None: `plan`'s choice; a launch
+    that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
+    timing only, same bits (every split's state is stored and merged left to right).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
@@ -243,6 +246,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("mode", repr(mode), "None, 'fold', 'split'")
     if order not in (None, True, False):
         _fail("order", repr(order), "None (by longest_first), True, False")
+    if spp is not None and (isinstance(spp, bool) or not isinstance(spp, int) or spp < 1):
+        _fail("spp", repr(spp), "None or an int >= 1 (split mode's splits per CTA)")
     ct = bucket is not None
     if ct:
         l_mode, l_scalar, bucket_t = ct_bucket("cuda_decode", bucket, seq_lens.shape[0],
@@ -283,7 +288,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         p = plan(num_tokens, num_reqs, H, Hkv, ext_grid, dtype_name, variant, mode)
         null = ctypes.c_void_p(0)
         ws_acc = ws_m = ws_l = order_ws = null
-        spp = 0
+        spp_arg = 0  # fold mode
         from dhp_backend.ops.triton import workspace as wsp
 
         if p["split"]:
@@ -291,7 +296,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
 
             ws, _, _ = wsp.reserve_workspace(query.device)
             acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
-            ws_acc, ws_m, ws_l, spp = acc.data_ptr(), m.data_ptr(), l.data_ptr(), p["spp"]
+            ws_acc, ws_m, ws_l = acc.data_ptr(), m.data_ptr(), l.data_ptr()
+            spp_arg = p["spp"] if spp is None else min(spp, p["n_split_grid"])
         elif not ct and (order or (order is None and longest_first(p, num_tokens, Hkv))):
             # Fold mode leaves the split area unused: its head holds the schedule
             # ((token, request) int32 pairs, written and read in stream order by this launch).
@@ -312,7 +318,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                       int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
-                      ws_l, p["n_split_grid"], spp, order_ws, *ct_args, stream)
+                      ws_l, p["n_split_grid"], spp_arg, order_ws, *ct_args, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out
