@@ -62,6 +62,12 @@ REPORT_ONLY = [("fa3", "dhp"), ("dhp", "dhp-graphs"), ("fa3-bi-solo", "fa3-bi-re
                ("nobi-off-solo", "nobi-off-reversed"), ("fa3-solo", "fa3-reversed")]
 
 
+def runs_dhp(name: str) -> bool:
+    """Whether the configuration asks for the DHP backend (read from CONFIGS, not from its name)."""
+    args = CONFIGS[name][0]
+    return args[args.index("--backend") + 1] == "DHP"
+
+
 def run_one(name, model, common, log_dir):
     extra, env_extra = CONFIGS[name]
     env = {**os.environ, **env_extra, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -131,7 +137,7 @@ def main() -> int:
         r = results.get(n)
         if r is None:
             ok = False
-        elif n.startswith(("dhp", "bi-", "nobi-")) and not r["dhp_trace"]:
+        elif runs_dhp(n) and not r["dhp_trace"]:
             print(f"[{n}] DHP did not run in the worker", flush=True)
             ok = False
 
