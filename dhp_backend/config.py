@@ -2,7 +2,7 @@
 
 Sources, highest precedence first (vLLM's convention for plugins):
 
-1. ``--additional-config '{"dhp": {"policy": "batch"}}'`` (``vllm_config.additional_config``)
+1. ``--additional-config '{"dhp": {"policy": "request"}}'`` (``vllm_config.additional_config``)
 2. environment variables ``DHP_POLICY``, ``DHP_ALLOW_FALLBACK``, ``DHP_PATH``
 3. the defaults below (``policy="strict"``, no non-constant-time fallback, ``path="auto"``)
 
@@ -26,7 +26,6 @@ class Policy(str, enum.Enum):
     """
 
     STRICT = "strict"    # L = max_model_len: timing reveals only the step geometry
-    BATCH = "batch"      # L = next power of two >= longest sequence in the step
     REQUEST = "request"  # each request's own next power of two
     OFF = "off"          # true lengths: fast, still deterministic and batch-invariant
 
@@ -39,6 +38,14 @@ class Policy(str, enum.Enum):
                 return cls(value.strip().lower())
             except ValueError:
                 pass
+            if value.strip().lower() == "batch":
+                raise ValueError(
+                    f"{source}: DHP policy 'batch' was retired. Its bucket was the longest request "
+                    "of each step, and the address rule (every request reads its pages up to its "
+                    "bucket) would make every request reserve KV pages up to the longest one it "
+                    "might ever share a step with. Use 'request' (each request reserves up to its "
+                    "own next power of two) or 'strict'; accepted: "
+                    + ", ".join(repr(p.value) for p in cls))
         raise ValueError(
             f"{source}: unknown DHP policy {value!r}; accepted: "
             + ", ".join(repr(p.value) for p in cls)

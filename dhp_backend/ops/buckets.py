@@ -33,6 +33,28 @@ def next_pow2_tensor(lengths: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
+def reserved_tokens(policy: Policy | str, seq_len: int, max_model_len: int) -> int:
+    """Tokens of KV pages the engine must hold for a request of length ``seq_len``
+    before a step runs it (the address rule, design.md section 2).
+
+    Under a constant-time policy a kernel reads exactly the pages
+    ``block_table[r, 0 : ceil(L_r / block_size)]`` whatever the true length is, so
+    those pages must exist and belong to the request: ``strict`` reserves
+    ``max_model_len`` from the first step; ``request`` its length's next power of
+    two (capped at ``max_model_len``), reserved again each time the length crosses
+    one; ``off`` only what the true length needs.
+    """
+    policy = Policy.parse(policy)
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len: must be positive, got {max_model_len}")
+    seq_len = max(0, int(seq_len))
+    if policy is Policy.STRICT:
+        return int(max_model_len)
+    if policy is Policy.REQUEST:
+        return min(next_pow2(seq_len), int(max_model_len))
+    return min(seq_len, int(max_model_len))
+
+
 def bucket_for_step(
     policy: Policy | str,
     *,
