@@ -38,7 +38,7 @@ def run_backend(model: Path, backend: str, extra: list[str], log_dir: Path) -> d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="strict", choices=["strict", "batch", "request", "off"])
+    ap.add_argument("--policy", default="strict", choices=["strict", "request", "off"])
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     ap.add_argument("--work-dir", default=str(ROOT / ".work"))
     a = ap.parse_args()

@@ -6,8 +6,8 @@ once per configuration, each configuration in its own process (a fresh engine;
 ``VLLM_BATCH_INVARIANT`` and friends are read at import time):
 
   GPU (vLLM 0.24):  fa3 (FLASH_ATTN)  flashinfer (FLASHINFER)  triton (TRITON_ATTN)
-                    dhp-off  dhp-strict  dhp-batch  dhp-request   (DHP, one policy each)
-  CPU (vLLM 0.32):  cpu-attn (CPU_ATTN)  dhp-off  dhp-strict  dhp-batch  dhp-request
+                    dhp-off  dhp-strict  dhp-request   (DHP, one policy each)
+  CPU (vLLM 0.32):  cpu-attn (CPU_ATTN)  dhp-off  dhp-strict  dhp-request
   and any of them with ``-bi`` appended: the same under ``VLLM_BATCH_INVARIANT=1``.
 
 Workload (the same for every configuration): ``--num-requests`` prompts of
@@ -65,23 +65,17 @@ GPU_CONFIGS = {
     "triton": ("TRITON_ATTN", None),
     "dhp-off": ("DHP", "off"),
     "dhp-strict": ("DHP", "strict"),
-    "dhp-batch": ("DHP", "batch"),
     "dhp-request": ("DHP", "request"),
-    # DHP strict with its decode steps on the Triton kernels (DHP_CUDA_DECODE_CT=0), and
-    # with the csrc CT kernels' decoys unshuffled (docs/perf-notes.md, changes 34-35);
-    # "dhp-strict" is the default path (csrc CT decode, shuffled decoys).
+    # DHP strict with its decode steps on the Triton kernels (DHP_CUDA_DECODE_CT=0);
+    # "dhp-strict" is the default path (csrc CT decode).
     "dhp-strict-triton": ("DHP", "strict"),
-    "dhp-strict-noshuffle": ("DHP", "strict"),
 }
 # Environment a configuration sets in its own process (over the caller's).
-CONFIG_ENV = {"dhp-strict-triton": {"DHP_CUDA_DECODE_CT": "0"},
-              # the csrc CT kernels without the decoy shuffle (perf-notes change 35)
-              "dhp-strict-noshuffle": {"DHP_CT_DECOY_ROUNDS": "0"}}
+CONFIG_ENV = {"dhp-strict-triton": {"DHP_CUDA_DECODE_CT": "0"}}
 CPU_CONFIGS = {
     "cpu-attn": ("CPU_ATTN", None),
     "dhp-off": ("DHP", "off"),
     "dhp-strict": ("DHP", "strict"),
-    "dhp-batch": ("DHP", "batch"),
     "dhp-request": ("DHP", "request"),
 }
 BASELINE = {"cuda": "fa3", "cpu": "cpu-attn"}
@@ -837,7 +831,7 @@ CHILD_FORWARDED = ("model_config", "device", "dtype", "num_requests", "min_promp
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=None,
-                    help="comma-separated; GPU: fa3,flashinfer,triton,dhp-off,dhp-strict,dhp-batch,dhp-request; "
+                    help="comma-separated; GPU: fa3,flashinfer,triton,dhp-off,dhp-strict,dhp-request; "
                          "CPU: cpu-attn,dhp-off,...; append -bi for VLLM_BATCH_INVARIANT=1 "
                          f"(default GPU: {DEFAULT_GPU_CONFIGS}; "
                          "CPU: cpu-attn,dhp-off)")

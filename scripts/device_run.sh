@@ -11,9 +11,6 @@
 #   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (bench/sustained.py; SUSTAIN_ARGS)
-#   padloc    short vs long padding timing per decoy map and page layout (bench/padding_locality.py)
-#   ctwalk    the decoy map's GPU copies (csrc probe, compiled Triton) vs the host's (tests/test_ct_walk_gpu.py)
-#   decoylay  decoy maps timed as page layouts on all-real requests (bench/decoy_layouts.py; DECOYLAY_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
@@ -86,11 +83,6 @@ for step in "$@"; do
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
                --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
     sustain) python3 -m dhp_backend.bench.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
-    ctwalk)  python3 -m pytest -q -m gpu tests/test_ct_walk_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/ctwalk.log" \
-               | grep -v "^\s*$" | tail -8 ;;
-    decoylay) python3 -m dhp_backend.bench.decoy_layouts ${DECOYLAY_ARGS:-} --out "$OUT/decoy_layouts.json" 2>&1 \
-               | tee "$OUT/decoylay.log" | tail -40 ;;
-    padloc)  python3 -m dhp_backend.bench.padding_locality --out "$OUT/padding_locality.json" 2>&1 | tee "$OUT/padloc.log" | tail -9 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;

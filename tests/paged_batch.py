@@ -88,12 +88,16 @@ def make_batch(
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
 
     blocks_needed = [-(-r.seq_len // block_size) for r in requests]
-    num_blocks = 1 + sum(blocks_needed) + extra_blocks  # block 0 is vLLM's null block
+    width = max(blocks_needed, default=0) + extra_columns
+    width = max(width, 1)
+    # Every request owns distinct pages for the table's whole width, as the engine
+    # reserves them up to the bucket (the address rule): any bucket up to
+    # width * block_size is valid. The reserved pages past a request's length hold
+    # stale garbage, as reused pages do in vLLM.
+    num_blocks = 1 + len(requests) * width + extra_blocks  # block 0 is vLLM's null block
     ids = list(range(1, num_blocks))
     if shuffle_blocks:
         rng.shuffle(ids)
-    width = max(blocks_needed, default=0) + extra_columns
-    width = max(width, 1)
 
     # Stale garbage everywhere first: whatever sits past a request's length must
     # never reach the output.
@@ -108,16 +112,13 @@ def make_batch(
         key_cache = (randn(*shape).float() * 50).to(dtype)
         value_cache = (randn(*shape).float() * 50).to(dtype)
 
-    # Columns past a request's last block hold leftover ids (or 0), as in vLLM.
-    table = torch.tensor([[rng.randrange(num_blocks) for _ in range(width)] for _ in requests],
-                         dtype=torch.int32).reshape(len(requests), width)
+    table = torch.zeros(len(requests), width, dtype=torch.int32)
     keys, values, queries = [], [], []
     cursor = 0
     for r, req in enumerate(requests):
+        table[r] = torch.tensor(ids[cursor:cursor + width], dtype=torch.int32)
         mine = ids[cursor:cursor + blocks_needed[r]]
-        cursor += blocks_needed[r]
-        if mine:
-            table[r, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        cursor += width
         k = randn(req.seq_len, num_kv_heads, head_size)
         v = randn(req.seq_len, num_kv_heads, head_size)
         for p in range(req.seq_len):

@@ -24,9 +24,9 @@ def test_defaults():
 
 def test_additional_config_beats_environment():
     env = {"DHP_POLICY": "off", "DHP_ALLOW_FALLBACK": "0", "DHP_PATH": "triton"}
-    cfg = DHPConfig.from_sources({"dhp": {"policy": "BATCH", "allow_fallback": True, "path": "reference"}},
+    cfg = DHPConfig.from_sources({"dhp": {"policy": "REQUEST", "allow_fallback": True, "path": "reference"}},
                                  environ=env)
-    assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.BATCH, True, "reference")
+    assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.REQUEST, True, "reference")
     cfg = DHPConfig.from_sources({"other_plugin": {}}, environ=env)
     assert (cfg.policy, cfg.allow_fallback, cfg.path) == (Policy.OFF, False, "triton")
     assert "policy from DHP_POLICY" in cfg.describe()
@@ -60,9 +60,8 @@ def test_bucket_per_policy():
     lens = [5, 100, 1000]
     assert bucket_for_step("strict", max_model_len=4096, seq_lens=lens) == 4096
     assert bucket_for_step("off", max_model_len=4096, seq_lens=lens) is None
-    assert bucket_for_step("batch", max_model_len=4096, seq_lens=lens) == 1024
-    assert bucket_for_step("batch", max_model_len=4096, max_seq_len=3000) == 4096
-    assert bucket_for_step("batch", max_model_len=3000, max_seq_len=2500) == 3000  # capped, never above
+    with pytest.raises(ValueError, match="'batch' was retired"):
+        bucket_for_step("batch", max_model_len=4096, seq_lens=lens)
     b = bucket_for_step("request", max_model_len=512, seq_lens=torch.tensor([1, 5, 100, 511], dtype=torch.int32))
     assert b.dtype == torch.int32 and b.tolist() == [1, 8, 128, 512]
     with pytest.raises(ValueError, match="max_model_len"):
@@ -79,9 +78,8 @@ def test_dispatch_refuses_or_falls_back_explicitly():
     # (the reason names whichever coverage check fails first; head size 72 fails some)
     with pytest.raises(FallbackRefused, match="not constant-time.*allow_fallback"):
         choose_path(SPEC_UNCOVERED, "strict")
-    for policy in ("batch", "request"):
-        with pytest.raises(FallbackRefused):
-            choose_path(SPEC_UNCOVERED, policy)
+    with pytest.raises(FallbackRefused):
+        choose_path(SPEC_UNCOVERED, "request")
     allowed = choose_path(SPEC_UNCOVERED, "strict", allow_fallback=True)
     assert allowed.name == "reference" and not allowed.constant_time
     assert allowed.reason.startswith("fallback: ") and len(allowed.reason) > len("fallback: ")
@@ -94,14 +92,14 @@ def test_dispatch_refuses_or_falls_back_explicitly():
 
 # --- CLI ------------------------------------------------------------------------------------
 def test_info_json(capsys):
-    assert cli_main(["info", "--json", "--device", "cuda", "--policy", "batch", "--head-size", "72"]) == 0
+    assert cli_main(["info", "--json", "--device", "cuda", "--policy", "request", "--head-size", "72"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["versions"]["dhp_backend"] == "0.1.0" and r["versions"]["torch"]
-    assert r["config"]["policy"] == "batch"
+    assert r["config"]["policy"] == "request"
     assert set(r["cases"]) == {"decode", "prefill", "mixed"}
     for case in r["cases"].values():
         assert case["path"] == "REFUSED" and "refuses the reference path (fallback: " in case["why"]
-    assert r["cases"]["decode"]["bucket"] == 1024  # 8 decodes at context 1000 -> next power of two
+    assert r["cases"]["decode"]["bucket"] == [1024] * 8  # 8 decodes at context 1000 -> next power of two
     assert "allow_fallback" in r["refusal"]
 
 
@@ -147,5 +145,4 @@ def test_graph_capture_rules():
     reference = PathChoice("reference", False, "fallback")
     assert graph_capturable(triton_path, "strict") and graph_capturable(triton_path, "request")
     assert graph_capturable(triton_path, "off")
-    assert not graph_capturable(triton_path, "batch")  # host bucket changes every step
-    assert not any(graph_capturable(reference, p) for p in ("strict", "batch", "request", "off"))
+    assert not any(graph_capturable(reference, p) for p in ("strict", "request", "off"))

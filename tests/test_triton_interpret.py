@@ -94,16 +94,16 @@ def _build(q_lens, seq_lens, *, H, Hkv, D=64, BS=16, dtype=torch.float16, seed=0
 # (id, q_lens, seq_lens, H, Hkv, BS, dtype, causal, policy, pad_tokens)
 CASES = [
     ("decode-mha", [1, 1, 1], [5, 130, 70], 2, 2, 16, torch.float16, True, "strict", 0),
-    ("decode-gqa4-bs32", [1, 1, 1, 1], [33, 1, 200, 64], 8, 2, 32, torch.float16, True, "batch", 2),
+    ("decode-gqa4-bs32", [1, 1, 1, 1], [33, 1, 200, 64], 8, 2, 32, torch.float16, True, "request", 2),
     ("prefill-gqa2", [40], [40], 4, 2, 16, torch.float16, True, "strict", 0),
     ("prefill-ctx-mqa", [20, 9], [150, 9], 4, 1, 16, torch.bfloat16, True, "request", 0),
     ("mixed-gqa4", [1, 25, 1, 6], [90, 60, 17, 260], 8, 2, 16, torch.float16, True, "off", 3),
     ("mixed-bs32-fp32", [3, 1, 17], [3, 100, 140], 4, 2, 32, torch.float32, True, "strict", 1),
-    ("noncausal-gqa2", [7, 1, 12], [30, 77, 12], 4, 2, 16, torch.float16, False, "batch", 0),
+    ("noncausal-gqa2", [7, 1, 12], [30, 77, 12], 4, 2, 16, torch.float16, False, "request", 0),
     ("noncausal-mqa-bf16", [5, 16], [200, 16], 4, 1, 32, torch.bfloat16, False, "off", 0),
     ("chunk-mid-prompt", [16, 1], [48, 129], 4, 2, 16, torch.float32, True, "request", 0),
     ("zero-qlen-req", [0, 4, 1], [20, 4, 9], 4, 4, 16, torch.float16, True, "strict", 2),
-    ("zero-seqlen-req", [0, 3], [0, 40], 4, 2, 16, torch.float16, True, "batch", 0),
+    ("zero-seqlen-req", [0, 3], [0, 40], 4, 2, 16, torch.float16, True, "request", 0),
 ]
 
 
@@ -154,7 +154,7 @@ def test_split_and_fold_modes_match_reference_and_each_other(dtype):
 def test_head_size_80_padding():
     step = _build([1, 5], [70, 40], H=4, Hkv=2, D=80, seed=4)
     ref = reference(step, scale=80 ** -0.5, causal=True)
-    out = _run(step, policy="batch")
+    out = _run(step, policy="request")
     assert rel_err(out, ref, step.num_tokens) < TOL[torch.float16]
 
 
@@ -177,7 +177,7 @@ def test_bitwise_repeatable():
 
 def test_bits_equal_across_policies_and_modes():
     step = _build([1, 11, 1, 2], [260, 30, 7, 140], H=4, Hkv=2, seed=7)
-    outs = [_run(step, policy=p, mode=m) for p in ("strict", "batch", "request", "off") for m in ("fold", "split")]
+    outs = [_run(step, policy=p, mode=m) for p in ("strict", "request", "off") for m in ("fold", "split")]
     for o in outs[1:]:
         assert torch.equal(bits(outs[0]), bits(o))
 

@@ -20,6 +20,8 @@ accepted. Rejected inputs covered here:
   sequence; negative length; length above the bucket; block id negative / out of range;
   length needing more blocks than the table has; last offset beyond num_tokens
 - path: unknown; 'triton' when the kernels do not cover the problem
+- the address rule under strict/request: a page below the bucket that is invalid or
+  repeated (the caller must reserve distinct pages up to each bucket)
 - policy strict with only the non-constant-time path and no explicit permission
 """
 
@@ -150,3 +152,45 @@ def test_valid_call_passes_and_values_check_can_be_skipped():
     assert torch.isfinite(out).all()
     # check_values=False skips host-side value checks (for callers that validated already)
     call(check_values=False)
+
+
+# --- the address rule (design.md section 2): pages up to the bucket ------------------------
+# base(): block_size 8, table width 4 (3 blocks for the 20+1-token request, 1 for the
+# 5-token one, one extra column), every column a distinct page of its request.
+
+def _table_with(r, col, value):
+    t = base()["block_table"].clone()
+    t[r, col] = value
+    return t
+
+
+@pytest.mark.parametrize("policy,bucket", [("strict", 32), ("request", 32),
+                                           ("request", torch.tensor([32, 16], dtype=torch.int32))])
+def test_constant_time_rejects_unreserved_page_below_the_bucket(policy, bucket):
+    # request 1 (5 tokens: 1 block) with bucket >= 16 reads column 1 too: it must be a real page
+    bad = _table_with(1, 1, 10_000)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\].*past the request's true length but below its "
+                                         r"bucket.*reserve") as info:
+        call(block_table=bad, policy=policy, bucket=bucket, allow_fallback=True)
+    assert "accepted" in str(info.value)
+    # policy off never reads it: accepted
+    call(block_table=bad)
+
+
+@pytest.mark.parametrize("policy", ["strict", "request"])
+def test_constant_time_rejects_a_page_repeated_below_the_bucket(policy):
+    t = base()["block_table"]
+    dup = _table_with(1, 1, int(t[1, 0]))  # the padding column aliases the request's own first page
+    with pytest.raises(ValueError, match=r"block_table\[1, :4\].*page .* at columns \[0, 1\].*distinct pages up "
+                                         r"to the bucket"):
+        call(block_table=dup, policy=policy, bucket=32, allow_fallback=True)
+    call(block_table=dup)  # off: only pages below the true length are read
+
+
+def test_constant_time_accepts_a_fully_reserved_table():
+    out = call(policy="strict", bucket=32, allow_fallback=True)
+    ref = call()
+    assert torch.equal(out, ref)
+    # a column past the bucket is never read: anything goes there
+    call(block_table=_table_with(1, 3, -7), policy="request", bucket=torch.tensor([32, 16], dtype=torch.int32),
+         allow_fallback=True)

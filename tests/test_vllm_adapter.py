@@ -79,10 +79,12 @@ class Step:
         rng = random.Random(seed)
         self.requests = requests
         blocks_per_req = [-(-r.seq_len // block_size) for r in requests]
-        num_blocks = 1 + sum(blocks_per_req) + 4
+        width = -(-MAX_MODEL_LEN // block_size)  # vLLM's table covers max_model_len
+        # Every request owns distinct pages up to max_model_len, as vLLM reserves
+        # them for DHP under strict (the address rule): valid for every policy.
+        num_blocks = 1 + len(requests) * width + 4
         ids = list(range(1, num_blocks))
         rng.shuffle(ids)  # permuted blocks starting at 1 (0 is the null block)
-        width = -(-MAX_MODEL_LEN // block_size)  # vLLM's table covers max_model_len
         table = torch.zeros(len(requests), width, dtype=torch.int32)
         # stale K/V of earlier requests sit everywhere (blocks are reused unzeroed)
         self.kv_cache = torch.randn(num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE, generator=gen) * 30
@@ -90,9 +92,9 @@ class Step:
         ctx_k, ctx_v, ctx_slots = [], [], []
         cursor = 0
         for r, req in enumerate(requests):
+            table[r] = torch.tensor(ids[cursor:cursor + width], dtype=torch.int32)
             mine = ids[cursor:cursor + blocks_per_req[r]]
-            cursor += blocks_per_req[r]
-            table[r, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
+            cursor += width
             k = torch.randn(req.seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
             v = torch.randn(req.seq_len, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
             self.keys.append(k)
@@ -202,13 +204,13 @@ def test_dhp_matches_oracle_and_cpu_attn(model_dir, name, block_size):
     torch.testing.assert_close(out_dhp, out_cpu, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["strict", "batch", "request", "off"])
+@pytest.mark.parametrize("policy", ["strict", "request", "off"])
 def test_each_policy_same_bits(model_dir, policy):
     step = Step(STEPS["long_mixed"], 16, seed=5, pad_tokens=3)
     cfg = make_vllm_config(model_dir, 16, policy=policy, allow_fallback=True)
     out, md = run_backend(DHPAttentionBackend, cfg, step, 16, step.kv_cache.clone())
     assert md.policy is Policy(policy)
-    expected_bucket = {"strict": MAX_MODEL_LEN, "batch": 512, "off": None}
+    expected_bucket = {"strict": MAX_MODEL_LEN, "off": None}
     if policy == "request":
         assert md.bucket.tolist() == [512, 256, 256, 8]
     else:
@@ -220,11 +222,9 @@ def test_each_policy_same_bits(model_dir, policy):
     assert (out[n:] == 0).all()  # padding rows are defined zeros
 
 
-def test_batch_policy_bucket_is_capped_power_of_two(model_dir):
-    step = Step([Request(60, 1), Request(10, 3)], 16, seed=1)
-    cfg = make_vllm_config(model_dir, 16, policy="batch", allow_fallback=True)
-    _, md = run_backend(DHPAttentionBackend, cfg, step, 16, step.kv_cache.clone())
-    assert md.bucket == 64
+def test_batch_policy_is_retired_with_a_reason(model_dir):
+    with pytest.raises(ValueError, match="'batch' was retired.*address rule.*'request'"):
+        make_impl(DHPAttentionBackend, make_vllm_config(model_dir, 16, policy="batch"))
 
 
 def test_profile_and_dummy_runs(model_dir):

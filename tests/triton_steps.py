@@ -2,8 +2,10 @@
 
 A "request" is its own query rows and K/V content; `assemble` lays any list of
 requests into one packed step with a fresh paged cache, random physical blocks,
-stale garbage (NaN/inf) everywhere no request owns, garbage block-table entries
-past each request's last block, and NaN-poisoned padding query rows. So what a
+stale garbage (NaN/inf) everywhere no request has written, and NaN-poisoned
+padding query rows. Every request owns distinct pages for the table's whole
+width (the address rule: the engine reserves them up to the bucket), and the
+pages past its length hold that garbage. So what a
 request's output may depend on is exactly its own data.
 """
 
@@ -91,18 +93,17 @@ def assemble(reqs: list[Request], *, block_size: int, H: int | None = None, Hkv:
     nblk = [cdiv(r.seq_len, block_size) for r in reqs]
     if max_blocks is None:
         max_blocks = max(nblk + [1]) + extra_table_cols
-    num_blocks = sum(nblk) + spare_blocks
+    num_blocks = len(reqs) * max_blocks + spare_blocks
     kc = _garbage((num_blocks, Hkv, block_size, D), gen, dtype)
     vc = _garbage((num_blocks, Hkv, block_size, D), gen, dtype)
     perm = torch.randperm(num_blocks, generator=gen, device=dev)
-    table = torch.randint(-(1 << 20), 1 << 20, (len(reqs), max_blocks), generator=gen,
-                          device=dev, dtype=torch.int32)
+    table = torch.zeros((len(reqs), max_blocks), device=dev, dtype=torch.int32)
     kv_k, kv_v = kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3)  # [blocks, slot, Hkv, D] views
     used = 0
     for i, r in enumerate(reqs):
+        table[i] = perm[used: used + max_blocks].to(torch.int32)
         ids = perm[used: used + nblk[i]]
-        used += nblk[i]
-        table[i, : nblk[i]] = ids.to(torch.int32)
+        used += max_blocks
         if r.seq_len:
             pos = torch.arange(r.seq_len, device=dev)
             blk, slot = ids[pos // block_size], pos % block_size

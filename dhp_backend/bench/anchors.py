@@ -388,8 +388,6 @@ class DHP(Anchor):
         self.policy = policy
         self.name = f"dhp_{policy}"
         self.label = f"DHP, policy {policy}"
-        # Under 'batch' the bucket is a host value that changes every step, so the
-        # engine runs it eagerly; a fixed benchmark step can still be captured.
         self.graphable = True
 
     def available(self) -> str | None:
@@ -423,8 +421,6 @@ class DHP(Anchor):
         self.buckets = [bucket_for_step(self.policy, max_model_len=c.max_model_len, seq_lens=s.seq_lens)
                         for s in sets]
         self.check_values = True  # the first launch (the correctness check) validates the values too
-        if self.policy == "batch":
-            self.notes.append("engine runs 'batch' eagerly (host bucket per step)")
 
     def run(self, i: int):
         from dhp_backend.ops import paged_attention
@@ -448,7 +444,7 @@ class DHP(Anchor):
         self.buckets = None
 
 
-POLICIES = ("off", "strict", "batch", "request")
+POLICIES = ("off", "strict", "request")
 ANCHOR_NAMES = ("fa3", "flashinfer", "triton_unified", "sdpa_cudnn") + tuple(f"dhp_{p}" for p in POLICIES)
 
 

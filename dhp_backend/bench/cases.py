@@ -202,8 +202,6 @@ def buckets(c: Case, policy: str) -> list[int] | None:
         return None
     if policy == "strict":
         return [c.max_model_len] * c.num_reqs
-    if policy == "batch":
-        return [min(next_pow2(c.max_seq_len), c.max_model_len)] * c.num_reqs
     if policy == "request":
         return [min(next_pow2(s), c.max_model_len) for s in c.seq_lens]
     raise ValueError(f"unknown policy {policy!r}")
@@ -229,13 +227,9 @@ def work(c: Case, policy: str = "off") -> dict:
 
 
 def cache_blocks(c: Case) -> int:
-    """Blocks of one input set's cache: the real blocks plus room for DHP's decoy pages.
-
-    DHP reads a decoy page for every padding position, spread over the whole cache
-    so that (num_reqs + 1) * L / block_size distinct pages exist before one repeats
-    (`kernels.decoy_block`); a cache that small would let padding hit L2 and look
-    cheaper than in an engine, whose cache is large.
-    """
+    """Blocks of one input set's cache: every request's reservation up to
+    max_model_len (the address rule: under strict DHP reads them all) plus a spare
+    request's worth, and vLLM's null block."""
     real = sum(-(-s // c.block_size) for s in c.seq_lens)
     return max(real + 1, (c.num_reqs + 1) * -(-c.max_model_len // c.block_size))
 

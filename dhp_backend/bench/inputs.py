@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from dhp_backend.testing.pages import reserved_table
+
 from dhp_backend.bench import cases as C
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -40,15 +42,13 @@ def build_set(c: C.Case, gen: torch.Generator, device: torch.device) -> InputSet
     kv = torch.empty(nb, c.num_kv_heads, bs, 2 * D, dtype=dt, device=device).normal_(generator=gen)
     query = torch.empty(c.num_tokens, c.num_heads, D, dtype=dt, device=device).normal_(generator=gen)
     width = -(-c.max_model_len // bs)
-    need = [-(-s // bs) for s in c.seq_lens]
-    perm = torch.randperm(nb, generator=gen, device=device)[: sum(need)].to(torch.int32)
-    # Columns past a request's last block are never read for data (DHP reads decoy
-    # pages there, the others stop at seq_len); they still hold valid block ids.
-    table = torch.randint(0, nb, (c.num_reqs, width), generator=gen, device=device, dtype=torch.int32)
-    start = 0
-    for r, n in enumerate(need):
-        table[r, :n] = perm[start:start + n]
-        start += n
+    # Every request owns distinct pages up to max_model_len, as the engine reserves
+    # them under strict (the address rule: DHP reads them all under a constant-time
+    # policy, the other anchors stop at seq_len). The largest reservation any
+    # policy makes, so one table serves every policy.
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen).item())
+    table = reserved_table([c.max_model_len] * c.num_reqs, block_size=bs, num_blocks=nb, width=width,
+                           layout="random", seed=seed, device=device)
     qsl = [0]
     for q in c.q_lens:
         qsl.append(qsl[-1] + q)

@@ -42,8 +42,8 @@ def make_set(B, q_len, ctx_true, L, gen, *, seq_lens=None):
     """One input set: a paged cache with randomly placed blocks and random data.
 
     ``ctx_true``: each request's true total length (seq_len); L: the table capacity
-    (strict bucket). Blocks past the true length exist (stale random data) so that
-    decoy reads land on real cache pages of a realistically sized cache.
+    (strict bucket). Every request owns distinct pages up to L (the address rule:
+    the engine reserves them), those past the true length hold stale random data.
     """
     max_blocks = _cdiv(L, BS)
     num_blocks = B * max_blocks + 16

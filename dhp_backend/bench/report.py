@@ -291,7 +291,7 @@ def markdown(doc: dict, *, pngs=(), plot_note: str | None = None) -> str:
         out.append(f"- ceiling {k}: {val}" + (f" ({c['what']})" if c.get("what") else ""))
     legend = ("Ratios `vs FA3` / `vs FlashInfer`: that anchor's median time over this row's, on the same step "
               "(> 1: this row is faster). `useful` counts the true lengths (K+V once, Q, O; causal triangle); "
-              "`executed` is what DHP strict/batch/request walk (every query row to its bucket L). "
+              "`executed` is what DHP strict/request walk (every query row to its bucket L). "
               "docs/bench/README.md explains every column.")
     out += ["", "## Summary", "", summary_text(doc), "", legend, ""]
     rows = doc["rows"]

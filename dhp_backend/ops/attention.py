@@ -22,6 +22,17 @@ the new tokens, whose K/V are already in the cache):
 
 Nothing at or beyond ``seq_len`` (stale K/V in reused blocks, block-table
 columns past the request's last block) may influence the result.
+
+The address rule (design.md section 2). Under a constant-time policy every
+path that claims constant time reads, for request ``r`` with bucket ``L_r``,
+exactly the pages ``block_table[r, 0 : ceil(L_r / block_size)]`` in a fixed
+order, whatever ``seq_len`` is: padding positions read memory the request owns
+and are masked by selection. So the caller must provide valid, distinct pages
+*owned by the request* up to each bucket — vLLM does, through the reservation
+DHP installs in its scheduler (`dhp_backend.vllm.reservation`); other callers
+build tables the same way (`dhp_backend.testing.pages.reserved_table`). The
+value check (``check_values=True``) rejects a table that does not, with a
+``ValueError``. Under ``off`` only the pages below ``seq_len`` are read.
 """
 
 from __future__ import annotations
@@ -94,11 +105,13 @@ def paged_attention(
         out: ``[>= num_tokens, num_heads, head_size]``, written in place and returned.
         scale: softmax scale (usually ``head_size ** -0.5``).
         causal: causal masking with cached context (see module docstring).
-        policy: ``strict`` | ``batch`` | ``request`` | ``off``.
-        bucket: the length bucket L for the policy: an int for ``strict``/``batch``,
+        policy: ``strict`` | ``request`` | ``off``.
+        bucket: the length bucket L for the policy: an int for ``strict``,
             an int32 ``[num_reqs]`` tensor (or an int) for ``request``, ``None`` for
             ``off``. If omitted under ``strict``, ``max_model_len`` is used.
-            See `dhp_backend.ops.buckets.bucket_for_step`.
+            See `dhp_backend.ops.buckets.bucket_for_step`. Under a constant-time
+            policy ``block_table[r, :ceil(L_r / block_size)]`` must hold valid,
+            distinct pages of request r (the address rule, module docstring).
         num_tokens: query rows to produce (default ``query.shape[0]``).
         path: ``auto`` | ``reference`` | ``triton``.
         allow_fallback: accept a non-constant-time path under a constant-time policy.
@@ -236,18 +249,38 @@ def _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, nu
             if b > table_capacity:
                 _fail(f"bucket[{r}]", str(b), f"at most block_table.shape[1] * block_size = {table_capacity}")
     table = block_table.cpu()
+    buckets = None
+    if bucket is not None:
+        buckets = bucket.tolist() if isinstance(bucket, torch.Tensor) else [bucket] * len(lens)
     for r, s in enumerate(lens):
         n = -(-s // block_size)
         if n > table.shape[1]:
             _fail(f"seq_lens[{r}]", f"{s}, which needs {n} blocks",
                   f"at most block_table.shape[1] = {table.shape[1]} blocks of {block_size}")
-        if n:
-            row = table[r, :n]
-            bad = ((row < 0) | (row >= num_blocks)).nonzero()
-            if bad.numel():
-                j = int(bad[0, 0])
-                _fail(f"block_table[{r}, {j}]", str(int(row[j])),
-                      f"a block id in [0, {num_blocks}) (the cache has {num_blocks} blocks)")
+        if buckets is not None:
+            # The address rule: a constant-time kernel reads every page up to the bucket.
+            n = max(n, -(-int(buckets[r]) // block_size))
+        if not n:
+            continue
+        row = table[r, :n]
+        bad = ((row < 0) | (row >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            why = ("" if j * block_size < s else
+                   f" (column {j} lies past the request's true length but below its bucket "
+                   f"{buckets[r]}: under a constant-time policy the kernels read the request's pages "
+                   "up to its bucket, so the caller must reserve them)")
+            _fail(f"block_table[{r}, {j}]", str(int(row[j])),
+                  f"a block id in [0, {num_blocks}) (the cache has {num_blocks} blocks){why}")
+        if buckets is not None:
+            uniq, counts = torch.unique(row, return_counts=True)
+            if bool((counts > 1).any()):
+                page = int(uniq[counts > 1][0])
+                cols = (row == page).nonzero().flatten().tolist()
+                _fail(f"block_table[{r}, :{n}]", f"page {page} at columns {cols}",
+                      f"distinct pages up to the bucket ({n} pages of {block_size} for bucket {buckets[r]}): "
+                      "under a constant-time policy every position up to the bucket reads its own page of "
+                      "the request (the address rule); reserve real pages for the request up to its bucket")
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,7 +308,7 @@ def _cuda_routes(spec, kind: str) -> bool:
     else:
         from dhp_backend.ops.cuda_decode import routes_decode as routes
     ok, reason = routes(spec)
-    policies = "strict/batch/request" if kind.endswith("_ct") else "off"
+    policies = "strict/request" if kind.endswith("_ct") else "off"
     logger.info("DHP paged_attention: policy=%s %s steps on %s", policies, kind.split("_")[0],
                 reason if ok else f"Triton ({reason})")
     return ok

@@ -1,7 +1,7 @@
 """Length buckets: the L that a policy lets timing depend on (design.md section 2).
 
 The bucket is computed by the caller from *public* information (the model's
-max_model_len, and for `batch`/`request` the step's lengths rounded up to a
+max_model_len, and for `request` each request's length rounded up to a
 power of two, which is what those policies declare public) and passed to
 `ops.paged_attention`. Kernels round it up to their own tile internally; the
 tile is public too.
@@ -66,9 +66,6 @@ def bucket_for_step(
     """The bucket argument of `ops.paged_attention` for one step.
 
     - ``strict``: ``max_model_len`` (an int).
-    - ``batch``: next power of two >= the longest sequence, capped at
-      ``max_model_len`` (an int). Uses ``max_seq_len`` if given (vLLM's host-side
-      upper bound), else ``max(seq_lens)``.
     - ``request``: per-request next power of two capped at ``max_model_len``, as
       an int32 tensor on the device of ``seq_lens`` (computed there, no sync).
       With ``out`` (int32, at least ``len(seq_lens)`` long) the result is written
@@ -83,13 +80,6 @@ def bucket_for_step(
         return int(max_model_len)
     if policy is Policy.OFF:
         return None
-    if policy is Policy.BATCH:
-        if max_seq_len is None:
-            if seq_lens is None:
-                raise ValueError("bucket_for_step(batch): pass max_seq_len or seq_lens")
-            vals = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
-            max_seq_len = max(vals, default=1)
-        return min(next_pow2(max_seq_len), int(max_model_len))
     # request
     if seq_lens is None:
         raise ValueError("bucket_for_step(request): pass seq_lens (per-request lengths)")

@@ -104,11 +104,11 @@ def graph_capturable(choice: PathChoice, policy: Policy | str) -> bool:
 
     The Triton path reads every length from device memory and sizes its grid
     from the step geometry and the bucket; under ``strict`` the bucket is a
-    constant, under ``request``/``off`` it lives on the device. Under ``batch``
-    the bucket is a host value that changes every step, which a replay would
-    freeze. The reference path reads lengths on the host (a sync): never.
+    constant, under ``request``/``off`` it lives on the device. The reference
+    path reads lengths on the host (a sync): never.
     """
-    return choice.name == TRITON and Policy.parse(policy) is not Policy.BATCH
+    Policy.parse(policy)
+    return choice.name == TRITON
 
 
 def prepare_path(choice: PathChoice, device) -> int:

@@ -394,8 +394,6 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
 def _describe_bucket(policy: Policy, max_model_len: int | None) -> str:
     if policy is Policy.STRICT:
         return f"L=max_model_len={max_model_len}"
-    if policy is Policy.BATCH:
-        return "L=next power of two >= longest sequence in the step"
     if policy is Policy.REQUEST:
         return "L=each request's next power of two"
     return "true lengths"

@@ -107,65 +107,6 @@ def store_rows(ptrs, x, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr):
 
 
 @triton.jit
-def mod_barrett(x, n, magic):
-    """x mod n for uint32 x without branches: magic = floor((2**32 - 1) / n) from the
-    host, q = umulhi(x, magic) satisfies x/n - 3 < q <= x/n, so x - q*n is in
-    [0, 4n) and three selects finish it."""
-    q = tl.umulhi(x, tl.zeros_like(x) + magic)
-    y = x - q * n
-    y = tl.where(y >= n, y - n, y)
-    y = tl.where(y >= n, y - n, y)
-    y = tl.where(y >= n, y - n, y)
-    return y
-
-
-@triton.jit
-def decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult):
-    """A cache block id in [0, num_blocks) for request r's logical block lb.
-
-    Read in place of the real block for padding positions (true length <= p < L),
-    so that padding costs what real positions cost: a genuine page of the cache
-    that misses L2 like a real one, not the null block that would hit it. A
-    function of public values only (request index, logical block, number of
-    requests, cache size); the same (r, lb) gives the same page in every tile and
-    head of r, as a real block does.
-
-    Two bijections of [0, num_blocks):
-    1. column-major index x = (lb * (num_reqs + 1) + r) mod num_blocks (the + 1 is
-       the padding pseudo-request). Distinct (r, lb) get distinct x whenever
-       (num_reqs + 1) * table_width <= num_blocks; otherwise an x repeats only
-       num_blocks values later, i.e. ~num_blocks / (num_reqs + 1) logical blocks
-       later in the walk, after the whole cache has been read in between, so the
-       repeat misses L2 too. (A hash collides by the birthday bound; its repeats,
-       read close together, hit L2 and made padding 11% cheaper in DRAM bytes.)
-    2. scatter: page = (x * decoy_mult) mod num_blocks, decoy_mult coprime with
-       num_blocks and large (launch.decoy_params). Without it, the decoys that all
-       requests read at one step were adjacent pages (x, x+1, ... for r = 0, 1, ...),
-       with a DRAM/TLB locality that scattered real pages lack: a padded step ran
-       1.3% faster than a real one on an H200 (G4, t = -154). Scattered, decoys sit
-       decoy_mult pages apart, as far apart as the pages of a fragmented cache.
-
-    Both mods are `mod_barrett` (x * decoy_mult < 2**32 by the host's choice).
-    launch.triton_decoy_page is the host's copy.
-
-    The csrc CT kernels shuffle this map further (csrc/ct_walk.cuh, a swap-or-not
-    bijection: the scatter still leaves a lattice whose locality is better than a
-    fragmented cache's, and their TMA walk felt it: G4 0.7-0.96 % -> 0.30-0.36 %).
-    These kernels do not: computed here (per position or per page) the shuffle
-    cost the strict decode 6 % with no padding at all (B16 8K in an 8K bucket,
-    181 -> 193 us, H200), and their G4 signal did not fall with it
-    (docs/perf-notes.md change 35). Nothing in an output depends on which decoy
-    page is read (its scores are masked, its V rows zeroed).
-    """
-    n = num_blocks.to(tl.uint32)
-    magic = decoy_magic.to(tl.uint32)
-    x = lb.to(tl.uint32) * (num_reqs + 1).to(tl.uint32) + r.to(tl.uint32)
-    x = mod_barrett(x, n, magic)
-    y = mod_barrett(x * decoy_mult.to(tl.uint32), n, magic)
-    return y.to(tl.int32)
-
-
-@triton.jit
 def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
            BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     """Map a query-tile index to (request, first query row) with a fixed-work search.
@@ -203,49 +144,50 @@ def locate(tile, qsl_ptr, num_reqs, num_tokens, search_trips, token_tiles,
 
 
 @triton.jit
-def position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                    decoy_mult, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
-    """Physical block of each KV position in ``pos`` (any shape): the block-table
-    entry for real positions (p < seq_len); for padding positions a decoy page
-    (`decoy_block`) under the constant-time policies, block 0 under policy off
-    (not constant-time: padding need not cost what real positions cost; block 0
-    is in range, its K scores are selected away and V is not read there, see
-    `kv_step`).
+def position_blocks(pos, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
+                    BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
+    """Physical block of each KV position in ``pos`` (any shape).
 
-    The table is read for every position whatever seq_len is (only the public
-    table width masks the read); entries past the request's last block may be
-    garbage and are never used, the select replaces them.
+    Constant-time policies (the address rule, design.md section 2): request
+    ``r_row``'s logical block lb is read from ``block_table[r_row, min(lb,
+    n_pages - 1)]``, ``n_pages = ceil(L / BLOCK_SIZE)`` of its public bucket L,
+    for every position, real or padding. The caller reserved those pages for the
+    request (distinct, valid: `ops.paged_attention` checks it), so padding reads
+    memory the request owns and a short and a long request of one bucket read the
+    very same table line and the very same pages, in the same order. The clamp is
+    a function of the bucket only (the tile's rounding past the last reserved page
+    re-reads that page). Nothing here depends on ``seq_len``: the scores and V rows
+    of padding positions are removed by selection in `kv_step`.
+
+    Policy off (not constant-time): positions past the true length read block 0
+    (in range; its scores are selected away and V is not read there, see
+    `kv_step`), table columns past the table's width are not read.
     """
     lb = pos // BLOCK_SIZE
-    entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
-    # decoy_mult == 0 is a measurement hook (bench/padding_locality.py): padding
-    # reads the table's own entries, so short and long requests read the very same
-    # pages (valid only when the whole table is). Public either way.
-    real = (pos < seq_len) | (decoy_mult == 0)
     # CONST_TIME is a constexpr: one binary per policy class, no branch.
     if CONST_TIME:
-        return tl.where(real, entry, decoy_block(r, lb, num_reqs, num_blocks, decoy_magic, decoy_mult)).to(tl.int64)
+        col = tl.minimum(lb, n_pages - 1)
+        return tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + col).to(tl.int64)
     else:
-        return tl.where(real, entry, 0).to(tl.int64)
+        entry = tl.load(bt_ptr + r_row.to(tl.int64) * bt_stride + lb, mask=lb < max_blocks, other=0)
+        return tl.where(pos < seq_len, entry, 0).to(tl.int64)
 
 
 @triton.jit
-def tile_blocks(j, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
+def tile_blocks(j, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CONST_TIME: tl.constexpr):
     """`position_blocks` for the BLOCK_N positions of KV step j."""
     pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                           decoy_mult, BLOCK_SIZE, CONST_TIME)
+    return position_blocks(pos, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit
-def split_blocks(s, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic, decoy_mult,
+def split_blocks(s, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
                  TILES_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  CONST_TIME: tl.constexpr):
     """`position_blocks` for all steps of split s at once: [TILES_PER_SPLIT, BLOCK_N]."""
     pos = (s * TILES_PER_SPLIT + tl.arange(0, TILES_PER_SPLIT))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    return position_blocks(pos, r, r_row, seq_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks, decoy_magic,
-                           decoy_mult, BLOCK_SIZE, CONST_TIME)
+    return position_blocks(pos, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks, BLOCK_SIZE, CONST_TIME)
 
 
 @triton.jit
@@ -259,7 +201,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
     Always the same loads and arithmetic; what must not count is removed by
     selection: scores -> -inf, V rows past seq_len -> 0, so stale NaN/inf in
-    reused blocks or decoy pages never reaches the output through 0 * NaN.
+    reused or reserved-but-unwritten pages never reaches the output through 0 * NaN.
 
     ``CONST_TIME`` (the constant-time policies): V is read from the block for every
     position and the rows past seq_len are selected to 0. That select costs a
@@ -319,7 +261,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
 
 @triton.jit(do_not_specialize=[
     "num_reqs", "num_tokens", "q_rows", "l_scalar", "l_mode", "pad_l", "search_trips",
-    "n_split_grid", "chunk_stride", "token_tiles", "num_blocks", "max_blocks", "bt_stride", "decoy_magic", "decoy_mult",
+    "n_split_grid", "chunk_stride", "token_tiles", "max_blocks", "bt_stride",
 ])
 def attention_kernel(
     q_ptr, sq_t, sq_h,
@@ -332,7 +274,7 @@ def attention_kernel(
     num_reqs, num_tokens, q_rows, num_heads,
     l_scalar, l_mode, pad_l, search_trips,
     n_split_grid, chunk_stride, token_tiles,
-    num_blocks, max_blocks, decoy_magic, decoy_mult,
+    max_blocks,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
@@ -358,15 +300,9 @@ def attention_kernel(
     r_row = tl.minimum(r, num_reqs - 1)
     row_len = tl.load(seq_ptr + r_row)
     seq_len = tl.where(is_pad, 0, row_len)
-    # Which pages the walk reads: the padding pseudo-request reads exactly the
-    # pages of the last request (its real pages and its decoys), never pages of
-    # its own. Its reads are then re-reads of pages another tile reads in the same
-    # step, whatever the lengths are; with decoys of its own they would be fresh
-    # pages when requests are short but aliases of real pages when they are long
-    # (a 1.6% DRAM-byte difference measured on an H200). Its output is masked
-    # by seq_len = 0 as before.
-    page_r = r_row
-    page_len = row_len
+    # Which pages the walk reads: the padding pseudo-request reads the pages of
+    # the last request (re-reads of pages another tile reads in the same step),
+    # never pages of its own; its output is masked by seq_len = 0.
     q_len = q_end - q_start
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -402,6 +338,10 @@ def attention_kernel(
     ext = tl.where(l_mode == 0, l_scalar,
                    tl.where(l_mode == 1, tl.where(is_pad, pad_l, bkt), trimmed))
     n_kv = (ext + BLOCK_N - 1) // BLOCK_N
+    # Pages of r_row's bucket (the address rule; `position_blocks`): a function of
+    # the public bucket only. Policy off does not use it.
+    page_ext = tl.where(l_mode == 0, l_scalar, bkt)
+    n_pages = tl.maximum((page_ext + BLOCK_SIZE - 1) // BLOCK_SIZE, 1)
     n_split = (n_kv + TILES_PER_SPLIT - 1) // TILES_PER_SPLIT
 
     # Split mode deals the splits to the chunks round robin (chunk c: c, c + chunks,
@@ -441,8 +381,8 @@ def attention_kernel(
     # fixed, public surplus read.
     rows_t = tl.arange(0, TILES_PER_SPLIT)
     if PREFETCH:
-        ids_next = split_blocks(s_lo, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
-                                decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+        ids_next = split_blocks(s_lo, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
+                                TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
     # Public trip count: s_lo, s_lo + s_step, ... below s_hi from the program id and
     # the host plan (split mode) or [0, ceil(ceil(L / BLOCK_N) / TILES_PER_SPLIT)) from
     # L = l_scalar (fold mode); audit rule "split-loop".
@@ -456,17 +396,16 @@ def attention_kernel(
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
         if PREFETCH:
             ids = ids_next
-            ids_next = split_blocks(s + s_step, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs,
-                                    num_blocks, decoy_magic, decoy_mult, TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE,
-                                    CONST_TIME)
+            ids_next = split_blocks(s + s_step, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
+                                    TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
                 bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
             else:
-                bid = tile_blocks(j, page_r, r_row, page_len, bt_ptr, bt_stride, max_blocks, num_reqs, num_blocks,
-                                  decoy_magic, decoy_mult, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+                bid = tile_blocks(j, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
+                                  BLOCK_N, BLOCK_SIZE, CONST_TIME)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,

@@ -43,71 +43,6 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-# The decoy maps on the host (kernels.decoy_block; csrc/ct_walk.cuh decoy_page):
-# the same integers, for tests and benches; the kernels compute them themselves.
-DECOY_ROUNDS = 12  # the csrc CT kernels' shuffle rounds by default (csrc/ct_walk.cuh; DHP_CT_DECOY_ROUNDS)
-_M32 = 0xFFFFFFFF
-
-
-def mix32(v: int) -> int:
-    """ct_walk.cuh mix32: a 32-bit integer mix (lowbias32)."""
-    v &= _M32
-    v ^= v >> 16
-    v = (v * 0x7FEB352D) & _M32
-    v ^= v >> 15
-    v = (v * 0x846CA68B) & _M32
-    return v ^ (v >> 16)
-
-
-def swap_or_not(x: int, n: int, rounds: int = DECOY_ROUNDS) -> int:
-    """ct_walk.cuh swap_or_not: a pseudo-random bijection of [0, n) (Hoang, Morris
-    and Rogaway's swap-or-not shuffle with round keys from n alone)."""
-    for i in range(rounds):
-        k = mix32(n ^ ((0x9E3779B9 * (2 * i + 1)) & _M32)) % n
-        p = (k - x) % n
-        if mix32(max(x, p) ^ ((0x85EBCA6B * (i + 1)) & _M32) ^ k) & 1:
-            x = p
-    return x
-
-
-def triton_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int) -> int:
-    """kernels.decoy_block: the page the Triton kernels read for request r's logical
-    block lb past its true length (column-major index, scattered)."""
-    x = (lb * (num_reqs + 1) + r) % num_blocks
-    return x * decoy_mult(num_blocks) % num_blocks
-
-
-def csrc_decoy_page(r: int, lb: int, num_reqs: int, num_blocks: int, rounds: int = DECOY_ROUNDS) -> int:
-    """ct_walk.cuh decoy_page built with ``rounds`` shuffle rounds (the default build's
-    12; 0 = the Triton map)."""
-    return swap_or_not(triton_decoy_page(r, lb, num_reqs, num_blocks), num_blocks, rounds)
-
-
-def decoy_magic(num_blocks: int) -> int:
-    """Barrett constant for the kernel's branch-free ``x mod num_blocks`` (kernels.mod_barrett)."""
-    if not 1 <= num_blocks < 2**31:
-        raise ValueError(f"num_blocks={num_blocks}: the decoy map needs 1 <= num_blocks < 2**31")
-    return (2**32 - 1) // num_blocks
-
-
-@functools.lru_cache(maxsize=64)
-def decoy_mult(num_blocks: int) -> int:
-    """The decoy map's scatter multiplier (kernels.decoy_block): coprime with
-    ``num_blocks`` (so x -> x * mult mod num_blocks is a bijection), as large as a
-    32-bit product allows, and near num_blocks / golden ratio where that fits, so
-    that consecutive decoys land far apart in the cache (like the pages of a
-    fragmented cache) rather than on adjacent pages. A function of the cache size
-    only (public)."""
-    decoy_magic(num_blocks)  # range check
-    if num_blocks <= 2:
-        return 1
-    cap = min((2**32 - 1) // (num_blocks - 1), num_blocks - 1)  # x * mult < 2**32 for x < num_blocks
-    mult = max(1, min(cap, int(num_blocks * 0.6180339887)))
-    while mult > 1 and math.gcd(mult, num_blocks) != 1:
-        mult -= 1
-    return mult
-
-
 def step_kind(num_tokens: int, num_reqs: int) -> str:
     """"prefill" when the step has many query tokens per request, else "mixed"
     (the plan turns a "mixed" step into "decode" when it picks token tiles). From
@@ -221,14 +156,13 @@ def paged_attention_triton(
     _split_kv: int | None = None,
     _config: kcfg.KernelConfig | None = None,
     _tiling: str | None = None,
-    _decoy_mult: int | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated there).
 
-    ``_mode``/``_split_kv``/``_config``/``_tiling``/``_decoy_mult`` are test and
-    benchmark hooks (force the split mode; a smaller split size so short sequences
-    cross split boundaries under the interpreter; another tile config to compare;
-    force the tiling; another decoy scatter, e.g. 1 = unscattered, to measure it).
+    ``_mode``/``_split_kv``/``_config``/``_tiling`` are test and benchmark hooks
+    (force the split mode; a smaller split size so short sequences cross split
+    boundaries under the interpreter; another tile config to compare; force the
+    tiling).
     """
     policy = Policy.parse(policy)
     num_reqs = seq_lens.shape[0]
@@ -240,7 +174,7 @@ def paged_attention_triton(
         return out
 
     q_rows, num_heads, head_size = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_heads // num_kv_heads
     dtype_name = _DTYPE_NAMES[query.dtype]
     const_time = policy is not Policy.OFF
@@ -292,8 +226,7 @@ def paged_attention_triton(
         num_reqs, num_tokens, q_rows, num_heads,
         l_scalar, l_mode, 0, _cdiv(num_reqs, kcfg.SEARCH_BLOCK),
         p["n_split_grid"], p["chunks"] if p["split"] else p["spp"], 1 if p["token_tiles"] else 0,
-        num_blocks, block_table.shape[1], decoy_magic(num_blocks),
-        decoy_mult(num_blocks) if _decoy_mult is None else int(_decoy_mult),
+        block_table.shape[1],
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size,
         HEAD=head_size, HEAD_PAD=cfg.head_pad, CAUSAL=bool(causal),
