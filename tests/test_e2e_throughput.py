@@ -104,7 +104,7 @@ def test_unknown_config_is_refused_with_the_accepted_names(tmp_path):
                             "--out", str(out), timeout=120)
     assert code != 0
     assert "unknown config 'bogus'" in text, text
-    for name in ("cpu-attn", "dhp-off", "dhp-strict", "dhp-batch", "dhp-request", "dhp-strict-bi"):
+    for name in ("cpu-attn", "dhp-off", "dhp-strict", "dhp-request", "dhp-strict-bi"):
         assert name in text.split("accepted:", 1)[1], text
     assert not out.exists()  # refused before any engine started
     code, text = run_script("--device", "cuda", "--configs", "fa3,fa4", "--out", str(out), timeout=120)
@@ -160,7 +160,7 @@ def test_path_and_kernels_column():
 
 def test_hash_groups():
     rows = [dict(_row("dhp-off-bi", 1.0), tokens_hash="a"), dict(_row("dhp-strict-bi", 1.0), tokens_hash="a"),
-            dict(_row("fa3-bi", 1.0), tokens_hash="b"), dict(_row("dhp-batch-bi", None, "failed"), tokens_hash="a")]
+            dict(_row("fa3-bi", 1.0), tokens_hash="b"), dict(_row("dhp-request-bi", None, "failed"), tokens_hash="a")]
     assert et.hash_groups(rows) == [["dhp-off-bi", "dhp-strict-bi"], ["fa3-bi"]]
 
 
@@ -168,7 +168,6 @@ def test_parse_configs():
     assert et.parse_config("dhp-strict-bi", "cuda") == {"config": "dhp-strict-bi", "backend": "DHP",
                                                          "policy": "strict", "batch_invariant": True, "env": {}}
     assert et.parse_config("dhp-strict-triton-bi", "cuda")["env"] == {"DHP_CUDA_DECODE_CT": "0"}
-    assert et.parse_config("dhp-strict-noshuffle", "cuda")["env"] == {"DHP_CT_DECOY_ROUNDS": "0"}
     assert et.parse_config("flashinfer", "cuda")["backend"] == "FLASHINFER"
     assert et.parse_config("cpu-attn", "cpu")["backend"] == "CPU_ATTN"
     with pytest.raises(et.ConfigError, match="accepted: cpu-attn"):
@@ -192,7 +191,7 @@ def test_child_env(monkeypatch, tmp_path):
     monkeypatch.setenv("GPU_STACK_HOME", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}/root/gpu-stack/site")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    monkeypatch.setenv("DHP_POLICY", "batch")
+    monkeypatch.setenv("DHP_POLICY", "request")
     fi = et.child_env(et.parse_config("flashinfer", "cuda"), "cuda", "/tmp/t")
     assert fi["PYTHONPATH"].split(os.pathsep)[:2] == [str(site), str(ROOT)]
     assert "VLLM_BATCH_INVARIANT" not in fi and "DHP_POLICY" not in fi  # nothing leaks from the caller

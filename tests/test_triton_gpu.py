@@ -35,7 +35,7 @@ CONFIGS = [
     ("d80-bs32", 20, 4, 80, 32, (torch.float16,)),
     ("d96-g3", 12, 4, 96, 16, (torch.bfloat16,)),
 ]
-POLICIES = ("strict", "batch", "request", "off")
+POLICIES = ("strict", "request", "off")
 
 
 @pytest.fixture(autouse=True)
