@@ -1,10 +1,18 @@
-"""User configuration of the DHP backend: policy, fallback permission, forced path.
+"""User configuration of the DHP backend: one table of settings, one strict parser.
 
-Sources, highest precedence first (vLLM's convention for plugins):
+Every user setting is declared once in `SETTINGS` (name, type, default, the
+environment variable that can set it, what it does). Sources, highest
+precedence first (vLLM's convention for plugins):
 
 1. ``--additional-config '{"dhp": {"policy": "request"}}'`` (``vllm_config.additional_config``)
-2. environment variables ``DHP_POLICY``, ``DHP_ALLOW_FALLBACK``, ``DHP_PATH``
-3. the defaults below (``policy="strict"``, no non-constant-time fallback, ``path="auto"``)
+2. the setting's environment variable (``DHP_POLICY``, ``DHP_ALLOW_FALLBACK``, ``DHP_PATH``)
+3. the default (``policy="strict"``, no non-constant-time fallback, ``path="auto"``)
+
+Parsing is strict and the same everywhere (the engine, the CLI, tests): booleans
+are JSON true/false or one of `BOOL_WORDS`; enums are case-insensitive; an unknown
+key, a near-miss section name (``DHP``, ``dhpp``) or a malformed value from
+*either* source is an error that names the bad value and the accepted ones. When
+both sources set one value, `DHPConfig.describe` says which won.
 
 This module imports nothing heavy: the plugin and ``dhp-backend info`` use it.
 """
@@ -12,10 +20,13 @@ This module imports nothing heavy: the plugin and ``dhp-backend info`` use it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import os
 from collections.abc import Mapping
 from typing import Any
+
+SECTION = "dhp"  # the key of DHP's section in vLLM's additional_config
 
 
 class Policy(str, enum.Enum):
@@ -59,21 +70,104 @@ class Policy(str, enum.Enum):
 
 PATHS = ("auto", "reference", "triton")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+# The one set of words a boolean setting accepts, in every source.
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+BOOL_WORDS = _TRUE_WORDS + _FALSE_WORDS
+_BOOL_ACCEPTED = ("a boolean: true/false, 1/0, yes/no or on/off (strings in any case; in JSON also the "
+                  "literals true/false and the integers 1/0)")
 
 
-def _parse_bool(value: Any, *, source: str) -> bool:
+def parse_bool(value: Any, *, source: str) -> bool:
+    """A boolean setting: True/False, 1/0 (int, not float), or one of `BOOL_WORDS`."""
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{source}: expected a boolean (true/false, 1/0), got {value!r}")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    raise ValueError(f"{source}: got {value!r}; accepted: {_BOOL_ACCEPTED}")
+
+
+def parse_choice(value: Any, choices: tuple[str, ...], *, source: str, what: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ValueError(f"{source}: unknown {what} {value!r}; accepted: {', '.join(map(repr, choices))}")
+
+
+def _parse_policy(value: Any, source: str) -> Policy:
+    return Policy.parse(value, source=source)
+
+
+def _parse_path(value: Any, source: str) -> str:
+    return parse_choice(value, PATHS, source=source, what="path")
+
+
+def _parse_allow(value: Any, source: str) -> bool:
+    return parse_bool(value, source=source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str      # key in additional_config["dhp"] and field of DHPConfig
+    env: str       # environment variable that can set it
+    default: Any
+    parse: Any     # (value, source) -> parsed value; raises ValueError naming value and accepted ones
+    accepted: str  # for docs and `dhp-backend info`
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("policy", "DHP_POLICY", Policy.STRICT, _parse_policy,
+            "strict, request, off",
+            "what timing may reveal: strict = nothing beyond the step geometry (bucket L = "
+            "max_model_len); request = each request's next power of two; off = true lengths "
+            "(not constant-time; still deterministic and batch-invariant)"),
+    Setting("allow_fallback", "DHP_ALLOW_FALLBACK", False, _parse_allow,
+            "true/false",
+            "accept the non-constant-time PyTorch reference path, under a constant-time policy, for "
+            "shapes the kernels do not cover (otherwise the engine refuses to start)"),
+    Setting("path", "DHP_PATH", "auto", _parse_path,
+            ", ".join(PATHS),
+            "force one implementation (tests, debugging); an unsupported forced path is an error"),
+)
+KEYS = tuple(s.name for s in SETTINGS)
+
+
+def _nearest(word: str, options) -> str:
+    close = difflib.get_close_matches(word.lower(), [o.lower() for o in options], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def dhp_section(additional_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """DHP's section of vLLM's additional_config, checked: a JSON object whose keys
+    are settings. A near-miss section name (``DHP``, ``dhpp``, ``Dhp``) is an error,
+    never silently ignored."""
+    if additional_config is None:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        raise ValueError(f"additional_config: got {additional_config!r}; accepted: a JSON object such as "
+                         f'{{"{SECTION}": {{"policy": "strict"}}}}')
+    for key in additional_config:
+        if key != SECTION and isinstance(key, str) and (
+                key.lower() == SECTION or difflib.SequenceMatcher(None, key.lower(), SECTION).ratio() >= 0.8):
+            raise ValueError(f"additional_config: section {key!r} is not DHP's; accepted: the lower-case key "
+                             f"{SECTION!r}, e.g. '{{\"{SECTION}\": {{\"policy\": \"strict\"}}}}'")
+    raw = additional_config.get(SECTION, {})
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"additional_config['{SECTION}']: got {raw!r}; accepted: a JSON object such as "
+                         '{"policy": "strict"}')
+    unknown = [k for k in raw if k not in KEYS]
+    if unknown:
+        k = unknown[0]
+        raise ValueError(f"additional_config['{SECTION}']: unknown key {k!r}{_nearest(str(k), KEYS)}; "
+                         f"accepted: {', '.join(KEYS)}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)
 class DHPConfig:
-    """Effective configuration of one process.
+    """Effective configuration of one process (the fields are `SETTINGS`).
 
     ``allow_fallback``: under a constant-time policy, a shape the kernels do not
     cover is refused at start-up, because the reference fallback is not
@@ -86,9 +180,9 @@ class DHPConfig:
     policy: Policy = Policy.STRICT
     allow_fallback: bool = False
     path: str = "auto"
-    sources: tuple[str, ...] = ()  # where each non-default value came from, for logs
+    sources: tuple[str, ...] = ()  # where each non-default value came from, and what it overrode
 
-    KEYS = ("policy", "allow_fallback", "path")
+    KEYS = KEYS
 
     @classmethod
     def from_sources(
@@ -97,50 +191,26 @@ class DHPConfig:
         environ: Mapping[str, str] | None = None,
     ) -> DHPConfig:
         env = os.environ if environ is None else environ
-        section: Mapping[str, Any] = {}
-        if additional_config:
-            raw = additional_config.get("dhp", {})
-            if not isinstance(raw, Mapping):
-                raise ValueError(
-                    "additional_config['dhp'] must be a JSON object such as "
-                    f'{{"policy": "strict"}}, got {raw!r}'
-                )
-            unknown = sorted(set(raw) - set(cls.KEYS))
-            if unknown:
-                raise ValueError(
-                    f"additional_config['dhp']: unknown key(s) {unknown}; accepted: {list(cls.KEYS)}"
-                )
-            section = raw
-
+        section = dhp_section(additional_config)
+        values: dict[str, Any] = {}
         sources = []
-        policy = Policy.STRICT
-        if "policy" in section:
-            policy = Policy.parse(section["policy"], source="additional_config['dhp']['policy']")
-            sources.append("policy from additional_config")
-        elif env.get("DHP_POLICY"):
-            policy = Policy.parse(env["DHP_POLICY"], source="DHP_POLICY")
-            sources.append("policy from DHP_POLICY")
-
-        allow = False
-        if "allow_fallback" in section:
-            allow = _parse_bool(
-                section["allow_fallback"], source="additional_config['dhp']['allow_fallback']"
-            )
-            sources.append("allow_fallback from additional_config")
-        elif env.get("DHP_ALLOW_FALLBACK") is not None:
-            allow = _parse_bool(env["DHP_ALLOW_FALLBACK"], source="DHP_ALLOW_FALLBACK")
-            sources.append("allow_fallback from DHP_ALLOW_FALLBACK")
-
-        path = "auto"
-        raw_path = section.get("path", env.get("DHP_PATH") or "auto")
-        if not isinstance(raw_path, str) or raw_path.strip().lower() not in PATHS:
-            src = "additional_config['dhp']['path']" if "path" in section else "DHP_PATH"
-            raise ValueError(f"{src}: unknown path {raw_path!r}; accepted: {list(PATHS)}")
-        path = raw_path.strip().lower()
-        if path != "auto":
-            sources.append("path from " + ("additional_config" if "path" in section else "DHP_PATH"))
-
-        return cls(policy=policy, allow_fallback=allow, path=path, sources=tuple(sources))
+        for s in SETTINGS:
+            from_env = None
+            if env.get(s.env) not in (None, ""):
+                # Checked even when additional_config wins: a bad value is an error wherever it is.
+                from_env = s.parse(env[s.env], s.env)
+            if s.name in section:
+                values[s.name] = s.parse(section[s.name], f"additional_config['{SECTION}']['{s.name}']")
+                note = f"{s.name} from additional_config"
+                if from_env is not None:
+                    note += f" (overrides {s.env}={env[s.env]!r})"
+                sources.append(note)
+            elif from_env is not None:
+                values[s.name] = from_env
+                sources.append(f"{s.name} from {s.env}")
+            else:
+                values[s.name] = s.default
+        return cls(**values, sources=tuple(sources))
 
     def describe(self) -> str:
         src = f" ({'; '.join(self.sources)})" if self.sources else " (defaults)"

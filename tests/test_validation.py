@@ -194,3 +194,48 @@ def test_constant_time_accepts_a_fully_reserved_table():
     # a column past the bucket is never read: anything goes there
     call(block_table=_table_with(1, 3, -7), policy="request", bucket=torch.tensor([32, 16], dtype=torch.int32),
          allow_fallback=True)
+
+
+# --- arguments are typed, and nothing weakens the promise silently (issue 34) ---------------
+@pytest.mark.parametrize("value", ["no", "false", "False", "", 0, 1, [], None, "yes"])
+def test_allow_fallback_must_be_a_real_bool(value):
+    # a truthy string must never turn a constant-time call into the reference path
+    with pytest.raises(ValueError, match=r"allow_fallback is .*; accepted: True or False \(a bool\)"):
+        call(policy="strict", bucket=32, path="auto", allow_fallback=value)
+
+
+def test_integer_like_arguments_are_integers():
+    import numpy as np
+
+    b = base()
+    n = b["query"].shape[0]
+    ref = call()
+    for num_tokens in (np.int64(n), np.int32(n), torch.tensor(n)):
+        assert torch.equal(call(num_tokens=num_tokens), ref)
+    for bucket in (np.int64(32), torch.tensor(32, dtype=torch.int32)):
+        assert torch.equal(call(policy="strict", bucket=bucket, allow_fallback=True), ref)
+    for bad in (float(n), np.float64(n), torch.tensor(float(n)), True, "6"):
+        with pytest.raises(ValueError, match=r"num_tokens is .*; accepted: an integer in \[0, "):
+            call(num_tokens=bad)
+
+
+def test_real_scales_of_any_kind_are_accepted():
+    import numpy as np
+
+    ref = call()
+    for scale in (np.float32(0.25), np.float64(0.25), torch.tensor(0.25), 0.25):
+        assert torch.equal(call(scale=scale), ref)
+
+
+def test_path_is_case_insensitive_and_checked():
+    assert torch.equal(call(path="REFERENCE"), call(path="reference"))
+    with pytest.raises(ValueError, match=r"path is 1; accepted: 'auto', 'reference', 'triton'"):
+        call(path=1)
+
+
+def test_meta_tensors_are_refused_up_front():
+    kw = base()
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=r"query is on the meta device.*accepted: tensors on a CPU or CUDA device"):
+        paged_attention(*[meta.pop(k) for k in ("query", "key_cache", "value_cache", "block_table",
+                                                 "query_start_loc", "seq_lens", "out")], **meta)

@@ -40,6 +40,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
+import operator
 
 import torch
 
@@ -122,6 +124,17 @@ def paged_attention(
     if not isinstance(query, torch.Tensor):
         _fail("query", f"of type {type(query).__name__}", "a torch.Tensor")
     device = query.device
+    if device.type == "meta":
+        _fail("query", "on the meta device (no data)", "tensors on a CPU or CUDA device")
+    # allow_fallback lowers the promise: only a real bool counts (a truthy string
+    # such as "no" must never turn on the non-constant-time path).
+    if not isinstance(allow_fallback, bool):
+        _fail("allow_fallback", repr(allow_fallback), "True or False (a bool)")
+    if not isinstance(check_values, bool):
+        _fail("check_values", repr(check_values), "True or False (a bool)")
+    if not isinstance(path, str) or path.strip().lower() not in ("auto",) + tuple(dispatch.PATHS):
+        _fail("path", repr(path), "'auto', " + ", ".join(repr(p) for p in dispatch.PATHS) + " (any case)")
+    path = path.strip().lower()
     _check_tensor("query", query, ndim=3, dtypes=SUPPORTED_DTYPES, device=None)
     _check_last_dim_contiguous("query", query)
     T, num_heads, head_size = query.shape
@@ -158,13 +171,17 @@ def paged_attention(
     _check_last_dim_contiguous("out", out)
     if num_tokens is None:
         num_tokens = T
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= T:
-        _fail("num_tokens", repr(num_tokens), f"an int in [0, query.shape[0] = {T}]")
+    num_tokens = _as_int("num_tokens", num_tokens, f"an integer in [0, query.shape[0] = {T}]")
+    if not 0 <= num_tokens <= T:
+        _fail("num_tokens", repr(num_tokens), f"an integer in [0, query.shape[0] = {T}]")
     if tuple(out.shape[1:]) != (num_heads, head_size) or out.shape[0] < num_tokens:
         _fail("out", f"of shape {tuple(out.shape)}", f"[>= {num_tokens}, {num_heads}, {head_size}]")
 
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        _fail("scale", repr(scale), "a finite positive float (usually head_size ** -0.5)")
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.dtype.is_complex:
+        scale = scale.item()
+    if (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale))
+            or scale <= 0):
+        _fail("scale", repr(scale), "a finite positive real number (usually head_size ** -0.5)")
     if not isinstance(causal, bool):
         _fail("causal", repr(causal), "True or False")
 
@@ -196,10 +213,26 @@ def paged_attention(
     return out
 
 
+def _as_int(arg: str, value, accepted: str) -> int:
+    """An integer argument: Python, NumPy or 0-d integer tensor, never a bool or a float."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        _fail(arg, repr(value), accepted)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex:
+            _fail(arg, repr(value), accepted)
+        return int(value.item())
+    try:
+        return operator.index(value)
+    except TypeError:
+        _fail(arg, repr(value), accepted)
+
+
 def _normalize_bucket(policy, bucket, max_model_len, num_reqs, device, table_capacity):
     """Check the bucket against the policy; return an int, an int32 tensor, or None."""
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len <= 0):
-        _fail("max_model_len", repr(max_model_len), "a positive int")
+    if max_model_len is not None:
+        max_model_len = _as_int("max_model_len", max_model_len, "a positive integer")
+        if max_model_len <= 0:
+            _fail("max_model_len", repr(max_model_len), "a positive integer")
     if policy is Policy.OFF:
         if bucket is not None:
             _fail("bucket", repr(bucket), "None under policy 'off' (true lengths are used)")
@@ -211,9 +244,12 @@ def _normalize_bucket(policy, bucket, max_model_len, num_reqs, device, table_cap
         if bucket.shape[0] != num_reqs:
             _fail("bucket", f"of length {bucket.shape[0]}", f"one entry per request ({num_reqs})")
         return bucket
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0:
-        want = ("a positive int or an int32 tensor of per-request buckets" if policy is Policy.REQUEST
-                else "a positive int (the length bucket L)")
+    want = ("a positive integer or an int32 tensor of per-request buckets" if policy is Policy.REQUEST
+            else "a positive integer (the length bucket L)")
+    if bucket is None:
+        _fail("bucket", repr(bucket), f"{want} under policy '{policy.value}'")
+    bucket = _as_int("bucket", bucket, f"{want} under policy '{policy.value}'")
+    if bucket <= 0:
         _fail("bucket", repr(bucket), f"{want} under policy '{policy.value}'")
     if bucket > table_capacity:
         _fail("bucket", str(bucket),

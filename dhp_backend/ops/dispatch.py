@@ -18,6 +18,7 @@ logger = logging.getLogger("dhp_backend")
 
 REFERENCE = "reference"
 TRITON = "triton"
+PATHS = (REFERENCE, TRITON)  # the forced-path choices besides "auto"
 
 
 @dataclasses.dataclass(frozen=True)
