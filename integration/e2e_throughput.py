@@ -18,8 +18,11 @@ prompt lengths) are outside the timed region; the timed region is one
 ``llm.generate`` of all requests, wall clock.
 
 Under the DHP ``strict`` policy the length bucket is ``max_model_len``: its
-default here is ``max_prompt + output_len`` (the smallest that fits the
-workload), and every row records the value used.
+default here is the model's own context (``max_position_embeddings``: 8192 for
+the Llama-3-8B shape), as a user would serve it — not the smallest that fits the
+workload. Under ``strict`` every request then reserves ``max_model_len`` tokens
+of KV pages (the address rule), which bounds how many requests run at once.
+Every row records the value used.
 
 Output: ``--out`` JSON (header + one row per configuration + ratios vs the
 FLASH_ATTN row, written again after every configuration so a run cut short
@@ -844,7 +847,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None, help="default 256 (cpu: 8)")
     ap.add_argument("--seed", type=int, default=0, help="prompt RNG seed (the same prompts for every config)")
     ap.add_argument("--max-model-len", type=int, default=None,
-                    help="default max_prompt + output_len (the DHP strict bucket; cpu: 256)")
+                    help="default: the model's context, max_position_embeddings (the DHP strict bucket; "
+                         "cpu: 256)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, no CUDA graphs)")
     ap.add_argument("--cudagraph", default="default",
@@ -902,7 +906,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.max_model_len is None:
-        args.max_model_len = 256 if cpu else args.max_prompt + args.output_len
+        args.max_model_len = 256 if cpu else int(MODEL_CONFIGS[args.model_config]["max_position_embeddings"])
     if not 1 <= args.min_prompt <= args.max_prompt:
         raise ConfigError(f"need 1 <= --min-prompt <= --max-prompt, got {args.min_prompt}, {args.max_prompt}")
     if args.max_prompt + args.output_len > args.max_model_len:
