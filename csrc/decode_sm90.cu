@@ -99,10 +99,10 @@ constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 
 // kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
 constexpr int kMmaPipe = 64;
 // kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
-// walks the public bucket L (one bucket, policies strict / batch / request with an
-// int), decoy pages past the true length, every score masked and every V operand
-// past it zeroed by selection. kBucketPerReq (with kConstTime): per-request public
-// buckets (policy request with a tensor).
+// walks the public bucket L (one bucket: policy strict, or request with an int) over
+// its request's reserved block-table line, every score masked and every V operand
+// past the true length zeroed by selection. kBucketPerReq (with kConstTime):
+// per-request public buckets (policy request with a tensor).
 constexpr int kConstTime = 128, kBucketPerReq = 256;
 // The walk of a binary: 0 true lengths (policy off), 1 one bucket, 2 per-request buckets.
 template <int OPT>
@@ -169,11 +169,10 @@ struct Params {
   int causal;
   int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
-  // CT binaries only: the public bucket and the decoy map (kernels.position_blocks).
+  // CT binaries only: the public bucket.
   int l_scalar;                             // the one bucket L (walk 1)
   const int* bucket;                        // [num_seqs] per-request buckets (walk 2)
-  int max_blocks, num_blocks;               // block-table width, cache pages
-  uint32_t decoy_magic, decoy_mult;         // launch.decoy_magic / decoy_mult of num_blocks
+  int max_blocks;                           // block-table width
 };
 
 template <int STAGES>
@@ -188,7 +187,7 @@ struct Work {
   int n_split;               // splits with positions
   // This CTA's splits: s_lo, s_lo + s_stride, ... below s_end (split_schedule).
   int s_lo, s_stride, s_end;
-  int page_req, page_len;    // CT: whose block-table row the walk reads, and its true length
+  int page_req, n_pages;     // CT: whose block-table line the walk reads, and its reserved entries
 };
 
 // split_schedule: in split mode the chunks of a row take its splits round robin
@@ -240,22 +239,28 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   return w;
 }
 
-// ---- constant-time walk (CT binaries: policies strict / batch / request) ----------
+// ---- constant-time walk (CT binaries: policies strict / request) -----------------
 // The walk of the Triton CONST_TIME binaries with token tiles (kernels.attention_kernel,
 // docs/kernels.md section 2): every CTA runs the same code with the same trip counts
 // and the same loads and stores, whatever the secret lengths are.
 //   - token -> request: a count over all num_seqs keys (kernels.locate), no search and
 //     no fast path (work_of's test of query_start_loc[t] == t is a branch on data);
-//   - the walk covers the public bucket (n_kv = ceil(L / 64)), every split of it is
-//     walked, stored and merged; the longest-first order is never used (its sort keys
-//     are the true lengths);
-//   - pages at positions >= the true length are decoys (ct::decoy_page, the Triton
-//     kernels' map), chosen by a branch-free select;
+//   - the walk covers the public bucket L_r (n_kv = ceil(L_r / 64)), every split of it
+//     is walked, stored and merged; the longest-first order is never used (its sort
+//     keys are the true lengths);
+//   - addresses (design.md section 2, the address rule): logical block lb reads
+//     block_table[r, min(lb, ceil(L_r / block_size) - 1)] (ct::walk_page), the request's
+//     own reserved table line up to its bucket, in walk order, whatever its true length
+//     is (the engine reserves those pages; the tile rounding past them re-reads the
+//     last one, a function of L_r). K/V addresses are thus public (the table's contents
+//     are engine allocation data, allocated in bucket units); the true length only
+//     selects values;
 //   - every score is masked by select, and every V operand at a position >= the true
 //     length is zeroed in registers after its ldmatrix (pv_step_mma), where the off
 //     binaries zero the last page's tail in shared memory behind a branch;
-//   - the padding pseudo-request (index num_seqs) walks the last request's pages
-//     (re-reads), true length 0: its rows come out as 0.
+//   - the padding pseudo-request (index num_seqs) reads the last request's line, with
+//     that request's page count (walk 1: its L pages, re-reads; walk 2: no step, its
+//     walk is 0 as the Triton launcher's pad_l), true length 0: its rows come out as 0.
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under walk 2), num_seqs, num_tokens, the step geometry, block size, group.
 template <int WALK>
@@ -277,13 +282,17 @@ __device__ __forceinline__ Work work_ct(const Params& p, int t, int chunk, bool 
   const int q_len = q1 - q0, qi = t - q0;
   w.req = r;
   w.page_req = r_row;
-  w.page_len = p.seq_lens[r_row];
-  w.seq_len = ct::select_int(is_pad, 0, w.page_len);
+  w.seq_len = ct::select_int(is_pad, 0, p.seq_lens[r_row]);
   const int causal_limit = w.seq_len - q_len + qi + 1;
   const int limit = ct::select_int(qi < q_len, ct::select_int(p.causal != 0, causal_limit, w.seq_len), 0);
   w.ext = max(0, min(w.seq_len, limit));  // attendable positions: what the masks keep
-  int walk = p.l_scalar;
-  if constexpr (WALK == 2) walk = ct::select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
+  // ext_r: the bucket of the table line the walk reads (r_row's, for the padding too).
+  int ext_r = p.l_scalar, walk = p.l_scalar;
+  if constexpr (WALK == 2) {
+    ext_r = p.bucket[r_row];
+    walk = ct::select_int(is_pad, 0, ext_r);  // pad_l = 0, as the Triton launcher
+  }
+  w.n_pages = ct::walk_pages(ext_r, p.block_size, p.max_blocks);
   w.n_kv = (walk + kStep - 1) / kStep;
   w.n_split = (w.n_kv + kStepsPerSplit - 1) / kStepsPerSplit;
   w.s_lo = write_partials ? chunk : 0;
@@ -336,15 +345,12 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   const int* table = p.block_table + static_cast<int64_t>(kCT ? w.page_req : w.req) * p.bt_stride;
   // Lane i holds the block id of page i of a split (pages past the request's
   // last repeat it: their rows are masked in S and zeroed in V by the consumer).
-  // CT: every lane reads a table entry (in range) and selects it or the decoy page
-  // (kernels.position_blocks), the same loads whatever the true length is.
+  // CT: every lane reads an entry of the request's reserved line up to its bucket
+  // (ct::walk_page; past it the last one again), the same loads whatever the true
+  // length is; positions past the true length are masked by the consumer.
   auto split_ids = [&](int s) {
     if constexpr (kCT) {
-      const int lb = s * pages_per_split + lane;
-      const int entry = table[min(lb, p.max_blocks - 1)];
-      const int id = ct::select_int(lb * bs < w.page_len, entry,
-                                    ct::decoy_page(p.num_seqs, p.num_blocks, p.decoy_magic, p.decoy_mult,
-                                                   w.page_req, lb));
+      const int id = ct::walk_page(table, w.n_pages, s * pages_per_split + lane);
       return ct::select_int(lane < pages_per_split, id, 0);
     } else {
       return lane < pages_per_split ? table[min(s * pages_per_split + lane, last_page)] : 0;
@@ -1413,10 +1419,10 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // order_ws (fold mode only; may be null): 2 x num_tokens int32 (8-byte aligned) for
 // the longest-first schedule (order_kernel), written then read in stream order.
 // CT variants (kConstTime in the variant's options): l_scalar (walk 1) or bucket
-// (walk 2, kBucketPerReq: num_seqs int32), max_blocks (block-table width),
-// decoy_magic / decoy_mult (the Triton launcher's, of num_blocks); order_ws is
-// ignored; -8 when num_seqs < 1 or a bucket argument is out of range. Off
-// variants ignore these.
+// (walk 2, kBucketPerReq: num_seqs int32), max_blocks (block-table width); each
+// request's table line must hold its reserved pages up to its bucket (the address
+// rule: ops.paged_attention checks it); order_ws is ignored; -8 when num_seqs < 1 or
+// a bucket argument is out of range. Off variants ignore these.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -1425,7 +1431,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
                                int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
-                               unsigned decoy_magic, unsigned decoy_mult, void* stream) {
+                               void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1471,9 +1477,8 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   const int opts = variant >= 8 ? variant / 8 : 0;
   const bool ct = (opts & kConstTime) != 0;
   p.order = split || ct ? nullptr : order_ws;
-  ct::set_walk_params(p, l_scalar, bucket, max_blocks, num_blocks, decoy_magic, decoy_mult);
-  if (ct && (num_seqs < 1 || max_blocks < 1 || num_blocks < 1 || decoy_magic == 0 ||
-             ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks);
+  if (ct && (num_seqs < 1 || max_blocks < 1 || ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
     return -8;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;

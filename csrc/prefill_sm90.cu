@@ -1,5 +1,5 @@
 // Paged prefill attention for Hopper (sm_90a), policy `off` semantics: the
-// walk follows the true lengths (no length bucket, no decoys).
+// walk follows the true lengths (no length bucket).
 //
 // Every binary but CT is NOT constant-time, on purpose: the grid search
 // (`locate`), the early exits of surplus and padding tiles, the KV trip count
@@ -7,10 +7,10 @@
 // branch (`mask_from`), the V-tail zeroing and the row-guarded stores all follow
 // the true lengths. That is the contract of policy `off` only (design.md:
 // "lengths" may leak). The CT binary (code 34, "constant-time walk" below) walks
-// the public bucket instead, with the Triton CONST_TIME kernels' decoys and
-// selects; ops.step_kernel routes constant-time prefill steps to it unless
-// DHP_CUDA_PREFILL_CT=0 (gates: `dhp-backend audit sass-cuda` and G1 per
-// instruction, docs/perf-notes.md change 22). It is the
+// the public bucket instead, over each request's reserved block-table line, with
+// the Triton CONST_TIME kernels' selects; ops.step_kernel routes constant-time
+// prefill steps to it unless DHP_CUDA_PREFILL_CT=0 (gates: `dhp-backend audit
+// sass-cuda` and G1 per instruction, docs/perf-notes.md change 22). It is the
 // route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
 // cannot express on this chip -- a producer warpgroup that loads 16-token pages
 // into 128-row stages, and consumer warpgroups with explicit wgmma waits.
@@ -114,11 +114,10 @@ struct Params {
   float scale_log2;                              // softmax scale * log2(e) (qk_scale)
   int causal;
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
-  // Constant-time binary (CT) only: the public bucket and the decoy map.
+  // Constant-time binary (CT) only: the public bucket.
   int l_mode, l_scalar;                          // 0: one bucket l_scalar; 1: per-request buckets
   const int* bucket;                             // [num_seqs] (l_mode 1)
-  int max_blocks, num_blocks;                    // block-table width, cache pages
-  uint32_t decoy_magic, decoy_mult;              // launch.decoy_magic / decoy_mult of num_blocks
+  int max_blocks;                                // block-table width
   const void* q;                                 // Q for the CT loader (LSU loads, see load_q_ct)
   int64_t q_tok_stride, q_head_stride;           // elements
   int q_rows;                                    // query.shape[0]
@@ -132,7 +131,7 @@ using Barriers = RingBarriers<STAGES>;
 // Per-request facts every warp derives the same way.
 struct Work {
   int q0, q_len, seq_len, tok0, n_steps;  // tok0: the tile's first query token (request-local)
-  int page_req, page_len;                 // whose pages the walk reads, and their true length (CT)
+  int page_req, n_pages;                  // whose table line the walk reads, and its reserved entries (CT)
 };
 
 // The tiling of ops.paged_attention's Triton kernels (kernels.locate): request r
@@ -217,17 +216,20 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   }
 }
 
-// ---- constant-time walk (CT: policies strict / batch / request) ------------------
+// ---- constant-time walk (CT: policies strict / request) -------------------------
 // The COMPAT arithmetic on the walk of the Triton kernels' CONST_TIME binaries
 // (kernels.attention_kernel; docs/kernels.md section 2): every CTA, whatever the
 // secret lengths, runs the same code path with the same trip counts and the same
-// number of loads and stores.
+// loads and stores, at the same addresses.
 //   - tile -> request: a count over all num_seqs keys (locate_ct), no search;
 //   - no early exit: padding and surplus tiles walk like real ones, their rows
 //     masked by selection and stored to the workspace sink;
-//   - the KV walk covers the public bucket L (n_steps = ceil(L / 128)); pages at
-//     positions >= the true length are decoys (decoy_block: real cache pages
-//     that miss L2 as real ones do), chosen by a branch-free select;
+//   - the KV walk covers the public bucket L_r (n_steps = ceil(L_r / 128)), and
+//     logical block lb reads block_table[r, min(lb, ceil(L_r / block_size) - 1)]
+//     (ct::walk_page): the request's own reserved table line up to its bucket, in
+//     walk order (design.md section 2, the address rule: the engine reserves those
+//     pages; the tile rounding past them re-reads the last one, a function of L_r).
+//     Which pages hold real positions is never asked: the true length only masks;
 //   - Q rows come by ordinary loads at in-range addresses (row mod q_rows): a TMA
 //     box at the step's end would be clipped, and a clipped box reads fewer bytes;
 //   - V rows at positions >= the true length are zeroed in every stage by two
@@ -239,12 +241,6 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
 using namespace ct;
-
-// kernels.decoy_block: the page read in place of request r's logical block lb
-// past its true length (ct_walk.cuh: the same map in every kernel).
-__device__ __forceinline__ int decoy_block(const Params& p, int r, int lb) {
-  return decoy_page(p.num_seqs, p.num_blocks, p.decoy_magic, p.decoy_mult, r, lb);
-}
 
 // kernels.locate (request tiles): r = #{i in 1..num_seqs : qsl[i] / BQ + i <= g},
 // counted by the whole CTA in chunks of kThreads keys; trip count
@@ -262,25 +258,33 @@ __device__ __forceinline__ int locate_ct(const Params& p, int g) {
 
 // kernels.attention_kernel's per-tile facts (l_mode 0/1). Index num_seqs is the
 // padding pseudo-request: rows qsl[num_seqs] .. num_out_rows, true length 0; it
-// walks the pages of the last request (so its reads are re-reads, whatever the
-// lengths are) and its rows come out as 0.
+// reads the table line of the last request with that request's page count (l_mode
+// 0: its L pages, re-reads whatever the lengths are; l_mode 1: no step, its walk is
+// 0 as the Triton launcher's pad_l) and its rows come out as 0.
 template <int LMODE>
 __device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
   Work w;
-  const bool is_pad = req >= p.num_seqs;
-  const int r_row = min(req, p.num_seqs - 1);
+  const bool is_pad = req >= p.num_seqs;  // req <= num_seqs (locate_ct's count)
+  // min(req, num_seqs - 1) and min(req + 1, num_seqs), written as req - is_pad and
+  // req + !is_pad: ptxas fuses the min forms into VIADDMNMX, which the SASS slice of the
+  // audit (sass_slice) does not model, and a ptxas-made guard sliced through it fails G2.
+  const int r_row = req - static_cast<int>(is_pad);
   w.q0 = p.query_start_loc[req];
-  const int q_next = p.query_start_loc[min(req + 1, p.num_seqs)];
+  const int q_next = p.query_start_loc[req + static_cast<int>(!is_pad)];
   w.q_len = select_int(is_pad, p.num_out_rows, q_next) - w.q0;
   w.page_req = r_row;
-  w.page_len = p.seq_lens[r_row];
-  w.seq_len = select_int(is_pad, 0, w.page_len);
+  w.seq_len = select_int(is_pad, 0, p.seq_lens[r_row]);
   w.tok0 = (g - ((w.q0 >> (7 - p.group_shift)) + req)) * p.block_q;
   // LMODE is a template flag, not a run-time test of p.l_mode: the binary the
   // gate calls constant-time (one bucket) then holds no path through the
   // per-request buckets at all (audit/cuda_rules.py checks it on the PTX).
-  int ext = p.l_scalar;
-  if constexpr (LMODE == 1) ext = select_int(is_pad, 0, p.bucket[r_row]);  // pad_l = 0, as the Triton launcher
+  // ext_r: the bucket of the table line the walk reads (r_row's, for the padding too).
+  int ext_r = p.l_scalar, ext = p.l_scalar;
+  if constexpr (LMODE == 1) {
+    ext_r = p.bucket[r_row];
+    ext = select_int(is_pad, 0, ext_r);  // pad_l = 0, as the Triton launcher
+  }
+  w.n_pages = walk_pages(ext_r, p.block_size, p.max_blocks);
   w.n_steps = (ext + kCols - 1) / kCols;
   return w;
 }
@@ -314,17 +318,12 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
   if (row == 0) mbar_arrive(bar.q_full());
 }
 
-// K/V pages of every step up to the bucket: the block-table entry where the page
-// holds a real position, a decoy page elsewhere (kernels.position_blocks, per page:
-// a 16-row TMA box is one page). One warp: every 4 steps, lane l reads the table
-// entry and computes the decoy of page l % 8 of step t + l / 8; lane 0 issues the
-// TMA loads. Why: the decoy shuffle (ct_walk.cuh, 12 hash rounds) is ~450
-// instructions per page, and the producer warp shares its SM sub-partition with
-// two consumer warps, so its instructions delay theirs. H200, causal 4K in a 16K
-// bucket (docs/perf-notes.md change 36): one thread computing a step's 8 pages in
-// turn 7.05 ms; one lane per page of one step 3.69 ms; 32 pages (4 steps) per warp
-// pass 3.11 ms, and 2.93 ms with the waits below (unshuffled: 2.82 ms); the Triton
-// strict kernel 4.11-4.14 ms on the same executed work.
+// K/V pages of every step up to the bucket: the entries of the request's reserved
+// table line (ct::walk_page; a 16-row TMA box is one page), in walk order. One warp:
+// every lane reads the step's entries (the same addresses in every lane: one
+// transaction each, all in flight together) and lane 0 issues the TMA loads. Entries
+// pg >= pages_per_step of blk are not loaded (load_stage); they read the step's last
+// page again, so every read stays inside the step's own pages.
 template <int STAGES>
 __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
                                            const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,
@@ -333,23 +332,20 @@ __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const
   const int* table = p.block_table + static_cast<int64_t>(w.page_req) * p.bt_stride;
   const int bs = p.block_size;
   const int pages_per_step = kCols / bs;
-  int mine = 0;  // this lane's page id of the current 4 steps
   for (int t = 0; t < w.n_steps; ++t) {
     const int s = t % STAGES;
     const uint32_t parity = ((t / STAGES) - 1) & 1;
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
-    if (t % 4 == 0) {  // step index: public
-      const int lb = (t + lane / 8) * pages_per_step + lane % 8;
-      const int entry = table[min(lb, p.max_blocks - 1)];
-      mine = select_int(lb * bs < w.page_len, entry, decoy_block(p, w.page_req, lb));
-    }
     int blk[8];
 #pragma unroll
-    for (int pg = 0; pg < 8; ++pg) blk[pg] = __shfl_sync(0xffffffff, mine, 8 * (t % 4) + pg);
+    for (int pg = 0; pg < 8; ++pg)
+      blk[pg] = walk_page(table, w.n_pages, t * pages_per_step + min(pg, pages_per_step - 1));
     // The whole warp waits (one try_wait answers all lanes alike) and lane 0 issues: lane 0
     // alone in the wait loop left the warp diverged at the next step's shuffle for as
     // many steps as the hardware's timing chose, and ptxas's divergent-shuffle path
-    // then ran a timing-dependent number of times (G1 per instruction, H200).
+    // then ran a timing-dependent number of times (G1 per instruction, H200). The page
+    // ids come without shuffles now; the warp still waits as one, so that no
+    // instruction's count follows the hardware's timing.
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
     if (lane == 0) load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
     __syncwarp();
@@ -973,8 +969,10 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
 // 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T,
 // 34 that arithmetic on the constant-time walk (CT: l_mode .. sink are its
-// arguments, ignored by the others; -8 when they are out of range). qk_scale = softmax scale * log2(e)
-// as the caller computes it (the Triton launcher's value, for equal bits).
+// arguments, ignored by the others; -8 when they are out of range; each request's
+// table line must hold its reserved pages up to its bucket, the address rule that
+// ops.paged_attention checks). qk_scale = softmax scale * log2(e) as the caller
+// computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -982,8 +980,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
                                 int num_out_rows, int num_heads, int num_kv_heads, int block_size, float qk_scale,
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
-                                int l_mode, int l_scalar, const int* bucket, int max_blocks, unsigned decoy_magic,
-                                unsigned decoy_mult, int q_rows, unsigned q_magic, void* sink, void* stream) {
+                                int l_mode, int l_scalar, const int* bucket, int max_blocks, int q_rows,
+                                unsigned q_magic, void* sink, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1024,7 +1022,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
   p.l_mode = l_mode;
-  ct::set_walk_params(p, l_scalar, bucket, max_blocks, num_blocks, decoy_magic, decoy_mult);
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks);
   p.q = q;
   p.q_tok_stride = q_tok_stride;
   p.q_head_stride = q_head_stride;
@@ -1032,7 +1030,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.q_magic = q_magic;
   p.sink = sink;
   if (p.num_tiles > 65535) return -6;
-  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || num_blocks < 1 || sink == nullptr ||
+  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);

@@ -2,6 +2,9 @@
 is accepted; ops.step_kernel routes exactly the policy-off decode steps to it; the
 csrc kernel compiles for sm_90a where nvcc exists."""
 
+import ctypes
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +19,18 @@ def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, T=4):
     kc = torch.zeros(4, Hkv, bs, D, dtype=dtype)
     return (q, kc, kc.clone(), torch.zeros(T, 4, dtype=torch.int32), torch.arange(T + 1, dtype=torch.int32),
             torch.full((T,), 10, dtype=torch.int32), torch.zeros_like(q))
+
+
+# ctypes classes of the C entry point's parameter types (pointers: c_void_p).
+_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "int64_t": ctypes.c_int64}
+
+
+def c_signature(source: str, name: str) -> list:
+    """The ctypes classes of ``extern "C" int name(...)``'s parameters in csrc/<source>."""
+    text = (cuda_build.csrc_dir() / source).read_text()
+    params = text.split(f'extern "C" int {name}(', 1)[1].split(")", 1)[0]
+    return [ctypes.c_void_p if "*" in a else _C_TYPES[" ".join(a.split()).rsplit(" ", 1)[0]]
+            for a in params.split(",")]
 
 
 def test_cpu_tensors_refused_with_the_accepted_device():
@@ -67,7 +82,7 @@ def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
     assert step_kernel(SPEC, "off", 3 * 16, 16) == dispatch.TRITON  # 3 tokens each: request tiles (mixed)
     assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
     assert step_kernel(SPEC, "off", 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
-    for policy in ("strict", "batch", "request"):
+    for policy in ("strict", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT  # constant-time: the CT binaries
     import dataclasses
     for other in (dict(head_size=64), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
@@ -196,19 +211,34 @@ def test_constant_time_arguments_refused(monkeypatch):
 
 
 def test_step_kernel_routes_constant_time_decode_steps_unless_disabled(with_nvcc, monkeypatch):
-    """Decode steps of strict/batch/request go to cuda_decode_ct by default where the
+    """Decode steps of strict/request go to cuda_decode_ct by default where the
     group fits its tile, and stay on Triton with DHP_CUDA_DECODE_CT=0; mixed steps
     and policy off are unchanged."""
     import dataclasses
     monkeypatch.delenv("DHP_CUDA_DECODE_CT", raising=False)
     attn._cuda_routes.cache_clear()
-    for policy in ("strict", "batch", "request"):
+    for policy in ("strict", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT
         assert step_kernel(SPEC, policy, 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
         assert step_kernel(dataclasses.replace(SPEC, num_heads=64, num_kv_heads=2), policy, 64, 64) \
             == dispatch.TRITON  # GROUP 32: no mma.sync tile for it
     monkeypatch.setenv("DHP_CUDA_DECODE_CT", "0")
     attn._cuda_routes.cache_clear()
-    for policy in ("strict", "batch", "request"):
+    for policy in ("strict", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON
     assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE
+
+
+def test_entry_argtypes_follow_the_c_signature(monkeypatch):
+    """The ctypes argument list of dhp_decode_sm90 is the C entry point's, parameter for
+    parameter (a stale list would pass wrong values to the kernel, not fail)."""
+    from dhp_backend.ops import cuda_decode
+
+    fn = types.SimpleNamespace()
+    monkeypatch.setattr(cuda_decode, "load", lambda *a, **k: types.SimpleNamespace(dhp_decode_sm90=fn))
+    cuda_decode._entry.cache_clear()
+    try:
+        assert cuda_decode._entry() is fn
+        assert fn.argtypes == c_signature("decode_sm90.cu", "dhp_decode_sm90")
+    finally:
+        cuda_decode._entry.cache_clear()

@@ -6,12 +6,16 @@ num_tokens untouched, and its bits equal to DHP's Triton kernel under policy off
 every variant and both split modes (what lets ops.paged_attention route decode
 steps to it: batch invariance across step kinds); repeatable bits, batch
 invariance, several query tokens per request (drafts), vLLM's K/V-interleaved
-cache views, and the routing in ops.paged_attention.
+cache views, and the routing in ops.paged_attention. The constant-time walk (CT
+binaries) runs on block tables that obey the address rule (design.md section 2:
+each request owns distinct pages up to its bucket, `testing.pages.reserved_table`),
+with NaN/inf garbage in the reserved pages past the true lengths.
 
 Needs nvcc (the kernel is built on first use). Run:
 ``pytest -m gpu tests/test_cuda_decode_gpu.py``.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -20,9 +24,11 @@ import torch
 from triton_steps import assemble, bits, make_request, reference, rel_err
 
 from dhp_backend.ops import paged_attention, step_kernel
+from dhp_backend.ops.buckets import reserved_tokens
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops.cuda_decode import VARIANTS, decode_sm90
 from dhp_backend.ops.cuda_common import unavailable_reason
+from dhp_backend.testing.pages import pages_for, reserved_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,6 +60,41 @@ def decode_step(rng, gen, n, H, Hkv, dtype, bs, lens=None, pad_tokens=0):
     lens = lens or [rng.choice(EDGE_LENS + (rng.randint(1, 3000),)) for _ in range(n)]
     reqs = [make_request(1, s, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen) for s in lens]
     return assemble(reqs, block_size=bs, gen=gen, pad_tokens=pad_tokens, extra_rows=3)
+
+
+def _garbage(shape, gen, dtype):
+    """Stale cache content: NaN, with +-inf and large finite values mixed in."""
+    sel = torch.rand(shape, generator=gen, device=gen.device)
+    g = torch.full(shape, float("nan"), device=gen.device)
+    g[sel < 0.2] = float("inf")
+    g[(sel >= 0.2) & (sel < 0.3)] = -float("inf")
+    g[(sel >= 0.3) & (sel < 0.4)] = 6.0e4
+    return g.to(dtype)
+
+
+def reserved_step(reqs, policy, *, block_size, width, gen, pad_tokens=0, extra_rows=0, spare_blocks=5):
+    """`assemble`'s step with a block table that obeys the address rule for ``policy``
+    (max_model_len = the table's capacity, ``width`` pages): request r owns distinct
+    random pages up to its reservation (`buckets.reserved_tokens`), its K/V in the first
+    seq_len positions, NaN/inf garbage in the rest of its pages and in every other page
+    (block 0, vLLM's null block, fills the columns past the reservation)."""
+    step = assemble(reqs, block_size=block_size, gen=gen, pad_tokens=pad_tokens, extra_rows=extra_rows,
+                    max_blocks=width)
+    capacity = width * block_size
+    reserve = [reserved_tokens(policy, r.seq_len, capacity) for r in reqs]
+    num_blocks = 1 + sum(pages_for(t, block_size) for t in reserve) + spare_blocks
+    table = reserved_table(reserve, block_size=block_size, num_blocks=num_blocks, width=width,
+                           seed=int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)),
+                           device=gen.device)
+    kc = _garbage((num_blocks,) + tuple(step.key_cache.shape[1:]), gen, step.key_cache.dtype)
+    vc = _garbage(tuple(kc.shape), gen, kc.dtype)
+    for i, r in enumerate(reqs):
+        if r.seq_len:
+            pos = torch.arange(r.seq_len, device=gen.device)
+            blk, slot = table[i, pos // block_size].long(), pos % block_size
+            kc.permute(0, 2, 1, 3)[blk, slot] = r.k
+            vc.permute(0, 2, 1, 3)[blk, slot] = r.v
+    return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
 
 
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [
@@ -200,7 +241,11 @@ def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(11)
     # No padding tokens: 2 on 6 requests would make it a "mixed" step by the
     # launcher's tiling rule (vLLM pads num_reqs with the tokens for its graphs).
-    step = decode_step(rng, gen, 6, 32, 8, torch.bfloat16, 16)
+    # The table obeys strict's address rule (every request owns its pages up to the
+    # table's capacity), so that the strict launch below may read them.
+    reqs = [make_request(1, rng.choice(EDGE_LENS + (rng.randint(1, 3000),)), H=32, Hkv=8, D=128,
+                         dtype=torch.bfloat16, gen=gen) for _ in range(6)]
+    step = reserved_step(reqs, "strict", block_size=16, width=-(-max(r.seq_len for r in reqs) // 16) + 1, gen=gen)
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, causal=True, device_capability=(9, 0))
     assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE
@@ -308,23 +353,32 @@ def run_triton_policy(step, policy, bucket, causal=True):
                                   policy=policy, bucket=bucket)
 
 
-def ct_buckets(step, reqs):
-    longest = max(r.seq_len for r in reqs)
-    per_req = torch.tensor([min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32,
-                           device="cuda")
-    return [("strict", step.capacity), ("batch", min(step.capacity, next_pow2(longest))), ("request", per_req)]
+CT_POLICIES = ("strict", "request")
 
 
-def check_ct(step, reqs, dtype, causal=True, variants=None, modes=("split", "fold")):
-    """Every CT variant and mode under every policy's bucket: accurate, padding rows
+def ct_bucket(step, reqs, policy):
+    """The bucket argument of ``policy`` for ``step`` (max_model_len = the table's
+    capacity): strict's int, request's per-request int32 buckets."""
+    if policy == "strict":
+        return step.capacity
+    return torch.tensor([min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
+
+
+def check_ct(reqs, dtype, *, bs, width, gen, pad_tokens=0, extra_rows=3, causal=True, variants=None,
+             modes=("split", "fold")):
+    """Every CT variant and mode under every policy's bucket, each on a step whose
+    table obeys that policy's address rule (`reserved_step`): accurate, padding rows
     0, rows past num_tokens untouched, and the bits of the Triton constant-time
     kernels under the same policy and bucket, which are also the policy-off bits."""
     from dhp_backend.ops.cuda_decode import CT_VARIANTS
 
-    n = int(step.query_start_loc[-1])
-    ref = reference(step, scale=SCALE, causal=causal)
-    off_bits = bits(run_triton(step, causal=causal)[: step.num_tokens])
-    for policy, bucket in ct_buckets(step, reqs):
+    for policy in CT_POLICIES:
+        step = reserved_step(reqs, policy, block_size=bs, width=width, gen=gen, pad_tokens=pad_tokens,
+                             extra_rows=extra_rows)
+        bucket = ct_bucket(step, reqs, policy)
+        n = int(step.query_start_loc[-1])
+        ref = reference(step, scale=SCALE, causal=causal)
+        off_bits = bits(run_triton(step, causal=causal)[: step.num_tokens])
         tri = bits(run_triton_policy(step, policy, bucket, causal=causal)[: step.num_tokens])
         assert torch.equal(tri, off_bits), f"Triton {policy} differs from policy off"
         for mode in modes:
@@ -344,19 +398,17 @@ def check_ct(step, reqs, dtype, causal=True, variants=None, modes=("split", "fol
 ])
 def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs):
     """Decode steps on the constant-time walk: one bucket (strict: the table's
-    capacity; batch: the step's longest length rounded up) and per-request buckets
-    (request), lengths at page/step/split edges, NaN/inf garbage in every unowned
-    slot, table entry and decoy page (the V operands past the true length must be
-    zeroed, not multiplied by 0)."""
+    capacity) and per-request buckets (request), lengths at page/step/split edges,
+    NaN/inf garbage in every unowned slot and in the reserved pages past the true
+    lengths (the V operands there must be zeroed, not multiplied by 0)."""
     rng = random.Random(H * 31 + Hkv + bs)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
     for trial in range(2):
         lens = [rng.choice(EDGE_LENS + (rng.randint(1, 3000),)) for _ in range(rng.randint(1, 9))]
         reqs = [make_request(1, s, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen) for s in lens]
         width = -(-rng.choice([max(lens), 2 * max(lens), 4100]) // bs) + 1
-        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 3]), extra_rows=3,
-                        max_blocks=max(width, -(-max(lens) // bs) + 1))
-        check_ct(step, reqs, dtype)
+        check_ct(reqs, dtype, bs=bs, width=max(width, -(-max(lens) // bs) + 1), gen=gen,
+                 pad_tokens=rng.choice([0, 3]))
 
 
 def test_ct_drafts_and_non_causal():
@@ -365,9 +417,9 @@ def test_ct_drafts_and_non_causal():
     gen = torch.Generator(device="cuda").manual_seed(19)
     reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((3, 700), (1, 64),
                                                                                                (4, 513))]
-    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=2, max_blocks=80)
     for causal in (True, False):
-        check_ct(step, reqs, torch.bfloat16, causal=causal, variants=("p2x2_pv_ef",))
+        check_ct(reqs, torch.bfloat16, bs=16, width=80, gen=gen, pad_tokens=2, extra_rows=0, causal=causal,
+                 variants=("p2x2_pv_ef",))
 
 
 def test_ct_more_requests_than_threads():
@@ -377,14 +429,13 @@ def test_ct_more_requests_than_threads():
     gen = torch.Generator(device="cuda").manual_seed(23)
     reqs = [make_request(1, rng.randint(1, 600), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
             for _ in range(300)]
-    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=5, max_blocks=48)
-    check_ct(step, reqs, torch.bfloat16, variants=("p2x2_pv_ef",))
+    check_ct(reqs, torch.bfloat16, bs=16, width=48, gen=gen, pad_tokens=5, extra_rows=0, variants=("p2x2_pv_ef",))
 
 
 def test_ct_refuses_what_it_cannot_run():
     gen = torch.Generator(device="cuda").manual_seed(1)
     reqs = [make_request(1, 100, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)]
-    step = assemble(reqs, block_size=16, gen=gen, max_blocks=8)
+    step = reserved_step(reqs, "strict", block_size=16, width=8, gen=gen)
     with pytest.raises(ValueError, match=r"seq_lens\[0\] is 100, above its bucket 64"):
         run_ct(step, 64)
     with pytest.raises(ValueError, match=r"variant is 's2x2' with a bucket"):
@@ -414,7 +465,7 @@ def test_paged_attention_routes_ct_decode_steps_unless_disabled(monkeypatch):
     # No padding tokens: they would make a step of 6 requests "mixed" (request tiles).
     reqs = [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
             for s in (900, 17, 2048, 1, 513, 64)]
-    step = assemble(reqs, block_size=16, gen=gen, max_blocks=160)
+    step = reserved_step(reqs, "strict", block_size=16, width=128, gen=gen)  # max_model_len 2048
     want = bits(run_triton_policy(step, "strict", 2048)[: step.num_tokens])
     for enabled in ("", "1", "0"):
         if enabled:

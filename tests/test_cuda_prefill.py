@@ -1,7 +1,9 @@
 """ops.cuda_prefill without a GPU: argument validation says what is wrong and what
 is accepted; the csrc kernel compiles for sm_90a where nvcc exists."""
 
+import ctypes
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -9,6 +11,17 @@ import torch
 from dhp_backend.ops import cuda_build
 from dhp_backend.ops.cuda_prefill import prefill_sm90, validate
 
+
+# ctypes classes of the C entry point's parameter types (pointers: c_void_p).
+_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "int64_t": ctypes.c_int64}
+
+
+def c_signature(source: str, name: str) -> list:
+    """The ctypes classes of ``extern "C" int name(...)``'s parameters in csrc/<source>."""
+    text = (cuda_build.csrc_dir() / source).read_text()
+    params = text.split(f'extern "C" int {name}(', 1)[1].split(")", 1)[0]
+    return [ctypes.c_void_p if "*" in a else _C_TYPES[" ".join(a.split()).rsplit(" ", 1)[0]]
+            for a in params.split(",")]
 
 
 def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16):
@@ -104,7 +117,7 @@ def test_ct_bucket_refused(monkeypatch, kw, pattern):
 
 
 def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
-    """ops.step_kernel: prefill steps of strict/batch/request go to the csrc CT
+    """ops.step_kernel: prefill steps of strict/request go to the csrc CT
     binary on an sm_90 GPU unless DHP_CUDA_PREFILL_CT=0, else stay on Triton; decode
     steps of those policies do not go to it (with their own CT route turned off here,
     test_cuda_decode covers it, they stay on Triton); policy off is unchanged."""
@@ -124,7 +137,7 @@ def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
     attn._cuda_routes.cache_clear()
     try:
         assert routes_prefill_ct(spec)[0]
-        for policy in ("strict", "batch", "request"):
+        for policy in ("strict", "request"):
             assert step_kernel(spec, policy, 4096, 2) == attn.CUDA_PREFILL_CT
             assert step_kernel(spec, policy, 16, 16) == dispatch.TRITON  # a decode step
         assert step_kernel(spec, "off", 4096, 2) == attn.CUDA_PREFILL
@@ -133,3 +146,19 @@ def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
         assert step_kernel(hopperless, "strict", 4096, 2) == dispatch.TRITON
     finally:
         attn._cuda_routes.cache_clear()
+
+
+@pytest.mark.parametrize("compat_only", [True, False])
+def test_entry_argtypes_follow_the_c_signature(monkeypatch, compat_only):
+    """The ctypes argument list of dhp_prefill_sm90 is the C entry point's, parameter for
+    parameter (a stale list would pass wrong values to the kernel, not fail)."""
+    from dhp_backend.ops import cuda_prefill
+
+    fn = types.SimpleNamespace()
+    monkeypatch.setattr(cuda_prefill, "load", lambda *a, **k: types.SimpleNamespace(dhp_prefill_sm90=fn))
+    cuda_prefill._entry.cache_clear()
+    try:
+        assert cuda_prefill._entry(compat_only) is fn
+        assert fn.argtypes == c_signature("prefill_sm90.cu", "dhp_prefill_sm90")
+    finally:
+        cuda_prefill._entry.cache_clear()

@@ -7,11 +7,16 @@ request's rows alone = inside any batch), and the ``compat`` binary's bits equal
 to DHP's Triton kernel under policy off (what lets ops.paged_attention route
 prefill steps to it).
 Every binary (`VARIANTS`) is checked and compared bit for bit with ``plain``.
+The constant-time binary (``compat_ct``) runs on block tables that obey the address
+rule (design.md section 2: each request owns distinct pages up to its bucket,
+`testing.pages.reserved_table`), with NaN/inf garbage in the reserved pages past the
+true lengths.
 
 Needs nvcc (the kernel is built on first use). Run:
 ``pytest -m gpu tests/test_cuda_prefill_gpu.py``.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -19,9 +24,11 @@ import torch
 
 from triton_steps import assemble, bits, make_request, reference, rel_err
 
+from dhp_backend.ops.buckets import reserved_tokens
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops import paged_attention
 from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, COMPAT_VARIANTS, VARIANTS, prefill_sm90, unavailable_reason
+from dhp_backend.testing.pages import pages_for, reserved_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -152,6 +159,41 @@ def next_pow2(n):
     return 1 << max(0, n - 1).bit_length()
 
 
+def _garbage(shape, gen, dtype):
+    """Stale cache content: NaN, with +-inf and large finite values mixed in."""
+    sel = torch.rand(shape, generator=gen, device=gen.device)
+    g = torch.full(shape, float("nan"), device=gen.device)
+    g[sel < 0.2] = float("inf")
+    g[(sel >= 0.2) & (sel < 0.3)] = -float("inf")
+    g[(sel >= 0.3) & (sel < 0.4)] = 6.0e4
+    return g.to(dtype)
+
+
+def reserved_step(reqs, policy, *, block_size, width, gen, pad_tokens=0, extra_rows=0, spare_blocks=5):
+    """`assemble`'s step with a block table that obeys the address rule for ``policy``
+    (max_model_len = the table's capacity, ``width`` pages): request r owns distinct
+    random pages up to its reservation (`buckets.reserved_tokens`), its K/V in the first
+    seq_len positions, NaN/inf garbage in the rest of its pages and in every other page
+    (block 0, vLLM's null block, fills the columns past the reservation)."""
+    step = assemble(reqs, block_size=block_size, gen=gen, pad_tokens=pad_tokens, extra_rows=extra_rows,
+                    max_blocks=width)
+    capacity = width * block_size
+    reserve = [reserved_tokens(policy, r.seq_len, capacity) for r in reqs]
+    num_blocks = 1 + sum(pages_for(t, block_size) for t in reserve) + spare_blocks
+    table = reserved_table(reserve, block_size=block_size, num_blocks=num_blocks, width=width,
+                           seed=int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)),
+                           device=gen.device)
+    kc = _garbage((num_blocks,) + tuple(step.key_cache.shape[1:]), gen, step.key_cache.dtype)
+    vc = _garbage(tuple(kc.shape), gen, kc.dtype)
+    for i, r in enumerate(reqs):
+        if r.seq_len:
+            pos = torch.arange(r.seq_len, device=gen.device)
+            blk, slot = table[i, pos // block_size].long(), pos % block_size
+            kc.permute(0, 2, 1, 3)[blk, slot] = r.k
+            vc.permute(0, 2, 1, 3)[blk, slot] = r.v
+    return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
+
+
 def run_ct(step, causal, bucket):
     out = torch.full_like(step.query, float("nan"))
     return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens,
@@ -170,25 +212,26 @@ def run_triton_policy(step, causal, policy, bucket):
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):
-    """compat_ct under one bucket (strict/batch) and per-request buckets (request):
-    the Triton kernels' bits under the same policy and bucket, which are also the
-    policy-off bits; padding rows 0, rows past num_tokens untouched, NaN/inf
-    garbage in every unowned slot, table entry and decoy page."""
+    """compat_ct under one bucket (strict) and per-request buckets (request), each
+    on a table that obeys that policy's address rule: the Triton kernels' bits
+    under the same policy and bucket, which are also the policy-off bits; padding
+    rows 0, rows past num_tokens untouched, NaN/inf garbage in every unowned slot
+    and in the reserved pages past the true lengths."""
     rng = random.Random(H * 7 + bs + causal)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
     for trial in range(3):
         reqs = random_reqs(rng, gen, rng.randint(1, 5), H, Hkv, dtype)
         longest = max(r.seq_len for r in reqs)
-        width = -(-rng.choice([longest, 2 * longest, 1100]) // bs) + 1
-        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5, 130]), extra_rows=3,
-                        max_blocks=max(width, -(-longest // bs) + 1))
-        n = int(step.query_start_loc[-1])
-        off_bits = bits(run_triton(step, causal)[: step.num_tokens])
-        ref = reference(step, scale=0.0883, causal=causal)
-        buckets = {"strict": step.capacity, "batch": min(step.capacity, next_pow2(longest))}
-        per_req = torch.tensor([min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32,
-                               device="cuda")
-        for policy, bucket in [*buckets.items(), ("request", per_req)]:
+        width = max(-(-rng.choice([longest, 2 * longest, 1100]) // bs) + 1, -(-longest // bs) + 1)
+        pad_tokens = rng.choice([0, 5, 130])
+        for policy in ("strict", "request"):
+            step = reserved_step(reqs, policy, block_size=bs, width=width, gen=gen, pad_tokens=pad_tokens,
+                                 extra_rows=3)
+            n = int(step.query_start_loc[-1])
+            off_bits = bits(run_triton(step, causal)[: step.num_tokens])
+            ref = reference(step, scale=0.0883, causal=causal)
+            bucket = step.capacity if policy == "strict" else torch.tensor(
+                [min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
             got = run_ct(step, causal, bucket)
             what = f"{policy} L={bucket if isinstance(bucket, int) else bucket.tolist()} " \
                    f"{[(r.q_len, r.seq_len) for r in reqs]}"
@@ -208,7 +251,7 @@ def test_ct_many_requests_and_surplus_tiles():
     rng = random.Random(3)
     reqs = [make_request(q, q + rng.randint(0, 40), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
             for q in [rng.choice([1, 2, 33]) for _ in range(450)]]
-    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=7, max_blocks=8)
+    step = reserved_step(reqs, "strict", block_size=16, width=8, gen=gen, pad_tokens=7)  # max_model_len 128
     n = int(step.query_start_loc[-1])
     got = run_ct(step, True, 128)
     assert torch.equal(bits(got[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
@@ -236,7 +279,7 @@ def test_paged_attention_routes_strict_prefill_steps_to_ct_when_enabled(monkeypa
         gen = torch.Generator(device="cuda").manual_seed(12)
         reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
                 for q, s in ((700, 900), (300, 300))]
-        step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4, max_blocks=128)
+        step = reserved_step(reqs, "strict", block_size=16, width=128, gen=gen, pad_tokens=4)  # max_model_len 2048
         out = torch.full_like(step.query, float("nan"))
         paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="strict", bucket=2048,
                         num_tokens=step.num_tokens)

@@ -18,7 +18,7 @@ Anything else (``mem:*``: a value loaded from memory, a matrix result, another
 lane's data) makes the branch fail, whatever the rule says.
 
 Which binaries are gated: the constant-time walks with one public bucket (policies
-strict, batch, request with one bucket): ``prefill_sm90.cu`` template flag CT with
+strict, request with one bucket): ``prefill_sm90.cu`` template flag CT with
 LMODE 0, and ``decode_sm90.cu``'s decode_kernel with option kConstTime and its
 merge_kernel with WALK 1. Their per-request-bucket forms (prefill LMODE 1, decode
 kBucketPerReq, merge WALK 2; policy request) are reported with their documented
@@ -71,10 +71,9 @@ RULES = (
     CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$", PUBLIC,
              "ceil(L / 128) KV steps of the public bucket L (l_scalar), for the producer, the V cleaners "
              "and the consumers alike"),
-    CudaRule("producer-lanes", "prefill_sm90.cu",
-             r"^if \((lane == 0|t % 4 == 0)\) (\{(\s+//.*)?|load_stage\(.*\);)$", PUBLIC,
-             "the producer warp computes the page ids of 4 steps at every 4th step (step index) and its lane 0 "
-             "issues the TMA loads (thread index)"),
+    CudaRule("producer-issue", "prefill_sm90.cu", r"^if \(lane == 0\) load_stage\(.*\);$", PUBLIC,
+             "the producer warp waits as one and its lane 0 issues the step's TMA loads (thread index); the "
+             "pages are the request's reserved table entries up to the bucket, read by every lane"),
     CudaRule("ring-reuse", "prefill_sm90.cu", r"^if \(t >= STAGES\) mbar_wait\(", PUBLIC,
              "the producer waits for a stage's release from the second round of the ring on: step index only"),
     CudaRule("pages-per-step", "prefill_sm90.cu", r"^if \(pg < pages_per_step\) \{", PUBLIC,
@@ -159,7 +158,7 @@ def instance(mangled: str) -> Instance | None:
         walk = named["WALK"]
     if walk == 1:
         return Instance(kernel, args, True, frozenset(),
-                        "constant-time walk, one public bucket (strict, batch, request with one bucket)")
+                        "constant-time walk, one public bucket (strict, request with one bucket)")
     if walk == 2:
         return Instance(kernel, args, False, frozenset({"mem"}),
                         "constant-time walk, per-request buckets (policy request): each token's walk is its "
@@ -168,7 +167,7 @@ def instance(mangled: str) -> Instance | None:
         if named["CT"]:
             if named["LMODE"] == 0:
                 return Instance(kernel, args, True, frozenset(),
-                                "constant-time walk, one public bucket (strict, batch, request with one bucket)")
+                                "constant-time walk, one public bucket (strict, request with one bucket)")
             return Instance(kernel, args, False, frozenset({"mem"}),
                             "constant-time walk, per-request buckets (policy request): each tile's step count is "
                             "its request's bucket, loaded by the tile's request index (docs/kernels.md section 5)")

@@ -8,15 +8,17 @@ the first thing a device call runs (in a subprocess with a timeout, so a hung
 kernel costs seconds).
 
 Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, one query token per
-request, NaN in every cache slot no request owns, a random block table (the
-steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
+request, NaN in every cache slot no request holds data in, a random block table
+(the steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
 bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
 replay (decode launches are microseconds), two input sets alternating.
 Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
 
 ``--bucket L`` adds the constant-time walk to L (policy strict): rows
 ``triton_strict`` (DHP's Triton CONST_TIME kernel) and ``cuda_ct_<variant>`` (the
-csrc CT binaries, `CT_VARIANTS`), bits compared with ``triton_strict``; their
+csrc CT binaries, `CT_VARIANTS`), bits compared with ``triton_strict``, on shapes
+whose requests own their pages up to L (the address rule: each reads its L / 16
+reserved pages, so the cache holds B x L positions); their
 ``exec_tb_s`` counts the K/V bytes walked (every request to L), and
 ``exec_fa3_over`` = exec_tb_s / FA3's tb_s is the strict-efficiency ratio.
 """
@@ -136,7 +138,7 @@ def probe() -> bool:
     gen = torch.Generator(device="cuda").manual_seed(1)
     errs, same = {}, {}
     for lens in ((1,), (17, 64, 513), (1000, 5000, 63, 2)):
-        st = make_step([(1, s) for s in lens], gen, width=PROBE_BUCKET // BS)
+        st = make_step([(1, s) for s in lens], gen, width=PROBE_BUCKET // BS, reserve=PROBE_BUCKET)
         ref = sdpa_ref(st, True)
         tri = triton_off_fn(st, True)()
         runs = [(variant, mode, order, None, None) for variant in VARIANTS
@@ -207,8 +209,8 @@ def main(argv=None):
         ct_here = bool(args.bucket) and args.bucket >= ctx
         exec_bytes = kv_bytes([(1, args.bucket)] * B) if args.bucket else 0
         width = max(_table_width(shape), -(-args.bucket // BS))
-        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved, width=width)
-                for _ in range(2)]
+        sets = [make_step(reqs, gen, spread=args.spread, interleaved=args.interleaved, width=width,
+                          reserve=args.bucket if ct_here else 0) for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
         outs = {}
         here = [n for n in names if ct_here or not (n == "triton_strict" or _ct_variant(n))]

@@ -8,9 +8,11 @@ timeout, so a hung kernel costs seconds).
 
 Every variant is checked against SDPA (dense per request, bf16) before it is
 timed. Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, NaN garbage in
-every cache slot no request owns (the kernel must not let it through), a random
-block table. FA3 gets the same data in its own paged layout (NHD, contiguous),
-DHP's Triton kernel runs under policy ``off`` (its fastest), the CUDA kernel in
+every cache slot no request holds data in (the kernel must not let it through), a
+random block table (`testing.pages.reserved_table`; with ``--bucket L`` every request
+owns its pages up to L, the address rule of the constant-time walk). FA3 gets the
+same data in its own paged layout (NHD, contiguous), DHP's Triton kernel runs under
+policy ``off`` (its fastest), the CUDA kernel in
 each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; their
 outputs are compared bit for bit) and the ``compat`` binary (``cuda_compat``,
 compared bit for bit with ``triton_off``). FLOPs are the useful count (the
@@ -18,7 +20,8 @@ causal triangle).
 
 ``--bucket L`` adds the constant-time policy's rows: ``triton_strict`` (DHP's
 Triton kernel under policy strict, bucket L) and ``cuda_compat_ct`` (the csrc
-constant-time binary, bucket L; bits compared with ``triton_strict``), with the
+constant-time binary, bucket L; bits compared with ``triton_strict``; every request
+reads its L / 16 reserved pages), with the
 executed work (every query row to L) as ``exec_tflops`` and its ratio to FA3's
 useful rate as ``strict_eff`` (the harness's strict_efficiency).
 """
@@ -74,32 +77,36 @@ def executed_flop(reqs, bucket: int) -> float:
     return 4.0 * H * D * sum(q for q, _ in reqs) * bucket
 
 
-def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: bool = False, width: int = 0):
-    """A packed step in ops.paged_attention's layout with NaN in every unowned slot.
+def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: bool = False, width: int = 0,
+              reserve: int = 0):
+    """A packed step in ops.paged_attention's layout with NaN in every slot no request
+    holds data in.
 
+    ``reserve``: tokens of pages every request owns at least (its true length's pages
+    otherwise): a constant-time walk to a bucket L reads a request's pages up to L, so
+    its rows need ``reserve=L`` (the address rule; `testing.pages.reserved_table`).
     ``spread``: the cache holds ``spread`` times the blocks the step uses, and the
     used ones are scattered over all of it (a serving engine's cache: a working set
     spread over GBs). ``interleaved``: K and V of a (block, head) side by side, as in
     the DHP vLLM backend's cache ([blocks, Hkv, 2, bs, D]); else two tensors."""
+    from dhp_backend.testing.pages import pages_for, reserved_table
+
     dev = "cuda"
-    nblk = [-(-s // BS) for _, s in reqs]
-    num_blocks = spread * sum(nblk) + 8
+    tokens = [max(s, reserve) for _, s in reqs]
+    need = [pages_for(t, BS) for t in tokens]
+    num_blocks = spread * sum(need) + 8
     if interleaved:
         kv = torch.full((num_blocks, HKV, 2, BS, D), float("nan"), device=dev, dtype=dtype)
         kc, vc = kv[:, :, 0], kv[:, :, 1]
     else:
         kc = torch.full((num_blocks, HKV, BS, D), float("nan"), device=dev, dtype=dtype)
         vc = torch.full_like(kc, float("nan"))
-    perm = torch.randperm(num_blocks, generator=gen, device=dev).to(torch.int32)
-    table = torch.zeros(len(reqs), max(max(nblk) + 1, width), dtype=torch.int32, device=dev)
-    used = 0
+    order = (torch.randperm(num_blocks - 1, generator=gen, device=dev) + 1).tolist()  # block 0: the null block
+    table = reserved_table(tokens, block_size=BS, num_blocks=num_blocks, width=max(max(need) + 1, width),
+                           order=order, device=dev)
     for i, (_, s) in enumerate(reqs):
-        ids = perm[used: used + nblk[i]]
-        used += nblk[i]
-        table[i, : nblk[i]] = ids
-        table[i, nblk[i]:] = 123456  # garbage past the last block
         pos = torch.arange(s, device=dev)
-        blk, slot = ids.long()[pos // BS], pos % BS
+        blk, slot = table[i].long()[pos // BS], pos % BS
         kc.permute(0, 2, 1, 3)[blk, slot] = torch.randn(s, HKV, D, generator=gen, device=dev).to(dtype)
         vc.permute(0, 2, 1, 3)[blk, slot] = torch.randn(s, HKV, D, generator=gen, device=dev).to(dtype)
     T = sum(q for q, _ in reqs)
@@ -157,15 +164,18 @@ def fa3_fn(st, causal):
                                           softmax_scale=SCALE, block_table=st["table"], fa_version=3, out=out)
 
 
+PROBE_BUCKET = 512  # the constant-time binary's walk in the probe (every request reserves it)
+
+
 def probe() -> bool:
     """Every binary right on small shapes (and not hung)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     errs = {}
     for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
-        st = make_step(reqs, gen)
+        st = make_step(reqs, gen, reserve=PROBE_BUCKET)
         ref = sdpa_ref(st, causal)
         for variant in [*VARIANTS, *COMPAT_VARIANTS, COMPAT_CT]:
-            bucket = st["table"].shape[1] * BS if variant == COMPAT_CT else None
+            bucket = PROBE_BUCKET if variant == COMPAT_CT else None
             o = cuda_fn(st, causal, variant, bucket)()
             torch.cuda.synchronize()
             errs[f"{reqs} causal={causal} {variant}"] = rel_err(o[: ref.shape[0]], ref)
@@ -205,7 +215,7 @@ def main(argv=None):
         flop = useful_flop(reqs, causal)
         if args.bucket and args.bucket < max(sq for _, sq in reqs):
             ap.error(f"--bucket {args.bucket} is shorter than shape {shape}'s longest request")
-        sets = [make_step(reqs, gen, width=-(-args.bucket // BS)) for _ in range(2)]
+        sets = [make_step(reqs, gen, width=-(-args.bucket // BS), reserve=args.bucket) for _ in range(2)]
         ref = sdpa_ref(sets[0], causal)
         outs = {}
         for name in names:

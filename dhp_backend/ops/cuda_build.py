@@ -113,27 +113,10 @@ def build_cubin(name: str, source: str, flags: tuple[str, ...] = SM90A) -> Path:
 
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 
-DECOY_ROUNDS_ENV = "DHP_CT_DECOY_ROUNDS"
-
-
-def decoy_rounds_flags() -> tuple[str, ...]:
-    """A measurement hook: ``DHP_CT_DECOY_ROUNDS=N`` builds the csrc CT kernels with
-    N rounds of the decoy shuffle (csrc/ct_walk.cuh; unset: its default, 12; 0: the
-    Triton kernels' map).
-    Bits do not depend on it (decoy pages are masked); speed and the G4 signal do
-    (docs/perf-notes.md change 35)."""
-    v = os.environ.get(DECOY_ROUNDS_ENV, "")
-    if v == "":
-        return ()
-    if not v.isdigit() or int(v) > 32:
-        raise ValueError(f"{DECOY_ROUNDS_ENV}={v!r}: accepted: an integer 0..32 (rounds of the csrc CT kernels' "
-                         "decoy shuffle), or unset")
-    return (f"-DDHP_CT_DECOY_ROUNDS={int(v)}",)
-
 
 def load(name: str, source: str, flags: tuple[str, ...] = SM90A) -> ctypes.CDLL:
-    """The built library (with `decoy_rounds_flags`), loaded once per process."""
-    flags = tuple(flags) + decoy_rounds_flags()
+    """The built library, loaded once per process."""
+    flags = tuple(flags)
     key = (name, flags)
     if key not in _LOADED:
         _LOADED[key] = ctypes.CDLL(str(build(name, source, flags)))

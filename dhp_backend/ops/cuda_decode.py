@@ -18,15 +18,15 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
 - Fold-mode launches of 1-4 waves run the step's walks longest first (a
   counting sort on the device; `longest_first`): timing only, same bits.
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
-  (the public length bucket of strict / batch / request), the CT binaries walk
-  the Triton CONST_TIME kernels' walk instead: every token to the bucket, decoy
-  pages past the true length, masks and V zeroing by selection, no longest-first
-  order (csrc: kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
+  (the public length bucket of strict / request), the CT binaries walk the
+  Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
+  its request's reserved block-table line (``block_table[r, :ceil(L_r /
+  block_size)]``, the address rule of design.md section 2: the caller reserves
+  those pages), masks and V zeroing by selection, no longest-first order (csrc:
+  kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
   constant-time kernels (GPU test). `ops.paged_attention` runs decode steps of
   those policies on it (`routes_decode_ct`; ``DHP_CUDA_DECODE_CT=0`` keeps them on
-  the Triton kernels). Its G1 and G2 gates pass (docs/audit); with its decoy
-  pages shuffled (csrc/ct_walk.cuh, docs/perf-notes.md change 35) its G4
-  all-padding vs all-real signal measured smaller than the Triton path's.
+  the Triton kernels).
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
@@ -107,13 +107,11 @@ def _fail(what: str, got: str, accepted: str) -> None:
 
 def routes_decode_ct(spec) -> tuple[bool, str]:
     """Whether `ops.paged_attention` runs decode steps of the constant-time policies
-    (strict / batch / request) of ``spec`` on the CT binaries, and why not. On by
+    (strict / request) of ``spec`` on the CT binaries, and why not. On by
     default where the csrc decode kernel runs and the group fits its tile: the
-    Triton kernels' bits at 1.1-1.4x their speed on those steps, G1 and G2 pass,
-    and G4's all-padding vs all-real difference at B16 L4096 on an H200 measured
-    -0.19 % (cropped |t| 20) against the Triton path's +0.53 % (|t| 76) in one
-    session (docs/perf-notes.md changes 34-35). ``DHP_CUDA_DECODE_CT=0`` keeps
-    those steps on the Triton kernels (same bits)."""
+    Triton kernels' bits at 1.1-1.4x their speed on those steps (docs/perf-notes.md
+    change 34). ``DHP_CUDA_DECODE_CT=0`` keeps those steps on the Triton kernels
+    (same bits)."""
     if os.environ.get("DHP_CUDA_DECODE_CT", "1") == "0":
         return False, "disabled (DHP_CUDA_DECODE_CT=0)"
     why = _refusal(spec, MAX_CT_GROUP, "the constant-time walk")
@@ -145,10 +143,9 @@ def _entry():
     # Loaded and typed once, not per launch.
     fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    u32 = ctypes.c_uint32
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
-                   i32, p, i32, u32, u32,  # CT: l_scalar, bucket, max_blocks, decoy_magic, decoy_mult
+                   i32, p, i32,  # CT: l_scalar, bucket, max_blocks
                    p]
     fn.restype = i32
     return fn
@@ -231,9 +228,12 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     same bits). ``check`` reads the metadata on the host first (the facts
     `ops.paged_attention` checks with ``check_values``; a device sync).
     ``bucket``: None walks the true lengths (policy off); an int L or int32
-    per-request buckets run the constant-time walk to it (policies strict / batch /
+    per-request buckets run the constant-time walk to it (policies strict /
     request; variants `CT_VARIANTS`, "auto" = `CT_DEFAULT_VARIANT`; ``order`` must
-    not be True: the longest-first order sorts by the true lengths).
+    not be True: the longest-first order sorts by the true lengths). Request r then
+    reads ``block_table[r, :ceil(L_r / block_size)]`` whatever its length: the
+    caller must have reserved those pages for it (design.md section 2;
+    `ops.paged_attention` checks it).
     ``spp``: split mode's splits per CTA, forced (None: `plan`'s choice; a launch
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
@@ -304,13 +304,10 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws, _, _ = wsp.reserve_workspace(query.device)
             order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
         code = _ALL_VARIANTS[variant][0]
-        ct_args = (0, null, 0, 0, 0)
+        ct_args = (0, null, 0)
         if ct:
-            from dhp_backend.ops.triton import launch as tlaunch
-
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
-            ct_args = (l_scalar, null if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1],
-                       tlaunch.decoy_magic(nb), tlaunch.decoy_mult(nb))
+            ct_args = (l_scalar, null if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1])
         stream = torch.cuda.current_stream().cuda_stream
         rc = _entry()(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
                       value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,

@@ -66,9 +66,11 @@ COMPAT = "compat"
 # (H200, cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
 _CODES = {COMPAT: 33, "compat_n64": 32}
 # The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
-# binaries (csrc: CT; policies strict / batch / request): every tile walks the
-# public bucket, decoy pages past the true lengths, selects instead of branches.
-# It is compat_n64's QK^T form (the n128 form spilled in this binary).
+# binaries (csrc: CT; policies strict / request): every tile walks its request's
+# public bucket L_r over the request's reserved block-table line
+# (block_table[r, :ceil(L_r / block_size)], the address rule of design.md section 2),
+# selects instead of branches. It is compat_n64's QK^T form (the n128 form spilled
+# in this binary).
 COMPAT_CT = "compat_ct"
 _CT_CODES = {COMPAT_CT: 34}
 # Every binary with the Triton kernels' bits under policy off.
@@ -128,7 +130,7 @@ def _entry(compat_only: bool):
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, u32, u32,
-                   i32, i32, p, i32, u32, u32, i32, u32, p,  # CT: l_mode .. sink
+                   i32, i32, p, i32, i32, u32, p,  # CT: l_mode, l_scalar, bucket, max_blocks, q_rows, q_magic, sink
                    p]
     fn.restype = i32
     return fn
@@ -159,7 +161,9 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     GPU test compares their bits), `COMPAT` (the Triton kernels' bits), or
     `COMPAT_CT` (the same bits on the constant-time walk to ``bucket``: the public
     length bucket L of the policy, an int or per-request int32 buckets; required
-    by `COMPAT_CT` and refused by the others).
+    by `COMPAT_CT` and refused by the others; request r then reads
+    ``block_table[r, :ceil(L_r / block_size)]`` whatever its length, pages the
+    caller must have reserved for it: design.md section 2).
     ``check`` reads the metadata on the host first (the facts `ops.paged_attention`
     checks with ``check_values``: offsets, lengths, block ids; a device sync).
     """
@@ -180,23 +184,22 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     if check:
         from dhp_backend.ops.attention import _check_values
 
-        _check_values(query_start_loc, seq_lens, block_table, None, num_tokens, key_cache.shape[0],
+        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
                       key_cache.shape[2])
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
-    ct_args = (0, 0, None, 0, 0, 0, 0, 0, None)
+    ct_args = (0, 0, None, 0, 0, 0, None)
     if ct:
         if num_tokens == 0:
             return out
         if seq_lens.shape[0] == 0:  # public geometry: a step without requests is all padding
             out[:num_tokens].zero_()
             return out
-        from dhp_backend.ops.triton import launch as tlaunch
         from dhp_backend.ops.triton import workspace as wsp
 
         sink = wsp.reserve_workspace(query.device)[1]
         ct_args = (l_mode, l_scalar, None if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1],
-                   tlaunch.decoy_magic(nb), tlaunch.decoy_mult(nb), T, (2**32 - 1) // T, sink.data_ptr())
+                   T, (2**32 - 1) // T, sink.data_ptr())
     with torch.cuda.device(query.device):
         stream = torch.cuda.current_stream().cuda_stream
         launch = _lib(variant)
