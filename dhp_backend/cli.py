@@ -1,11 +1,14 @@
 """``dhp-backend`` command line (also ``python -m dhp_backend.cli``).
 
     dhp-backend info [--num-heads 32 --num-kv-heads 8 --head-size 128 --block-size 16
-                      --dtype bfloat16 --max-model-len 8192] [--additional-config JSON] [--json]
+                      --dtype bfloat16 --max-model-len 8192] [--kv-cache-blocks N | --kv-cache-tokens T]
+                     [--additional-config JSON] [--json]
 
 `info` prints versions, platform and GPU, the effective DHP configuration (from
 ``--additional-config`` and the environment, as the backend would read them),
-and for the given model shape which path each kind of step would take and why.
+for the given model shape which path each kind of step would take and why, and
+what the policy's KV-page reservation costs (how many requests the KV cache
+holds at once; `dhp_backend.vllm.reservation`, logged by the engine at start-up too).
     dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...]
                            [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
 
@@ -127,9 +130,29 @@ def info(args: argparse.Namespace) -> dict:
         "cases": cases,
         "device_memory": memory,
         "refusal": refusal,
+        "reservation": _reservation(cfg.policy, args),
         "note": "The path is chosen per layer shape at start-up, not per step; the bucket is what "
                 "timing may depend on under the policy.",
     }
+
+
+ASSUMED_KV_CACHE_BLOCKS = 10_000
+
+
+def _reservation(policy: Policy, args: argparse.Namespace) -> dict:
+    """The address rule's price for this policy, max_model_len, block size and KV-cache size."""
+    from dhp_backend.vllm.reservation import reservation_price
+
+    blocks, source = args.kv_cache_blocks, "--kv-cache-blocks"
+    if blocks is None and args.kv_cache_tokens is not None:
+        blocks = args.kv_cache_tokens // args.block_size
+        source = f"--kv-cache-tokens {args.kv_cache_tokens:,} / --block-size {args.block_size}"
+    if blocks is None:
+        blocks, source = ASSUMED_KV_CACHE_BLOCKS, "assumed; pass --kv-cache-blocks or --kv-cache-tokens for yours"
+    price = reservation_price(policy, max_model_len=args.max_model_len, block_size=args.block_size,
+                              num_blocks=blocks)
+    price["num_blocks_source"] = source
+    return price
 
 
 def _print_info(r: dict) -> None:
@@ -160,7 +183,22 @@ def _print_info(r: dict) -> None:
     if r.get("refusal"):
         print("The engine would refuse to start:", r["refusal"])
         print()
+    _print_reservation(r["reservation"])
+    print()
     print(r["note"])
+
+
+def _print_reservation(p: dict) -> None:
+    import textwrap
+
+    from dhp_backend.vllm.reservation import format_price, price_table
+
+    print(f"KV reservation (the address rule), for a KV cache of {p['num_blocks']:,} blocks of {p['block_size']} "
+          f"tokens ({p['num_blocks_source']}):")
+    print(textwrap.fill(format_price(p), width=110))
+    print("Requests at once by length (what the KV cache holds; --max-num-seqs caps it too):")
+    for line in price_table(p):
+        print("  " + line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (default 16, vLLM's default on CUDA; its CPU engine uses 128)")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=8192)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-blocks", type=int, default=None,
+                    help="blocks in vLLM's KV cache, null block included (the engine's DHP start-up line gives "
+                         f"it); default: {ASSUMED_KV_CACHE_BLOCKS:,} assumed, to show the trade-off")
+    kv.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="the KV cache's size in tokens, as vLLM logs it at start-up ('KV cache size: T tokens'); "
+                         "blocks = T / --block-size")
     p.add_argument("--policy", choices=[x.value for x in Policy], help="override the configured policy")
     p.add_argument("--additional-config", help='as for vLLM, e.g. \'{"dhp": {"policy": "batch"}}\'')
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -233,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             return gate_modules[args.gate].run(args)
         return _audit(args, ap)
     if args.command == "info":
-        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
-            if getattr(args, name) <= 0:
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len", "kv_cache_blocks",
+                     "kv_cache_tokens"):
+            if getattr(args, name) is not None and getattr(args, name) <= 0:
                 ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         if args.num_heads % args.num_kv_heads:
             ap.error(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")

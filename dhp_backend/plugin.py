@@ -12,7 +12,12 @@ What it does:
 - only if ``DHP_OVERRIDE_CPU_ATTN=1``: also points ``CPU_ATTN`` at our backend.
   vLLM's CPU platform ignores ``--attention-backend`` and always takes the
   ``CPU_ATTN`` slot; this opt-in is a testing aid that lets a CPU engine run
-  DHP (it is how CI runs the backend end to end).
+  DHP (it is how CI runs the backend end to end);
+- installs the KV-page reservation in vLLM's scheduler
+  (`dhp_backend.vllm.reservation`): a scheduler built in an engine that runs
+  DHP under a constant-time policy reserves each request's pages up to its
+  bucket (the address rule), and the price is logged at start-up. Nothing
+  happens in engines that run another backend or policy ``off``.
 """
 
 from __future__ import annotations
@@ -41,3 +46,6 @@ def register() -> None:
     if cpu_override_requested():
         compat.register_class_path("CPU_ATTN")
         logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)", _CPU_OVERRIDE_ENV)
+    from dhp_backend.vllm import reservation
+
+    reservation.install()

