@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the KV cache's size in tokens, as vLLM logs it at start-up ('KV cache size: T tokens'); "
                          "blocks = T / --block-size")
     p.add_argument("--policy", choices=[x.value for x in Policy], help="override the configured policy")
-    p.add_argument("--additional-config", help='as for vLLM, e.g. \'{"dhp": {"policy": "batch"}}\'')
+    p.add_argument("--additional-config", help='as for vLLM, e.g. \'{"dhp": {"policy": "request"}}\'')
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="plan for this device type (default: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -3,7 +3,7 @@
     python -m dhp_backend.bench.triton_ceiling [--out DIR] [--seq 4096]
 
 A measurement for issue 4's "show precisely what stands in the way", not a
-production kernel: policy off semantics only (true lengths, no decoys, no
+production kernel: policy off semantics only (true lengths, no
 constant-time structure), one request, causal or full, Llama-3-8B heads.
 
 Why it exists: DHP's kernels gather K/V with `cp.async` (pointer loads) and
