@@ -17,7 +17,10 @@ What it does:
   (`dhp_backend.vllm.reservation`): a scheduler built in an engine that runs
   DHP under a constant-time policy reserves each request's pages up to its
   bucket (the address rule), and the price is logged at start-up. Nothing
-  happens in engines that run another backend or policy ``off``.
+  happens in engines that run another backend or policy ``off``;
+- in the process that parses the engine arguments, checks DHP's configuration
+  as soon as vLLM has built its config (`dhp_backend.vllm.startup_check`), so a
+  malformed setting stops ``vllm serve`` with one DHP error as its last line.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import os
 
 logger = logging.getLogger("dhp_backend")
 
-_CPU_OVERRIDE_ENV = "DHP_OVERRIDE_CPU_ATTN"
+CPU_OVERRIDE_ENV = "DHP_OVERRIDE_CPU_ATTN"
 
 
 def cpu_override_requested() -> bool:
-    return os.environ.get(_CPU_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(CPU_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def register() -> None:
@@ -45,7 +48,8 @@ def register() -> None:
     compat.install_alias()
     if cpu_override_requested():
         compat.register_class_path("CPU_ATTN")
-        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)", _CPU_OVERRIDE_ENV)
-    from dhp_backend.vllm import reservation
+        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)", CPU_OVERRIDE_ENV)
+    from dhp_backend.vllm import reservation, startup_check
 
     reservation.install()
+    startup_check.install()

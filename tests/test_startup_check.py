@@ -1,0 +1,89 @@
+"""DHP's configuration is checked where vLLM parses the engine arguments (issue 34).
+
+A malformed DHP setting stops the engine before any engine process starts, with
+one DHP error, naming the bad value and the accepted ones, as the last line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from dhp_backend.vllm import compat, startup_check  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_config(backend="CUSTOM", additional=None, cache_dtype="auto"):
+    enum_cls = compat._registry().AttentionBackendEnum
+    return types.SimpleNamespace(
+        attention_config=types.SimpleNamespace(backend=None if backend is None else enum_cls[backend]),
+        additional_config=additional or {}, cache_config=types.SimpleNamespace(cache_dtype=cache_dtype))
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    from dhp_backend import plugin
+
+    plugin.register()
+
+
+@pytest.mark.parametrize("additional,needle", [
+    ({"dhp": {"policy": "strcit"}}, "unknown DHP policy 'strcit'; accepted: 'strict', 'request', 'off'"),
+    ({"DHP": {"policy": "strict"}}, "section 'DHP' is not DHP's; accepted: the lower-case key 'dhp'"),
+    ({"dhp": {"allow_fallback": "nope"}}, "got 'nope'; accepted: a boolean"),
+    ({"dhp": "off"}, "got 'off'; accepted: a JSON object"),
+])
+def test_bad_settings_stop_the_engine_with_a_dhp_error(additional, needle):
+    with pytest.raises(startup_check.DHPConfigError, match="^DHP configuration: ") as info:
+        startup_check.check(fake_config(additional=additional))
+    assert needle in str(info.value)
+
+
+def test_fp8_kv_cache_is_refused_up_front():
+    with pytest.raises(startup_check.DHPConfigError, match=r"--kv-cache-dtype 'fp8'.*accepted: auto, float16, "
+                                                          r"bfloat16"):
+        startup_check.check(fake_config(cache_dtype="fp8"))
+
+
+def test_other_backends_are_left_alone():
+    assert startup_check.check(fake_config(backend="FLASH_ATTN", additional={"dhp": {"policy": "x"}})) is None
+    assert startup_check.check(fake_config(backend=None, additional={"DHP": 1})) is None
+
+
+def test_cpu_engine_without_the_override_warns_once_that_dhp_will_not_run(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU platform's behaviour")
+    monkeypatch.delenv("DHP_OVERRIDE_CPU_ATTN", raising=False)
+    monkeypatch.setitem(compat._registry()._ATTN_OVERRIDES, compat._registry().AttentionBackendEnum.CPU_ATTN, None)
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        cfg = startup_check.check(fake_config())
+    assert cfg is not None
+    msgs = [r.getMessage() for r in caplog.records if r.name == "dhp_backend"]
+    assert any("will NOT run DHP" in m and "DHP_OVERRIDE_CPU_ATTN=1" in m for m in msgs), msgs
+
+
+def test_a_misspelled_policy_is_the_last_line_an_engine_prints(tmp_path):
+    script = (
+        "from integration.tiny_llama import build\n"
+        f"d = build({str(tmp_path)!r}, seed=0)\n"
+        "from vllm import LLM\n"
+        "LLM(str(d), attention_backend='DHP', max_model_len=256,\n"
+        "    additional_config={'dhp': {'policy': 'strcit'}})\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "DHPConfigError: DHP configuration: " in last and "'strcit'" in last, proc.stderr[-3000:]
+    assert "accepted: 'strict', 'request', 'off'" in last
+    assert "Engine core initialization failed" not in proc.stderr  # stopped before any engine started
