@@ -67,8 +67,9 @@ def _gpu() -> dict:
 
 
 def _example_steps(max_model_len: int) -> dict[str, list[tuple[int, int]]]:
-    """(context, query length) per request for three representative steps."""
-    ctx = min(1000, max(1, max_model_len - 64))
+    """(context, query length) per request for three representative steps, every
+    request no longer than max_model_len (the strict bucket)."""
+    ctx = max(0, min(1000, max_model_len - 64 if max_model_len > 64 else max_model_len - 1))
     chunk = min(512, max(1, max_model_len // 4))
     return {
         "decode": [(ctx, 1)] * 8,
@@ -81,9 +82,12 @@ def info(args: argparse.Namespace) -> dict:
     from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path
     from dhp_backend.ops.dispatch import FallbackRefused
 
+    from dhp_backend.config import dhp_section
+
     additional = json.loads(args.additional_config) if args.additional_config else None
     if args.policy:
-        additional = {**(additional or {}), "dhp": {**((additional or {}).get("dhp", {})), "policy": args.policy}}
+        # --policy overrides the section's policy, after the section itself was checked.
+        additional = {**(additional or {}), "dhp": {**dhp_section(additional), "policy": args.policy}}
     cfg = DHPConfig.from_sources(additional)
     gpu = _gpu()
     device_type = args.device if args.device != "auto" else ("cuda" if gpu["available"] else "cpu")
@@ -105,8 +109,8 @@ def info(args: argparse.Namespace) -> dict:
             path, ct = "REFUSED", False
             why = (f"policy '{cfg.policy.value}' refuses the {allowed.name} path ({allowed.reason})")
             refusal = str(exc)
-        except ValueError as exc:
-            path, why, ct = "REFUSED", str(exc), False
+        except ValueError as exc:  # a forced path that cannot run this case
+            path, why, ct = "CANNOT RUN", f"forced path '{cfg.path}' cannot run this case: {exc}", False
         bucket = bucket_for_step(cfg.policy, max_model_len=args.max_model_len, seq_lens=seq_lens,
                                  max_seq_len=max(seq_lens))
         if hasattr(bucket, "tolist"):

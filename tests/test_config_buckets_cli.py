@@ -189,3 +189,38 @@ def test_graph_capture_rules():
     assert graph_capturable(triton_path, "strict") and graph_capturable(triton_path, "request")
     assert graph_capturable(triton_path, "off")
     assert not any(graph_capturable(reference, p) for p in ("strict", "request", "off"))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["info", "--additional-config", '"strict"'], "additional_config: got 'strict'; accepted: a JSON object"),
+    (["info", "--additional-config", '{"dhp": "off"}', "--policy", "off"],
+     "additional_config['dhp']: got 'off'; accepted: a JSON object"),
+    (["info", "--additional-config", '{"dhp": {"polcy": "off"}}'], "did you mean 'policy'?"),
+    (["info", "--additional-config", '{"DHP": {"policy": "off"}}'], "section 'DHP' is not DHP's"),
+    (["info", "--additional-config", "{bad json"], "Expecting property name"),
+    (["info", "--policy", "batch"], "invalid choice: 'batch' (choose from 'strict', 'request', 'off')"),
+    (["info", "--additional-config", '{"dhp": {"policy": "batch"}}'], "'batch' was retired"),
+])
+def test_info_rejects_malformed_configuration_with_exit_2(argv, needle, capsys):
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_info_example_steps_respect_the_bucket(capsys):
+    for mml in (1, 2, 64, 65, 300):
+        assert cli_main(["info", "--json", "--max-model-len", str(mml), "--policy", "off"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert all(max(c["seq_lens"]) <= mml for c in r["cases"].values()), (mml, r["cases"])
+
+
+def test_info_says_when_a_forced_path_cannot_run(monkeypatch, capsys):
+    monkeypatch.setenv("DHP_PATH", "triton")
+    assert cli_main(["info", "--json", "--device", "cpu", "--policy", "off"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for case in r["cases"].values():
+        assert case["path"] == "CANNOT RUN" and case["why"].startswith("forced path 'triton' cannot run this case")
