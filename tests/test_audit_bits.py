@@ -49,6 +49,35 @@ def test_builder_layout():
     assert torch.isnan(b.key_cache.float()).any()  # stale garbage where no request writes
 
 
+@pytest.mark.parametrize("policies", [B.POLICIES, ("request",), ("off",)])
+def test_builder_tables_obey_the_address_rule(policies):
+    from dhp_backend.ops.buckets import reserved_tokens
+
+    target, pool = _setup()
+    reqs = [target] + pool
+    b = B.assemble(reqs, GEO, seed=7, device="cpu", policies=policies)
+    bs = GEO.block_size
+    owned = []
+    for i, r in enumerate(reqs):
+        need = -(-max(reserved_tokens(p, r.seq_len, GEO.capacity) for p in policies) // bs)
+        assert need >= -(-r.seq_len // bs)
+        row = b.block_table[i, :need]
+        assert int(row.min()) >= 1 and row.unique().numel() == need  # distinct real pages, never the null block
+        owned += row.tolist()
+        if "strict" in policies:
+            assert need == GEO.max_blocks
+    assert len(set(owned)) == len(owned), "no page owned by two requests"
+    assert b.key_cache.shape[0] > max(owned)
+    # every policy of the set runs on it through the seam's own address-rule check
+    ref = B.seam_attention("reference")
+    for p in policies:
+        assert ref(b, p).shape[0] == b.num_tokens
+    assert "batch" not in B.POLICIES
+    with pytest.raises(ValueError):
+        B.config_from_args(argparse.Namespace(policies="strict,batch", runs=2, interpret_runs=2, sizes="1",
+                                              interpret_sizes="1", orders=1, seed=0))
+
+
 def test_planted_batch_dependent_attention_is_caught():
     ref = B.seam_attention("reference")
     target, pool = _setup()

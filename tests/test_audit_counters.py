@@ -122,15 +122,36 @@ def test_shapes_and_pairs():
     s = C.parse_shape("B4-L4096-q64")
     assert (s.batch, s.bucket, s.q_len) == (4, 4096, 64)
     assert C.parse_shape(C.shape_spec(s)) == s
+    assert (s.layout, s.num_blocks, s.blocks) == ("random", 0, 25000)  # a realistic cache by default
     nc = C.parse_shape("B2-L512-h8x2-d64-float16-noncausal-off")
     assert C.parse_shape(C.shape_spec(nc)) == nc and not nc.causal
+    ch = C.parse_shape("B16-L32768-q1-request-churned-nb40000")
+    assert (ch.policy, ch.layout, ch.blocks) == ("request", "churned", 40000)
+    assert C.parse_shape(C.shape_spec(ch)) == ch
     with pytest.raises(ValueError):
         C.parse_shape("B4-X9")
-    assert [p[2] for p in C.parse_pairs("all")] == [True, True, False, False, False]
+    with pytest.raises(ValueError, match="unknown part 'batch'"):
+        C.parse_shape("B4-L4096-batch")  # the retired policy
+    pairs = C.parse_pairs("all")
+    assert [p[2] for p in pairs] == [True, True, False, False, False, False]
+    assert [(a, b) for a, b, g in pairs if g] == [("short", "long"), ("random", "random2")]
+    assert {b for _, b, g in pairs if not g} == {"zeros", "constant", "extreme", "skewed"}
     assert C.parse_pairs("short:long,random:zeros") == [("short", "long", True), ("random", "zeros", False)]
     cmd = C.ncu_command("ncu", "B16-L4096-q1", "short", 3, "/tmp/x.json")
     assert cmd[:3] == ["ncu", "--clock-control", "none"] and "--launch-skip" in cmd
     assert cmd[cmd.index("--launch-skip") + 1] == "2" and cmd[cmd.index("--kernel-name") + 1] == C.KERNEL_FILTER
+
+
+def test_dram_tolerance_option():
+    base = [_kernel("attention_kernel", **{C.DRAM_METRIC: 1_000_000_000})]
+    near = [_kernel("attention_kernel", **{C.DRAM_METRIC: 1_004_000_000})]
+    far = [_kernel("attention_kernel", **{C.DRAM_METRIC: 1_006_000_000})]
+    assert C.compare_kernels(base, far)["passed"]  # within the design's 1 %
+    assert C.compare_kernels(base, near, dram_tolerance=0.005)["passed"]
+    res = C.compare_kernels(base, far, dram_tolerance=0.005)
+    assert not res["passed"]
+    assert next(c for c in res["kernels"][0]["checks"] if c["metric"] == C.DRAM_METRIC)["rule"] == "within 0.5 %"
+    assert _args().dram_tolerance == C.DRAM_TOLERANCE == 0.01
 
 
 def _args(**kw):

@@ -1,15 +1,19 @@
-"""G4 timing gate on the CPU: statistics on synthetic streams, PNG fallback, report writer, no-GPU exit."""
+"""G4 timing gate on the CPU: statistics on synthetic streams, PNG fallback, the plan and its inputs (address
+rule, shared pages), the g4-latest report and its merging, no-GPU exit, the run glue with a faked GPU."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import struct
 import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from dhp_backend.audit import png, stats, timing
 
@@ -92,9 +96,13 @@ def test_control_and_summary():
     same = timing.analyse_streams(a[:20000], a[:20000], pair=("short", "long"), role="control")
     assert same["detected"] is False
     g = timing.analyse_streams(*_pair(6))
-    assert timing.summarize([ctl, g], 1.0)["passed"] is True
+    s = timing.summarize([ctl, g], 1.0)
+    assert s["run_passed"] is True and s["control_detected"] is True
+    assert s["passed"] is False and not s["complete"]  # one cell of the full grid is not the gate
     s = timing.summarize([same, g], 1.0)
-    assert s["passed"] is False and "cannot detect a leak" in s["messages"][0]
+    assert s["run_passed"] is False and "cannot detect a leak" in s["messages"][0]
+    assert timing.summarize([g], 1.0)["control_detected"] is None  # not measured: not a failure of this run
+    assert timing.summarize([g], 1.0)["run_passed"] is True
 
 
 # ---------------------------------------------------------------- paired tests
@@ -194,37 +202,94 @@ def test_fallback_png_is_valid(tmp_path):
     assert png.read_header(data)["width"] == 300
 
 
+def _rows(a, b):
+    """Rows of every role on synthetic streams (control, gating too short, reported, an error)."""
+    from dhp_backend.audit import classes
+
+    churned = classes.Shape(layout="churned")
+    rows = [timing.analyse_streams(a[:20000], (b + 40)[:20000], pair=("short", "long"), role="control",
+                                   policy="off"),
+            timing.analyse_streams(a[:3000], b[:3000], pair=("short", "long"), role="gating", shape=churned),
+            timing.analyse_streams(a[:3000], b[:3000] + 1, pair=("random", "zeros"), role="reported",
+                                   shape=churned, mode="graph")]
+    spec = timing.PairSpec(dataclasses.replace(churned, policy="request"), "random", "random2", "gating", 10)
+    rows.append(timing.error_result(spec, "graph", "RuntimeError: capture failed"))
+    return rows
+
+
 def test_report_json_has_documented_keys(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "renderer", lambda: "builtin (dhp_backend.audit.png)")
     a, b = _pair(10)
-    results = [timing.analyse_streams(a[:20000], (b + 40)[:20000], pair=("short", "long"), role="control"),
-               timing.analyse_streams(a[:3000], b[:3000], pair=("random", "random2"), role="gating"),
-               timing.analyse_streams(a[:3000], b[:3000] + 1, pair=("random", "zeros"), role="reported")]
-    spec = timing.PairSpec(timing.parse_shapes("16,4096")[0], "short", "long", "gating", 10)
-    results.append(timing.error_result(spec, "graph", "RuntimeError: capture failed"))
-    s = timing.summarize(results, 2.0)
-    meta = {"device": "NVIDIA H100 80GB HBM3", "versions": timing.versions(), "settings": {"seed": 0}}
-    md, js = timing.write_reports(str(tmp_path), s, results, meta, date="2026-01-02", save_samples=True)
-    assert js.endswith("2026-01-02-timing-h100-80gb-hbm3.json") and md.endswith(".md")
+    rows = _rows(a, b)
+    meta = {"device": "NVIDIA H100 80GB HBM3", "versions": dict(timing.versions(), commit="abc1234"),
+            "settings": {"seed": 0, "warmup": 50, "chunk": 128, "host_pad": "fake"}, "seconds": 3.0,
+            "churn": {"25000": {"fingerprint": "f" * 16, "vllm": "0.24.0", "seed": 0}}}
+    (md, js), merged = timing.write_reports(str(tmp_path), rows, meta, date="2026-01-02", plots=True,
+                                            save_samples=True)
+    assert js == str(tmp_path / "g4-latest.json") and md == str(tmp_path / "g4-latest.md")
     doc = json.load(open(js))
     assert set(timing.REPORT_KEYS) <= set(doc)
+    assert (doc["device"], doc["commit"], doc["date"]) == ("NVIDIA H100 80GB HBM3", "abc1234", "2026-01-02")
     assert set(timing.SUMMARY_KEYS) <= set(doc["summary"])
-    assert doc["renderer"].startswith("builtin")
-    for r in doc["results"]:
+    for r in doc["rows"]:
         assert set(timing.RESULT_KEYS) <= set(r), set(timing.RESULT_KEYS) - set(r)
         assert "_samples" not in r
-    assert doc["summary"]["passed"] is False  # too few gating samples, and an errored gating pair
-    assert [r["verdict"] for r in doc["results"]] == ["leak detected", "too few samples", "differs", "error"]
-    for r in doc["results"][:3]:
-        assert len(r["plots"]) == 2
+    by = {(r["role"], r["pair"]): r for r in doc["rows"]}
+    ctl, gate = by[("control", "short vs long")], by[("gating", "short vs long")]
+    assert ctl["verdict"] == "leak detected" and ctl["policy"] == "off"
+    assert gate["verdict"] == "too few samples" and gate["layout"] == "churned" and gate["num_blocks"] == 25000
+    assert (gate["step"], gate["bucket"], gate["lengths"], gate["n_per_class"]) == ("decode", 4096, [1, 4096], 3000)
+    assert by[("reported", "random vs zeros")]["verdict"] == "differs"
+    err = by[("gating", "random vs random2")]
+    assert err["verdict"] == "error" and err["policy"] == "request" and err["lengths"] == [3072, 3072]
+    s = doc["summary"]
+    assert s["passed"] is False and s["complete"] is False and s["control_detected"] is True
+    assert len(s["missing"]) > 100  # one decode/4096/strict/churned gating row of the full grid is there
+    plotted = [r for r in doc["rows"] if r["plots"]]
+    assert len(plotted) == 3
+    for r in plotted:
         for p in r["plots"]:
+            assert os.path.dirname(p).endswith("timing-plots")
             _png_info(open(p, "rb").read())
     text = open(md).read()
-    assert "G4 timing gate" in text and "capture failed" in text and "builtin" in text
-    assert (tmp_path / "2026-01-02-timing-h100-80gb-hbm3-samples.npz").exists()
+    assert "G4 timing gate" in text and "capture failed" in text and "churned" in text and "ffffffffffffffff" in text
+    assert "not measured yet" in text and "decoy" not in text.lower()
+    assert (tmp_path / "g4-latest-samples.npz").exists()
+    assert merged["rows"] == 4
 
 
-def test_run_without_gpu_returns_2(capsys, monkeypatch):
+def test_reports_merge_rows_of_one_commit(tmp_path):
+    a, b = _pair(11)
+    meta = {"device": "NVIDIA H100 80GB HBM3", "versions": {"commit": "abc1234"}, "settings": {}}
+    first = _rows(a, b)[:2]
+    timing.write_reports(str(tmp_path), first, meta)
+    second = [timing.analyse_streams(a[:3000], b[:3000], pair=("short", "long"), role="gating",
+                                     layout="consecutive")]
+    _, merged = timing.write_reports(str(tmp_path), second, meta)
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 3 and merged["merge"].startswith("merged with 2 rows")
+    assert {r["layout"] for r in doc["rows"] if r["role"] == "gating"} == {"churned", "consecutive"}
+    # the same cell measured again replaces the earlier row
+    _, merged = timing.write_reports(str(tmp_path), second, meta)
+    assert json.load(open(tmp_path / "g4-latest.json"))["summary"]["rows"] == 3
+    # another commit of the same code (a report committed between pieces): still one report
+    _, merged = timing.write_reports(str(tmp_path), second, dict(meta, versions={"commit": "def5678"}))
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 3 and doc["commit"] == "def5678" and doc["source"] == timing.source_hash()
+    assert {r["commit"] for r in doc["rows"]} == {"abc1234", "def5678"}
+    # other code: the earlier rows are dropped, not mixed in
+    _, merged = timing.write_reports(str(tmp_path), second, dict(meta, source="0" * 16))
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 1 and "not merged" in merged["merge"] and doc["source"] == "0" * 16
+    # an explicit file to merge into (the repository's copy, on the GPU machine's fresh $OUT)
+    out = tmp_path / "out"
+    _, merged = timing.write_reports(str(out), first, dict(meta, source="0" * 16),
+                                     merge_from=str(tmp_path / "g4-latest.json"))
+    assert merged["rows"] == 3 and (out / "g4-latest.json").exists()
+    assert timing.source_hash() == timing.source_hash() and len(timing.source_hash()) == 16
+
+
+def test_run_without_gpu_returns_2_and_estimate_runs_anywhere(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -232,21 +297,122 @@ def test_run_without_gpu_returns_2(capsys, monkeypatch):
     timing.add_arguments(ap)
     assert timing.run(ap.parse_args([])) == 2
     assert "GPU machine" in capsys.readouterr().err
-    assert timing.run(ap.parse_args(["--shapes", "16"])) == 2
-    assert "batch,bucket" in capsys.readouterr().err
+    for bad in (["--lengths", "4k"], ["--layouts", "decoy"], ["--policies", "batch"], ["--prefill", "4"],
+                ["--steps", "mixed"], ["--pairs", "random:nothing"], ["--samples", "0"], ["--num-blocks", "100"]):
+        assert timing.run(ap.parse_args(bad)) == 2, bad
+        assert "audit timing: --" in capsys.readouterr().err
+    assert timing.run(ap.parse_args(["--estimate"])) == 0
+    out = capsys.readouterr().out
+    assert "12 cache group(s)" in out and "estimated wall time on an H100" in out
+    assert timing.run(ap.parse_args(["--estimate", "--preset", "subset"])) == 0
+    assert "decode L32768 churned, 34816 blocks" in capsys.readouterr().out
 
 
-def test_plan_has_control_gating_and_reported():
+def _settings(*argv):
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    return timing.settings_from_args(ap.parse_args(list(argv)))
+
+
+def test_plan_covers_the_grid_with_shared_caches():
+    st = _settings()
+    groups = timing.plan(st)
+    assert [(g.step, g.bucket, g.layout) for g in groups][:3] == [("decode", 4096, "consecutive"),
+                                                                  ("decode", 4096, "random"),
+                                                                  ("decode", 4096, "churned")]
+    assert len(groups) == 2 * 2 * 3
+    for g in groups:
+        roles = [s.role for s in g.specs]
+        first_layout = g.layout == st.layouts[0]
+        assert roles.count("control") == (1 if first_layout else 0)
+        if first_layout:
+            ctl = g.specs[0]
+            assert ctl.shape.policy == "off" and (ctl.a, ctl.b) == ("short", "long") and ctl.rounds == 20_000
+        gating = [s for s in g.specs if s.role == "gating"]
+        assert {(s.shape.policy, s.a, s.b) for s in gating} == {(p, a, b) for p in ("strict", "request")
+                                                              for a, b in (("short", "long"), ("random", "random2"))}
+        assert all(s.rounds == 100_000 for s in gating)
+        assert {(s.a, s.b) for s in g.specs if s.role == "reported"} == {("random", "zeros"), ("random", "constant")}
+        for s in g.specs:  # one cache per group: every shape of it has the same table and cache size
+            assert (s.shape.layout, s.shape.bucket, s.shape.step) == (g.layout, g.bucket, g.step)
+            assert s.shape.blocks == g.specs[0].shape.blocks
+    shapes = {(g.step, g.bucket): g.specs[0].shape for g in groups}
+    assert (shapes["decode", 4096].batch, shapes["decode", 4096].q_len, shapes["decode", 4096].blocks) == (16, 1, 25000)
+    assert shapes["decode", 32768].blocks == 17 * 2048  # (B + 1) * L / block_size > 25,000
+    assert (shapes["prefill", 32768].batch, shapes["prefill", 32768].q_len) == (4, 64)
+    assert shapes["prefill", 32768].blocks == 25000
+    # a piece of the grid, and the preset one device call runs
+    sub = _settings("--preset", "subset")
+    assert (sub.steps, sub.policies, sub.layouts, sub.modes) == (("decode",), ("strict",), ("churned",), ("graph",))
+    assert timing.estimate_s(sub)["total_s"] < 9 * 60
+    assert _settings("--preset", "subset", "--layouts", "random").layouts == ("random",)
+    q = _settings("--quick")
+    assert q.layouts == timing.LAYOUTS and q.samples < 10_000 and q.quick
+    assert _settings("--pairs", "gating", "--no-control").pairs == (("short", "long", "gating"),
+                                                                    ("random", "random2", "gating"))
+    assert _settings("--pairs", "random:skewed").pairs == (("random", "skewed", "reported"),)
+    assert _settings("--num-blocks", "60000").num_blocks == 60000
+    assert timing.estimate_s(st)["total_s"] > 60 * 60  # the full grid needs several device sessions
+
+
+def test_classes_lengths_share_the_bucket():
     from dhp_backend.audit import classes
+    from dhp_backend.ops.buckets import next_pow2, reserved_tokens
 
-    shape = timing.parse_shapes("16,4096")[0]
-    specs = timing.plan(shape, 100, 20, 30)
-    assert specs[0].role == "control" and specs[0].shape.policy == "off" and (specs[0].a, specs[0].b) == (
-        "short", "long")
-    assert [(s.a, s.b) for s in specs if s.role == "gating"] == list(classes.GATING_PAIRS)
-    assert [(s.a, s.b) for s in specs if s.role == "reported"] == list(classes.REPORTED_PAIRS)
-    assert all(s.shape.policy == "strict" for s in specs[1:])
-    assert timing.parse_shapes("8,2048;4,1024,16")[1].q_len == 16
+    for step_q in (1, 64):
+        for L in (4096, 32768):
+            for policy in ("strict", "request"):
+                sh = classes.Shape(bucket=L, q_len=step_q, policy=policy)
+                short, long_ = classes.true_length(sh, "short"), classes.true_length(sh, "long")
+                assert step_q <= short < long_ == L
+                # the reservation is the bucket for both classes, and it is what the engine reserves
+                for n in (short, long_):
+                    assert classes.reserved_tokens(sh) == reserved_tokens(policy, n, L) == L
+                if policy == "request":  # one power of two: the same per-request bucket
+                    assert next_pow2(short) == next_pow2(long_) == L and short == L // 2 + 1
+                else:
+                    assert short == step_q
+                mid = classes.true_length(sh, "random")
+                assert next_pow2(mid) == L and mid == classes.true_length(sh, "random2")
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "random", "churned"])
+def test_make_inputs_obey_the_address_rule_and_share_pages(layout):
+    from dhp_backend.audit import classes
+    from dhp_backend.ops import paged_attention
+
+    for policy in ("strict", "request", "off"):
+        sh = classes.Shape(batch=3, bucket=128, q_len=1, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                           dtype="float32", policy=policy, layout=layout, num_blocks=40)
+        shared = {}
+        ins = {c: classes.make_inputs(sh, c, seed=1, device="cpu", shared=shared) for c in classes.CLASSES}
+        t = ins["short"]["block_table"]
+        assert tuple(t.shape) == (3, 8) and int(t.min()) >= 1 and t.unique().numel() == 24
+        for c, x in ins.items():
+            assert x["block_table"] is t, "one public table for every class"
+            assert x["seq_lens"].tolist() == [classes.true_length(sh, c)] * 3
+        # short, long and random differ in lengths only: the very same tensors
+        assert ins["short"]["key_cache"] is ins["long"]["key_cache"] is ins["random"]["key_cache"]
+        assert not torch.equal(ins["random"]["key_cache"], ins["random2"]["key_cache"])
+        assert bool((ins["zeros"]["value_cache"] == 0).all())
+        assert bool((ins["constant"]["query"] == classes.CONSTANT).all())
+        if policy == "request":
+            assert ins["short"]["bucket"].tolist() == ins["long"]["bucket"].tolist() == [128] * 3
+        else:
+            assert ins["short"]["bucket"] == ({"strict": 128, "off": None}[policy])
+        # the seam's own check of the address rule accepts them, and the reference runs them
+        for c in ("short", "long", "constant"):
+            x = ins[c]
+            out = torch.full_like(x["query"], float("nan"))
+            paged_attention(x["query"], x["key_cache"], x["value_cache"], x["block_table"], x["query_start_loc"],
+                            x["seq_lens"], out, scale=0.25, causal=True, policy=policy, bucket=x["bucket"],
+                            num_tokens=x["num_tokens"], path="reference", allow_fallback=True, check_values=True)
+            assert bool(torch.isfinite(out).all())
+    # the default cache: at least 25,000 blocks, more than the step's pages
+    assert classes.Shape().blocks == 25000 and classes.Shape(bucket=32768).blocks == 17 * 2048
+    assert classes.Shape(layout="churned").key.endswith("-strict-churned")
+    with pytest.raises(ValueError):
+        classes.make_inputs(classes.Shape(policy="batch"), "short", device="cpu")
 
 
 # ---------------------------------------------------------------- the GPU loop against a fake clock
@@ -296,11 +462,13 @@ def test_timing_loop_pairs_rounds_correctly():
 
 
 def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
-    """`run` end to end (argument handling, plan, reports, exit code) with the GPU measurement faked."""
+    """`run` end to end (arguments, plan, merged reports, exit codes) with the GPU measurement faked."""
     import torch
 
+    seen = []
+
     class FakeTimer:
-        device_name, cycles_per_ms = "NVIDIA H200", 1.9e6
+        device_name, cycles_per_ms = "NVIDIA H100 80GB HBM3", 1.9e6
 
         def __init__(self, chunk, warmup, progress):
             pass
@@ -308,26 +476,90 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
         def pad_note(self):
             return "fake"
 
-        def measure_pair(self, spec, modes, seed=0):
+        def release(self):
+            pass
+
+        def measure_pair(self, spec, modes, seed=0, shared=None):
+            seen.append((spec, shared is not None))
             rng = np.random.default_rng(seed)
             a = rng.normal(100, 1, spec.rounds)
             b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
-            return [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m,
-                                           shape=spec.shape.key, policy=spec.shape.policy) for m in modes]
+            return [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
+                    for m in modes]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(timing, "Timer", FakeTimer)
-    monkeypatch.setattr(timing, "renderer", lambda: "builtin (dhp_backend.audit.png)")
+    monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"num_blocks": n, "seed": seed, "fingerprint": "x",
+                                                                 "vllm": "fake"})
+    monkeypatch.setattr(timing.stats.verdict, "__kwdefaults__", {"threshold": 4.5, "min_samples": 100_000})
     ap = argparse.ArgumentParser()
     timing.add_arguments(ap)
-    args = ap.parse_args(["--samples", "2000", "--reported-samples", "500", "--control-samples", "500",
-                          "--report-dir", str(tmp_path), "--no-graph"])
-    assert timing.run(args) == 1  # 2000 < 10^5 samples: the gate cannot pass
+    small = ["--samples", "2000", "--reported-samples", "500", "--control-samples", "500", "--report-dir",
+             str(tmp_path)]
+    assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "eager"])) == 1
     out = capsys.readouterr().out
-    assert "G4 timing gate: FAIL" in out and "too few samples" in out
-    doc = json.load(open(next(tmp_path.glob("*-timing-h200.json"))))
-    assert [r["mode"] for r in doc["results"]] == ["eager"] * 6 and doc["summary"]["control_detected"]
-    # the same run passes once 2000 samples are enough (pass rule's minimum lowered for the test)
+    assert "G4 timing gate, this run: FAIL" in out and "too few samples" in out and "[8/25 measurements" in out
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 25 and doc["summary"]["control_detected"] is True  # 1 + 3 x (2 x 2 + 2 x 2)
+    assert {r["layout"] for r in doc["rows"]} == set(timing.LAYOUTS) and {r["mode"] for r in doc["rows"]} == {"eager"}
+    assert doc["churn"]["25000"]["fingerprint"] == "x" and all(sh for _, sh in seen)
+    # --quick: a smoke run exits 0 when everything ran and the control was detected
+    assert timing.run(ap.parse_args(["--quick", "--report-dir", "", "--steps", "prefill", "--lengths", "4096",
+                                     "--layouts", "random"])) == 0
+    capsys.readouterr()
+    # the same piece passes once 2000 samples are enough, and the next piece merges into the report
     monkeypatch.setattr(timing.stats.verdict, "__kwdefaults__", {"threshold": 4.5, "min_samples": 1000})
-    assert timing.run(ap.parse_args(["--samples", "2000", "--reported-samples", "500", "--control-samples",
-                                     "500", "--report-dir", "", "--graph"])) == 0
+    assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
+                                             "--layouts", "churned"])) == 0
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 25 + 9 and {r["mode"] for r in doc["rows"]} == {"eager", "graph"}
+    missing_before = len(doc["summary"]["missing"])
+    assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
+                                             "--layouts", "random", "--no-control"])) == 0
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["summary"]["missing"]) == missing_before - 4 and not doc["summary"]["passed"]
+
+
+def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
+    """A run cut short keeps the rows of the groups it finished; a time budget skips what would not fit."""
+    import torch
+
+    calls = []
+
+    class FakeTimer:
+        device_name, cycles_per_ms = "NVIDIA H100 80GB HBM3", 1.9e6
+
+        def __init__(self, chunk, warmup, progress):
+            pass
+
+        def pad_note(self):
+            return "fake"
+
+        def release(self):
+            pass
+
+        def measure_pair(self, spec, modes, seed=0, shared=None):
+            calls.append(spec)
+            if spec.shape.bucket == 32768:
+                raise KeyboardInterrupt  # the device's time limit, say
+            a = np.random.default_rng(len(calls)).normal(100, 1, spec.rounds)
+            return [timing.analyse_streams(a, a + (20 if spec.role == "control" else 0), pair=(spec.a, spec.b),
+                                           role=spec.role, mode=m, shape=spec.shape) for m in modes]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "Timer", FakeTimer)
+    monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"fingerprint": "x", "vllm": "fake"})
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    args = ["--samples", "300", "--reported-samples", "100", "--control-samples", "100", "--report-dir",
+            str(tmp_path), "--steps", "decode", "--layouts", "churned", "--policies", "strict"]
+    with pytest.raises(KeyboardInterrupt):
+        timing.run(ap.parse_args(args))
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert {r["bucket"] for r in doc["rows"]} == {4096} and len(doc["rows"]) == 2 * 5  # 1 control, 2 + 2 pairs
+    # a budget that nothing fits: nothing starts, the run says so and fails (no gating row measured)
+    calls.clear()
+    assert timing.run(ap.parse_args(args + ["--time-budget", "0.001", "--report-dir", ""])) == 1
+    assert not calls and "time budget" in capsys.readouterr().out
+    assert _settings("--preset", "subset").time_budget == 540 and _settings().time_budget == 0
+    assert _settings("--preset", "subset", "--time-budget", "0").time_budget == 0

@@ -1,6 +1,8 @@
 """Audit tooling for the leakage contract's gates (docs/design.md section 3).
 
-Only G2 (the SASS gate, `dhp-backend audit sass`) lives here so far:
+The gates: G1 `counters` (ncu), G2 `sass` (and `cuda_gate` for the csrc kernels), G3 `bits`,
+G4 `timing` (dudect-style, `stats`); `classes` builds the secret classes they compare, on block
+tables that obey the address rule (`dhp_backend.testing.pages`); `summary` runs them all. G2's parts:
 
 - `sass`: disassemble a cubin with line info, parse control instructions
 - `ttir`: taint analysis of Triton's TTIR (loop bounds / if conditions vs kernel arguments and loads)

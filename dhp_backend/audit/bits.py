@@ -1,7 +1,7 @@
 """G3 bits gate (design.md section 3): bitwise repeatability and batch invariance.
 
     dhp-backend audit bits [--parts gpu,interpret,reference] [--runs 100] [--sizes 1,2,3,8,16,32,64]
-                           [--interpret-runs 10] [--interpret-sizes 1,2,3,5] [--policies strict,batch,request,off]
+                           [--interpret-runs 10] [--interpret-sizes 1,2,3,5] [--policies strict,request,off]
                            [--orders 2] [--seed 0] [--report-dir DIR] [--json] [--timeout 1800]
 
 Three checks, each run through `ops.paged_attention` (the seam the vLLM adapter calls):
@@ -26,10 +26,15 @@ Parts (``--parts``; default: every one this machine can run):
 dhp_backend.audit.bits --child PART``): Triton chooses interpreter or compiler
 for every function when it is first imported, so the interpreter part needs a
 process that imports Triton with ``TRITON_INTERPRET=1`` and the GPU part one
-that does not. The batches come from this module's own builder: requests in
-shuffled physical blocks, stale garbage (NaN, inf, large values) everywhere a
-request does not own, garbage block-table entries past each request's last
-block, NaN padding query rows.
+that does not. The batches come from this module's own builder, with block
+tables that obey the address rule (design.md section 2;
+`dhp_backend.testing.pages.reserved_table`): every request owns distinct real
+pages, in a random layout, up to what the policies it runs under reserve
+(`ops.buckets.reserved_tokens`: ``strict`` the whole table width, ``request``
+its next power of two, ``off`` its length); stale garbage (NaN, inf, large
+values) in every slot a request has not written, its reserved pages past its
+length included; garbage block ids in the table columns past its reservation
+(read under no policy); NaN padding query rows.
 
 ``--report-dir`` writes ``<date>-bits-<device>.md`` and ``.json``; ``run``
 returns 0 when every check passes, else 1. Expected time: the GPU part a few
@@ -52,7 +57,7 @@ from dhp_backend.audit.provenance import device_slug, report_stem, versions, wri
 
 MARK = "DHP_BITS_RESULT "
 PARTS = ("gpu", "interpret", "reference")
-POLICIES = ("strict", "batch", "request", "off")
+POLICIES = ("strict", "request", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,37 +145,50 @@ def _garbage(shape, gen, dtype):
     return g.to(dtype)
 
 
-def assemble(reqs: list[Request], geo: Geometry, *, seed: int, device, pad_tokens: int = 0) -> Batch:
+def reservations(reqs: list[Request], geo: Geometry, policies=POLICIES) -> list[int]:
+    """Tokens of pages each request owns: the most any of ``policies`` makes the engine reserve."""
+    from dhp_backend.ops.buckets import reserved_tokens
+
+    return [max(reserved_tokens(p, r.seq_len, geo.capacity) for p in policies) for r in reqs]
+
+
+def assemble(reqs: list[Request], geo: Geometry, *, seed: int, device, pad_tokens: int = 0,
+             policies=POLICIES) -> Batch:
     """Lay ``reqs`` into one packed step with a fresh paged cache.
 
-    Physical blocks are a random permutation (plus unowned spare blocks), every slot a
-    request does not own holds garbage, table entries past a request's last block
-    point at random blocks, padding query rows are NaN. What a request's rows may
-    depend on is exactly its own data.
+    The block table obeys the address rule for every policy of ``policies``: request
+    i owns distinct real pages (a random layout, `testing.pages.reserved_table`) up to
+    `reservations`; the cache has a quarter more blocks than that, unowned. Every slot
+    a request has not written holds garbage (its reserved pages past its length too),
+    table entries past a request's reservation are random block ids, padding query
+    rows are NaN. What a request's rows may depend on is exactly its own data.
     """
     import torch
+
+    from dhp_backend.testing.pages import pages_for, reserved_table
 
     layout = random.Random(seed)
     dgen = torch.Generator(device=device).manual_seed(seed)
     bs = geo.block_size
-    need = [-(-r.seq_len // bs) for r in reqs]
-    num_blocks = sum(need) + 4 + sum(need) // 4
-    ids = list(range(num_blocks))
-    layout.shuffle(ids)
+    reserve = reservations(reqs, geo, policies)
+    owned = [pages_for(t, bs) for t in reserve]
+    num_blocks = 1 + sum(owned) + 4 + sum(owned) // 4  # block 0: the null block, never owned
     kv_shape = (num_blocks, geo.kv_heads, bs, geo.head_size)
     kc, vc = _garbage(kv_shape, dgen, _dtype(geo.dtype)), _garbage(kv_shape, dgen, _dtype(geo.dtype))
-    table = [[layout.randrange(num_blocks) for _ in range(geo.max_blocks)] for _ in reqs]
+    table = reserved_table(reserve, block_size=bs, num_blocks=num_blocks, width=geo.max_blocks, layout="random",
+                           seed=seed)
+    for i, n in enumerate(owned):
+        if n < geo.max_blocks:
+            table[i, n:] = torch.tensor([layout.randrange(num_blocks) for _ in range(geo.max_blocks - n)],
+                                        dtype=torch.int32)
     T = sum(r.q_len for r in reqs)
     query = torch.full((T + pad_tokens, geo.heads, geo.head_size), float("nan"), device=device,
                        dtype=_dtype(geo.dtype))
-    starts, row, nxt = [], 0, 0
+    starts, row = [], 0
     for i, r in enumerate(reqs):
-        own = ids[nxt: nxt + need[i]]
-        nxt += need[i]
-        table[i][: need[i]] = own
         if r.seq_len:
             pos = torch.arange(r.seq_len, device=device)
-            blk = torch.tensor(own, device=device, dtype=torch.long)[pos // bs]
+            blk = table[i, : owned[i]].to(device=device, dtype=torch.long)[pos // bs]
             kc[blk, :, pos % bs] = r.k.to(device)
             vc[blk, :, pos % bs] = r.v.to(device)
         query[row: row + r.q_len] = r.q.to(device)
@@ -180,8 +198,7 @@ def assemble(reqs: list[Request], geo: Geometry, *, seed: int, device, pad_token
     for r in reqs:
         qsl.append(qsl[-1] + r.q_len)
     i32 = dict(dtype=torch.int32, device=device)
-    return Batch(query=query, key_cache=kc, value_cache=vc,
-                 block_table=torch.tensor(table, **i32).reshape(len(reqs), geo.max_blocks),
+    return Batch(query=query, key_cache=kc, value_cache=vc, block_table=table.to(device),
                  query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor([r.seq_len for r in reqs], **i32),
                  num_tokens=T + pad_tokens, capacity=geo.capacity, starts=starts)
 
@@ -261,7 +278,7 @@ def check_batch_invariance(attn, target: Request, pool: list[Request], sizes, ge
     rng = random.Random(seed)
 
     def rows(reqs, pos, pad, layout_seed):
-        b = assemble(reqs, geo, seed=layout_seed, device=device, pad_tokens=pad)
+        b = assemble(reqs, geo, seed=layout_seed, device=device, pad_tokens=pad, policies=(policy,))
         out = attn(b, policy)
         s = b.starts[pos]
         return out[s: s + target.q_len].clone()
@@ -310,7 +327,7 @@ def run_part(part: str, cfg: dict, attn=None) -> dict:
                "chunk": make_request(min(16, geo.max_chunk), cap // 2 + 5, geo, gen)}
     pool = [rand_req() for _ in range(max(sizes) + 2)]
     mixed = assemble(list(targets.values()) + pool[: min(14, len(pool))], geo, seed=cfg["seed"] + 1,
-                     device=device, pad_tokens=3)
+                     device=device, pad_tokens=3, policies=policies)
     checks = [check_repeat(attn, mixed, runs, policies[0]), check_policies(attn, mixed, policies)]
     for pol in policies:
         for tname, target in targets.items():

@@ -1,19 +1,33 @@
 """Secret classes for the audit gates: inputs that share every public parameter.
 
 A *shape* fixes what the contract calls public (design.md section 2): model
-shape, dtype, block size, the step geometry (requests, scheduled tokens), the
-policy and its bucket, and the cache/table sizes. A *class* picks the secrets
-inside it: the data (Q, K, V values) and each request's true length below the
-bucket. The gates compare two classes of one shape:
+shape, dtype, block size, the step geometry (requests, query tokens per
+request), the policy and its bucket L, and the paged cache: its size
+(``num_blocks``) and the block table, built by `dhp_backend.testing.pages`
+under the address rule. Every request of every class reserves the bucket:
+``block_table[r, :ceil(L / block_size)]`` holds distinct real pages of request
+r in the shape's ``layout`` (``consecutive`` as in a fresh engine, ``random``,
+or ``churned``: vLLM's own block pool after a serving run). The table is the
+same for every class of a shape, so a short and a long request read the very
+same pages; the cache has at least 25,000 blocks and more than the step's
+pages (`default_num_blocks`), so pages do not repeat within a step.
 
-- G1 (counters) and G4 (timing) pass/fail pairs: ``random`` vs ``random2``
-  (fresh data, same lengths) and ``short`` vs ``long`` (true length 1 vs L);
-- reported degenerate-data pairs: ``random`` vs ``zeros``, ``extreme``
-  (large magnitudes) and ``skewed`` (one key dominates every softmax row).
+A *class* picks the secrets inside a shape: the data (Q, K, V values) and each
+request's true length below the bucket. The gates compare two classes of one
+shape:
+
+- gating pairs (G1 counters and G4 timing pass/fail): ``short`` vs ``long``
+  (the shortest and the longest true length that the policy puts in bucket L:
+  `true_length`) and ``random`` vs ``random2`` (fresh data, same lengths);
+- reported pairs (degenerate data: measured, not gating): ``random`` vs
+  ``zeros`` and ``constant`` by default, ``extreme`` (large magnitudes) and
+  ``skewed`` (one key dominates every softmax row) on request.
 
 `make_inputs` builds one input set on a device; `launch` runs it through the
-seam exactly as the vLLM adapter does (no host-side value checks, bucket from
-the policy). Nothing here knows about kernel internals.
+seam exactly as the vLLM adapter does (no host-side value checks, the bucket
+from the policy, computed once per input set: under ``request`` a persistent
+int32 tensor, as the adapter's buffer that a CUDA graph replays). Nothing here
+knows about kernel internals.
 """
 
 from __future__ import annotations
@@ -22,11 +36,22 @@ import dataclasses
 
 import torch
 
-GATING_PAIRS = (("random", "random2"), ("short", "long"))
-REPORTED_PAIRS = (("random", "zeros"), ("random", "extreme"), ("random", "skewed"))
-CLASSES = ("random", "random2", "short", "long", "zeros", "extreme", "skewed")
+GATING_PAIRS = (("short", "long"), ("random", "random2"))
+REPORTED_PAIRS = (("random", "zeros"), ("random", "constant"))
+EXTRA_PAIRS = (("random", "extreme"), ("random", "skewed"))  # reported when asked for
+CLASSES = ("random", "random2", "short", "long", "zeros", "constant", "extreme", "skewed")
+POLICIES = ("strict", "request", "off")
+LAYOUTS = ("consecutive", "random", "churned")
+MIN_CACHE_BLOCKS = 25_000  # design.md section 3: a realistic cache (pages do not repeat and hit L2)
+CONSTANT = 0.5  # the value of every Q, K and V element in class "constant"
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_num_blocks(batch: int, bucket: int, block_size: int) -> int:
+    """The audit's cache size: at least `MIN_CACHE_BLOCKS`, and never fewer than
+    ``(batch + 1) * bucket / block_size`` (the step's reserved pages and as many again as one request's)."""
+    return max(MIN_CACHE_BLOCKS, (batch + 1) * -(-bucket // block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +59,8 @@ class Shape:
     """The public parameters of one audited launch."""
 
     batch: int = 16  # requests
-    bucket: int = 4096  # L (strict: max_model_len); also the table capacity
-    q_len: int = 1  # query tokens per request (1 = decode)
+    bucket: int = 4096  # L (max_model_len; under request every class's lengths share this power of two)
+    q_len: int = 1  # query tokens per request (1 = decode; more = a prefill chunk on a context)
     num_heads: int = 32
     num_kv_heads: int = 8
     head_size: int = 128
@@ -43,53 +68,89 @@ class Shape:
     dtype: str = "bfloat16"
     policy: str = "strict"
     causal: bool = True
+    layout: str = "random"  # the physical page layout of the block table (testing.pages.LAYOUTS)
+    num_blocks: int = 0  # blocks in the cache; 0 = default_num_blocks
+
+    @property
+    def blocks(self) -> int:
+        return self.num_blocks or default_num_blocks(self.batch, self.bucket, self.block_size)
+
+    @property
+    def width(self) -> int:
+        """Block-table width: the bucket's pages."""
+        return -(-self.bucket // self.block_size)
+
+    @property
+    def step(self) -> str:
+        return "decode" if self.q_len == 1 else "prefill"
 
     @property
     def key(self) -> str:
         return (f"B{self.batch}-L{self.bucket}-q{self.q_len}-h{self.num_heads}x{self.num_kv_heads}-d{self.head_size}"
-                f"-bs{self.block_size}-{self.dtype}-{self.policy}")
+                f"-bs{self.block_size}-{self.dtype}-{self.policy}-{self.layout}"
+                + (f"-nb{self.num_blocks}" if self.num_blocks else ""))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def true_length(shape: Shape, cls: str) -> int:
-    """Every request's true total length under a class (secret, below the bucket)."""
+    """Every request's true total length under a class (secret, inside the bucket).
+
+    ``strict`` and ``off``: short = the query length (the shortest a request with
+    q_len new tokens can be), long = L. ``request``: the bucket is each request's
+    next power of two (capped at L), so short is the shortest length that still
+    has bucket L: half the power of two plus one. Data classes: 3L/4 (bucket L
+    under every policy).
+    """
     if cls == "short":
-        return shape.q_len  # the shortest a request with q_len new tokens can be
+        if shape.policy == "request":
+            return max(shape.q_len, _next_pow2(shape.bucket) // 2 + 1)
+        return shape.q_len
     if cls == "long":
         return shape.bucket
-    return max(shape.q_len, (3 * shape.bucket) // 4)  # data classes: one fixed mid length
+    return max(shape.q_len, (3 * shape.bucket) // 4)
 
 
-def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.device = "cuda") -> dict:
-    """One input set of ``shape`` in class ``cls`` (tensors on ``device``).
+def reserved_tokens(shape: Shape) -> int:
+    """What every request of every class owns: its bucket (the same pages for short and long)."""
+    return shape.bucket
 
-    The cache holds ``batch * ceil(bucket / block_size)`` blocks plus 16 spare, in a
-    random permutation, so padding positions have real pages to read as decoys.
-    """
-    if cls not in CLASSES:
-        raise ValueError(f"class {cls!r}; accepted: {', '.join(CLASSES)}")
+
+def block_table(shape: Shape, *, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The shape's block table (public: the same for every class): `testing.pages.reserved_table` with
+    every request reserving the bucket, pages handed out in the shape's layout."""
+    from dhp_backend.testing import pages
+
+    return pages.reserved_table([reserved_tokens(shape)] * shape.batch, block_size=shape.block_size,
+                                num_blocks=shape.blocks, width=shape.width, layout=shape.layout, seed=seed,
+                                device=device)
+
+
+def _data_key(cls: str) -> str:
+    """Classes with the same data: short, long and random differ only in lengths."""
+    return "random" if cls in ("short", "long") else cls
+
+
+def _make_data(shape: Shape, kind: str, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dt = _DTYPES[shape.dtype]
-    # Two generators: the page layout (block table) is public and must be the same
-    # for every class of a shape; only the data (and, for short/long, the lengths)
-    # may differ. (A first version seeded both from the class, so random vs random2
-    # also compared two public layouts: 0.18 % apart in time on an H200.)
-    layout_gen = torch.Generator(device=device).manual_seed(seed)
-    gen = torch.Generator(device=device).manual_seed(seed + 1 + (7919 if cls == "random2" else 0))
-    width = -(-shape.bucket // shape.block_size)
-    num_blocks = shape.batch * width + 16
-    kv_shape = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
-    T = shape.batch * shape.q_len
-    q_shape = (T, shape.num_heads, shape.head_size)
+    gen = torch.Generator(device=device).manual_seed(seed + 1 + (7919 if kind == "random2" else 0))
+    kv_shape = (shape.blocks, shape.num_kv_heads, shape.block_size, shape.head_size)
+    q_shape = (shape.batch * shape.q_len, shape.num_heads, shape.head_size)
 
     def randn(s):
         return torch.randn(s, generator=gen, device=device, dtype=torch.float32)
 
-    if cls == "zeros":
-        q, k, v = torch.zeros(q_shape), torch.zeros(kv_shape), torch.zeros(kv_shape)
-    elif cls == "extreme":
+    if kind == "zeros":
+        q, k, v = (torch.zeros(s, device=device) for s in (q_shape, kv_shape, kv_shape))
+    elif kind == "constant":
+        q, k, v = (torch.full(s, CONSTANT, device=device) for s in (q_shape, kv_shape, kv_shape))
+    elif kind == "extreme":
         # large magnitudes that keep the scaled scores finite in fp32 and the values in range
         big = 1.0e4 if dt != torch.float16 else 6.0e2
         q, k, v = randn(q_shape) * 8, randn(kv_shape) * 8, randn(kv_shape) * big
-    elif cls == "skewed":
+    elif kind == "skewed":
         # every query row aligned with one key direction: one position dominates each softmax row
         direction = randn((shape.head_size,))
         direction = direction / direction.norm()
@@ -99,22 +160,50 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
         v = randn(kv_shape)
     else:
         q, k, v = randn(q_shape), randn(kv_shape), randn(kv_shape)
-    perm = torch.randperm(num_blocks, generator=layout_gen, device=device)[: shape.batch * width]
-    table = perm.view(shape.batch, width).to(torch.int32).contiguous()
+    return q.to(dtype=dt).contiguous(), k.to(dtype=dt), v.to(dtype=dt)
+
+
+def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.device = "cuda",
+                shared: dict | None = None) -> dict:
+    """One input set of ``shape`` in class ``cls`` (tensors on ``device``).
+
+    The block table (`block_table`, seeded by ``seed``) and the cache size depend on
+    the shape only; the data on the class (short, long and random share theirs);
+    the lengths on the class and the policy. ``shared``: a dict that keeps tables
+    and data between calls, so classes of one shape (and shapes that differ only in
+    the policy) use the very same tensors: nothing here writes them.
+    """
+    if cls not in CLASSES:
+        raise ValueError(f"class {cls!r}; accepted: {', '.join(CLASSES)}")
+    if shape.policy not in POLICIES:
+        raise ValueError(f"policy {shape.policy!r}; accepted: {', '.join(POLICIES)}")
+    shared = {} if shared is None else shared
+    dev = str(device)
+    geometry = (shape.batch, shape.bucket, shape.q_len, shape.num_heads, shape.num_kv_heads, shape.head_size,
+                shape.block_size, shape.dtype, shape.blocks, seed, dev)
+    tkey = ("table", geometry, shape.layout)
+    if tkey not in shared:
+        shared[tkey] = block_table(shape, seed=seed, device=device)
+    dkey = ("data", geometry, _data_key(cls))
+    if dkey not in shared:
+        shared[dkey] = _make_data(shape, _data_key(cls), seed, device)
+    q, k, v = shared[dkey]
+    T = shape.batch * shape.q_len
     qsl = torch.arange(0, T + 1, shape.q_len, dtype=torch.int32, device=device)
     sl = torch.full((shape.batch,), true_length(shape, cls), dtype=torch.int32, device=device)
-    return {"query": q.to(device=device, dtype=dt).contiguous(), "key_cache": k.to(device=device, dtype=dt),
-            "value_cache": v.to(device=device, dtype=dt), "block_table": table, "query_start_loc": qsl,
-            "seq_lens": sl, "num_tokens": T, "shape": shape, "cls": cls}
+    inputs = {"query": q, "key_cache": k, "value_cache": v, "block_table": shared[tkey], "query_start_loc": qsl,
+              "seq_lens": sl, "num_tokens": T, "shape": shape, "cls": cls}
+    inputs["bucket"] = bucket(inputs)
+    return inputs
 
 
 def bucket(inputs: dict):
-    """The policy's bucket for an input set, as the adapter computes it."""
+    """The policy's bucket for an input set, as the adapter computes it (``request``: an int32 tensor
+    on the inputs' device, computed there from the lengths)."""
     from dhp_backend.ops import bucket_for_step
 
     shape: Shape = inputs["shape"]
-    return bucket_for_step(shape.policy, max_model_len=shape.bucket, seq_lens=inputs["seq_lens"],
-                           max_seq_len=int(true_length(shape, inputs["cls"])))
+    return bucket_for_step(shape.policy, max_model_len=shape.bucket, seq_lens=inputs["seq_lens"])
 
 
 def launch(inputs: dict, out: torch.Tensor, *, path: str = "auto", bucket_value=None) -> torch.Tensor:
@@ -122,7 +211,7 @@ def launch(inputs: dict, out: torch.Tensor, *, path: str = "auto", bucket_value=
     from dhp_backend.ops import paged_attention
 
     shape: Shape = inputs["shape"]
-    b = bucket(inputs) if bucket_value is None else bucket_value
+    b = inputs.get("bucket") if bucket_value is None else bucket_value
     return paged_attention(inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_table"],
                            inputs["query_start_loc"], inputs["seq_lens"], out,
                            scale=shape.head_size ** -0.5, causal=shape.causal, policy=shape.policy, bucket=b,

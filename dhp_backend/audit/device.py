@@ -27,17 +27,19 @@ def _heads(group: int, nh16: bool) -> tuple[int, int]:
 def launch(variant: variants.Variant, device: torch.device) -> None:
     """Run one small random step of ``variant`` in fold and in split mode."""
     from dhp_backend.ops.triton.launch import paged_attention_triton
+    from dhp_backend.testing.pages import reserved_table
 
     dtype, bs, head = _DT[variant.dtype], variant.block_size or 16, variant.head
     H, Hkv = _heads(variant.group, variant.nh16)
     g = torch.Generator(device=device).manual_seed(0)
     lens = [(1, 100), (20, 200), (50, 50)]  # (query, total): decode, chunk on context, prompt
     width = -(-max(s for _, s in lens) // bs) + 1
-    num_blocks = len(lens) * width + 4
+    num_blocks = 1 + len(lens) * width + 4  # block 0: the null block
     kc = torch.randn(num_blocks, Hkv, bs, head, generator=g, device=device).to(dtype)
     vc = torch.randn(num_blocks, Hkv, bs, head, generator=g, device=device).to(dtype)
-    table = torch.randperm(num_blocks, generator=g, device=device)[: len(lens) * width]
-    table = table.view(len(lens), width).to(torch.int32)
+    # The address rule: every request owns distinct real pages up to the strict bucket (width * bs).
+    table = reserved_table([width * bs] * len(lens), block_size=bs, num_blocks=num_blocks, width=width,
+                           layout="random", seed=0, device=device)
     T = sum(q for q, _ in lens)
     q = torch.randn(T, H, head, generator=g, device=device).to(dtype)
     qsl = torch.tensor([0] + [sum(x for x, _ in lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32,

@@ -81,7 +81,7 @@ ATTENTION = KernelSpec(
                    "and the split index only"),
     ),
     scenarios=(
-        Scenario("strict/batch/request(int): l_mode=0", {"l_mode": 0}, True,
+        Scenario("strict/request(int): l_mode=0", {"l_mode": 0}, True,
                  "one public bucket L for every request"),
         Scenario("request(tensor): l_mode=1", {"l_mode": 1}, False,
                  "per-request buckets: which tile takes which request's bucket follows the query lengths "

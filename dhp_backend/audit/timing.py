@@ -1,68 +1,80 @@
 """`dhp-backend audit timing`: gate G4 (design.md section 3), a dudect-style timing test on the GPU.
 
-For each shape and each pair of secret classes (`classes.GATING_PAIRS` gate,
-`classes.REPORTED_PAIRS` are measured and reported only), both input sets are
-built (separate buffers, same public shape), each launch is checked to give
-finite output, and then N *rounds* run: one launch of each class per round,
-in an order drawn from a seeded RNG. Every launch is timed with a pair of
-CUDA events around one `classes.launch`. Statistics (`audit.stats`): online
-Welch t, cropped Welch t (secondary), and paired sign / Wilcoxon tests of the
-per-round differences. A pair passes with |t| < 4.5 and paired |z| < 4.5
-after >= 10^5 samples per class. Verdicts: gating pairs "pass", "FAIL",
-"too few samples" (not a pass) or "error" (not measured: the reason is in
-``error``); the control "leak detected" or "NOT DETECTED"; reported pairs
-"differs" or "no difference seen".
+What it compares. Pairs of secret classes (`classes`) that share every public
+parameter, on inputs that obey the address rule (design.md section 2): every
+request reserves its bucket L, so its block table row holds distinct real pages
+up to L and a short and a long request read the very same pages. The grid:
 
-How the host is kept out of the numbers. Rounds run in chunks (``--chunk``,
-default 128): the stream is synchronised, a GPU spin (`torch.cuda._sleep`)
-sized to 1.5x the host's measured enqueue time of a chunk is queued, then the
-chunk's launches and events, then one synchronisation and the chunk's event
-times are read. While the GPU spins the host queues the whole chunk ahead of
-it, so no start event fires before its kernel is queued (otherwise a launch's
-time would include the host's Python and launch overhead whenever the GPU is
-faster than the host, which it is for short launches). A chunk whose enqueue
-took longer than its spin is counted as *starved* in the report. Chunks are
-small so the pending-work queue never fills (a full queue blocks the host).
+- step kinds: ``decode`` (``--decode-batch`` requests, one query token each) and
+  ``prefill`` (``--prefill B,q``: B requests, a chunk of q query tokens each on a
+  context); buckets ``--lengths`` (default 4096 and 32768);
+- policies ``strict`` (short = the query length, long = L) and ``request`` (per-request
+  power-of-two buckets as an int32 tensor: short = L/2 + 1, long = L, one power of two);
+- page layouts (`testing.pages`): ``consecutive`` (a fresh engine), ``random``, and
+  ``churned`` (the free list of vLLM's own block pool after a serving run,
+  `testing.pages.churned_order`), in a cache of ``--num-blocks`` blocks (default
+  ``max(25000, (B + 1) * L / block_size)``: realistic, pages never repeat in a step);
+- modes ``eager`` (each round calls `classes.launch`) and ``graph`` (one CUDA graph per
+  class, captured after a warm-up on a side stream; rounds replay them);
+- pairs: gating ``short vs long`` and ``random vs random2``; reported (degenerate data,
+  measured, not gating: GPU power management moves them, not our code) ``random vs
+  zeros`` and ``random vs constant`` (``--pairs`` also takes ``random:extreme``,
+  ``random:skewed``);
+- the **control**: policy ``off``, short vs long, per step kind and bucket (on the first
+  layout of ``--layouts``), in every mode: true lengths are public there, so the harness
+  must see the difference (|t| > 4.5), else "the harness cannot detect a leak" and the
+  gate fails.
 
-Modes: ``eager`` (each round calls `classes.launch`) and ``graph`` (one CUDA
-graph per class holding one launch, captured after a warm-up on a side
-stream; rounds replay the graphs). The **control** is the `off` policy with
-classes short vs long: true lengths are public there, so the harness must see
-a difference (|t| > 4.5) in every mode, else "the harness cannot detect a
-leak" and the gate fails.
+How a pair is measured. Both input sets are built (tables and data shared where the
+classes have them in common), each launch is checked to give finite output, then N
+*rounds* run: one launch of each class per round, in an order drawn from a seeded RNG,
+each timed with a pair of CUDA events around one `classes.launch`. Statistics
+(`audit.stats`): online Welch t, cropped Welch t (secondary), and paired sign /
+Wilcoxon tests of the per-round differences. A gating pair passes with |t| < 4.5 and
+paired |z| < 4.5 after >= 10^5 samples per class, for every length pair on every
+layout, policy, step kind and mode. Verdicts: gating pairs "pass", "FAIL", "too few
+samples" (not a pass) or "error" (not measured: the reason is in ``error``); the
+control "leak detected" or "NOT DETECTED"; reported pairs "differs" or "no difference
+seen".
 
-Arguments (`add_arguments`)::
+How the host is kept out of the numbers. Rounds run in chunks (``--chunk``, default
+128): the stream is synchronised, a GPU spin (`torch.cuda._sleep`) sized to 1.5x the
+host's measured enqueue time of a chunk is queued, then the chunk's launches and
+events, then one synchronisation and the chunk's event times are read. While the GPU
+spins the host queues the whole chunk ahead of it, so no start event fires before its
+kernel is queued. A chunk whose enqueue took longer than its spin is counted as
+*starved* in the report.
 
-    --shapes "16,4096"      shapes "batch,bucket[,q_len]", several separated by ";" or spaces
-                            (other public parameters: classes.Shape defaults)
-    --policy strict         policy of the gating / reported pairs (the control always uses "off")
-    --samples 100000        rounds (= samples per class) of each gating pair
-    --reported-samples 20000  rounds of each reported (degenerate-data) pair
-    --control-samples 20000   rounds of the control pair
-    --graph / --no-graph    also measure in CUDA-graph replay (default: on)
-    --chunk 128             rounds between synchronisations
-    --warmup 50             untimed rounds before timing
-    --seed 0                RNG seed of the launch order (input data: classes.make_inputs's seeds)
-    --report-dir docs/audit write <date>-timing-<device>.md/.json and PNG plots there ("" = no files)
-    --save-samples          also write every raw sample to <stem>-samples.npz
-    --json                  print the summary as JSON (progress goes to stderr)
+Selecting a piece of the grid. Every axis is an option (``--steps``, ``--lengths``,
+``--policies``, ``--layouts``, ``--modes``, ``--pairs``), ``--preset subset`` is the
+piece that fits one ~8-minute device call on an H100 (decode, both buckets, strict,
+churned, graph replay), ``--estimate`` prints the plan and its expected wall time and
+exits (no GPU needed), ``--quick`` is a smoke run (few samples, every layout; not a
+gate verdict). Each run merges its rows into ``<report-dir>/g4-latest.json`` (or the
+``--merge`` file) when that file is of the same code (`source_hash`) and device, so the
+full grid can be measured in pieces; the summary there says which cells are still missing.
 
-Report JSON keys: ``gate, date, device, versions, settings, renderer, summary,
-results``; ``summary``: ``passed, control_detected, gating_passed, failures,
-messages, seconds``; each result: ``pair, a, b, role, mode, shape, policy, path, n,
-mean_us, std_us, median_us, diff_pct, t, df, cropped_t_max, cropped_quantile,
-paired, verdict, passed, detected, chunks, starved_chunks, trace, plots,
-error``.
+Output: ``<report-dir>/g4-latest.json`` and ``g4-latest.md``. JSON: top level ``gate,
+date, device, commit, source, versions, settings, churn, summary, rows`` (``source``: a digest
+of ``dhp_backend/`` and ``csrc/``, `source_hash`: pieces merge when it and the device agree); ``summary``:
+``passed`` (every cell of the full grid measured, every gating row passes, every
+control detected), ``complete, missing, gating_passed, control_detected, failures,
+messages, seconds, rows``; each row: ``pair, layout, num_blocks, mode, step, policy,
+bucket, lengths, n_per_class, diff_pct, t`` and the richer ``commit, a, b, role, shape, path,
+n, mean_us, std_us, median_us, df, cropped_t_max, cropped_quantile, paired, verdict,
+passed, detected, chunks, starved_chunks, trace, plots, error``.
 
-Exit code of `run`: 0 when every gating pair passes and the control detects its
-leak in every mode, 1 otherwise, 2 without a CUDA GPU (G4 runs on the GPU
-machine).
+Exit code of `run`: 0 when every gating pair of this run passes and the control detects
+its leak in every mode measured (``--quick``: when everything ran and the control was
+detected), 1 otherwise, 2 without a CUDA GPU (G4 runs on the GPU machine) or for bad
+arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import gc
 import json
 import math
@@ -70,115 +82,215 @@ import os
 import re
 import sys
 import time
-
-from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 import zlib
 
 import numpy as np
 
 from dhp_backend.audit import stats
+from dhp_backend.audit.provenance import commit as source_commit
+from dhp_backend.audit.provenance import versions, write_report_files
 
 DEFAULT_SAMPLES = 100_000
 DEFAULT_SIDE_SAMPLES = 20_000
+QUICK = {"samples": 2_000, "reported_samples": 500, "control_samples": 1_000, "warmup": 10}
+STEPS = ("decode", "prefill")
+LENGTHS = (4096, 32768)
+POLICIES = ("strict", "request")  # the constant-time policies; the control runs "off"
+LAYOUTS = ("consecutive", "random", "churned")
+MODES = ("eager", "graph")
 CONTROL = ("short", "long")
-RESULT_KEYS = ("pair", "a", "b", "role", "mode", "shape", "policy", "path", "n", "mean_us", "std_us", "median_us",
-               "diff_pct", "t", "df", "cropped_t_max", "cropped_quantile", "paired", "verdict", "passed",
-               "detected", "chunks", "starved_chunks", "trace", "plots", "error")
-REPORT_KEYS = ("gate", "date", "device", "versions", "settings", "renderer", "summary", "results")
-SUMMARY_KEYS = ("passed", "control_detected", "gating_passed", "failures", "messages", "seconds")
+PRESETS = {
+    "full": {},
+    # one ~8-minute device call on an H100 (--estimate): the churned layout, strict, decode at both buckets,
+    # graph replay, gating and reported pairs, the control
+    "subset": {"steps": "decode", "lengths": "4096,32768", "policies": "strict", "layouts": "churned",
+               "modes": "graph", "time_budget": 540.0},
+}
+LATEST = "g4-latest"
+ROW_KEYS = ("pair", "layout", "num_blocks", "mode", "step", "policy", "bucket", "lengths", "n_per_class",
+            "diff_pct", "t")
+RESULT_KEYS = ROW_KEYS + ("a", "b", "role", "shape", "path", "n", "mean_us", "std_us", "median_us", "df",
+                          "cropped_t_max", "cropped_quantile", "paired", "verdict", "passed", "detected", "chunks",
+                          "starved_chunks", "trace", "plots", "error")
+REPORT_KEYS = ("gate", "date", "device", "commit", "source", "versions", "settings", "churn", "summary", "rows")
+SUMMARY_KEYS = ("passed", "complete", "missing", "control_detected", "gating_passed", "failures", "messages",
+                "seconds", "rows")
 
 
 # ---------------------------------------------------------------- command line
 
+def _csv(text: str, accepted, what: str) -> list[str]:
+    vals = [x.strip() for x in str(text).split(",") if x.strip()]
+    for v in vals:
+        if accepted is not None and v not in accepted:
+            raise ValueError(f"--{what}: {v!r}; accepted: {', '.join(accepted)}")
+    if not vals:
+        raise ValueError(f"--{what}: nothing selected")
+    return vals
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="16,4096",
-                        help='"batch,bucket[,q_len]" per shape, several separated by ";" (default 16,4096)')
-    parser.add_argument("--policy", default="strict", choices=["strict", "batch", "request", "off"],
-                        help="policy of the gating and reported pairs (the control always uses off)")
-    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="rounds per gating pair")
-    parser.add_argument("--reported-samples", type=int, default=DEFAULT_SIDE_SAMPLES,
-                        help="rounds per reported (degenerate-data) pair")
-    parser.add_argument("--control-samples", type=int, default=DEFAULT_SIDE_SAMPLES,
-                        help="rounds of the control pair (policy off, short vs long)")
-    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time CUDA-graph replays (default: on)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a named piece of the grid: 'subset' = one ~8-minute H100 call (decode, 4096+32768, "
+                             "strict, churned, graph); 'full' = everything (the default). Axis options given "
+                             "explicitly override the preset's")
+    parser.add_argument("--steps", default=None, help=f"step kinds, comma-separated (default {','.join(STEPS)})")
+    parser.add_argument("--lengths", default=None,
+                        help=f"buckets L, comma-separated (default {','.join(map(str, LENGTHS))})")
+    parser.add_argument("--policies", default=None,
+                        help=f"constant-time policies of the pairs (default {','.join(POLICIES)}; the control "
+                             "always runs off)")
+    parser.add_argument("--layouts", default=None, help=f"page layouts (default {','.join(LAYOUTS)})")
+    parser.add_argument("--modes", default=None, help=f"launch modes (default {','.join(MODES)})")
+    parser.add_argument("--pairs", default="all",
+                        help="all (gating + reported, default) | gating | reported | A:B,C:D (classes.CLASSES)")
+    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the control (policy off, short vs long) per step kind and bucket")
+    parser.add_argument("--decode-batch", type=int, default=16, help="requests of a decode step (default 16)")
+    parser.add_argument("--prefill", default="4,64",
+                        help='"B,q": requests of a prefill-chunk step and query tokens each (default 4,64)')
+    parser.add_argument("--num-blocks", type=int, default=0,
+                        help="blocks in the cache (default: max(25000, (B + 1) * L / block_size) per shape)")
+    parser.add_argument("--samples", type=int, default=None, help=f"rounds per gating pair (default "
+                                                                   f"{DEFAULT_SAMPLES}; --quick {QUICK['samples']})")
+    parser.add_argument("--reported-samples", type=int, default=None,
+                        help=f"rounds per reported pair (default {DEFAULT_SIDE_SAMPLES})")
+    parser.add_argument("--control-samples", type=int, default=None,
+                        help=f"rounds of the control pair (default {DEFAULT_SIDE_SAMPLES})")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: few samples (not a gate verdict), every selected layout")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the plan and its estimated H100 wall time, then exit (no GPU needed)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: start no pair whose estimated end lies past this (0 = none; --preset "
+                             "subset: 540, under the device's 10-minute command limit); the report is written "
+                             "after every cache group either way")
     parser.add_argument("--chunk", type=int, default=128, help="rounds between synchronisations")
-    parser.add_argument("--warmup", type=int, default=50, help="untimed rounds before timing")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the launch-order RNG")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds before timing (default 50)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the launch order, the page layouts and the data (default 0)")
     parser.add_argument("--report-dir", default=os.path.join("docs", "audit"),
-                        help='write <date>-timing-<device>.md/.json and PNGs here ("" = none)')
-    parser.add_argument("--save-samples", action="store_true", help="also write raw samples to <stem>-samples.npz")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+                        help=f'write {LATEST}.json/.md here ("" = no files)')
+    parser.add_argument("--merge", default=None,
+                        help=f"merge this run's rows into the rows of this report (default: <report-dir>/{LATEST}"
+                             ".json when it exists); rows of other code (dhp_backend/ and csrc/ differ) or another "
+                             "device are dropped; '' = no merge")
+    parser.add_argument("--plots", action="store_true", help="also write PNG plots to <report-dir>/timing-plots/")
+    parser.add_argument("--save-samples", action="store_true",
+                        help=f"also write every raw sample to <report-dir>/{LATEST}-samples.npz")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
-def parse_shapes(text: str, policy: str = "strict") -> list:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    steps: tuple
+    lengths: tuple
+    policies: tuple
+    layouts: tuple
+    modes: tuple
+    pairs: tuple  # (a, b, role)
+    control: bool
+    decode_batch: int
+    prefill: tuple  # (B, q)
+    num_blocks: int
+    samples: int
+    reported_samples: int
+    control_samples: int
+    warmup: int
+    chunk: int
+    seed: int
+    quick: bool
+    preset: str | None
+    time_budget: float = 0.0
+
+
+def parse_pairs(text: str) -> list[tuple[str, str, str]]:
     from dhp_backend.audit import classes
 
-    shapes = []
-    for item in re.split(r"[;\s]+", text.strip()):
-        if not item:
-            continue
-        try:
-            nums = [int(x) for x in item.split(",")]
-        except ValueError:
-            raise ValueError(f"--shapes: {item!r} is not batch,bucket[,q_len] (integers)") from None
-        if len(nums) not in (2, 3) or min(nums) <= 0:
-            raise ValueError(f"--shapes: {item!r} is not batch,bucket[,q_len] (positive integers)")
-        shapes.append(classes.Shape(batch=nums[0], bucket=nums[1], q_len=nums[2] if len(nums) == 3 else 1,
-                                    policy=policy))
-    if not shapes:
-        raise ValueError("--shapes: no shape given")
-    return shapes
+    gating = [(a, b, "gating") for a, b in classes.GATING_PAIRS]
+    reported = [(a, b, "reported") for a, b in classes.REPORTED_PAIRS]
+    if text == "all":
+        return gating + reported
+    if text == "gating":
+        return gating
+    if text == "reported":
+        return reported
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        a, _, b = item.partition(":")
+        for c in (a, b):
+            if c not in classes.CLASSES:
+                raise ValueError(f"--pairs: class {c!r} in {item!r}; accepted: {', '.join(classes.CLASSES)}")
+        gate = (a, b) in classes.GATING_PAIRS or (b, a) in classes.GATING_PAIRS
+        out.append((a, b, "gating" if gate else "reported"))
+    if not out:
+        raise ValueError("--pairs: no pair given")
+    return out
 
 
-def run(args: argparse.Namespace) -> int:
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Validated settings (ValueError with the option's name otherwise)."""
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else {}
+
+    def axis(name, default):
+        v = getattr(args, name, None)
+        return v if v is not None else preset.get(name, ",".join(map(str, default)))
+
+    lengths = []
+    for x in _csv(axis("lengths", LENGTHS), None, "lengths"):
+        if not x.isdigit() or int(x) <= 0:
+            raise ValueError(f"--lengths: {x!r} is not a positive integer")
+        lengths.append(int(x))
     try:
-        shapes = parse_shapes(args.shapes, args.policy)
-        for name in ("samples", "reported_samples", "control_samples", "chunk"):
-            if getattr(args, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
-    except ValueError as e:
-        print(f"dhp-backend audit timing: {e}", file=sys.stderr)
-        return 2
-    try:
-        import torch
-        have_gpu = torch.cuda.is_available()
-    except ImportError:
-        have_gpu = False
-    if not have_gpu:
-        print("dhp-backend audit timing: no CUDA GPU here. G4 (the timing gate) times kernel launches with "
-              "CUDA events, so it runs on the GPU machine.", file=sys.stderr)
-        return 2
+        pb, pq = (int(x) for x in str(args.prefill).split(","))
+    except ValueError:
+        raise ValueError(f"--prefill: {args.prefill!r} is not B,q (two integers)") from None
+    quick = bool(getattr(args, "quick", False))
 
-    t0 = time.time()
-    modes = ("eager", "graph") if args.graph else ("eager",)
-    results = []
-    timer = Timer(chunk=args.chunk, warmup=args.warmup, progress=log)
-    log(f"G4 timing gate on {timer.device_name}: {len(shapes)} shape(s), modes {', '.join(modes)}; "
-        f"GPU spin {timer.cycles_per_ms / 1e6:.2f} Gcycles/s" if timer.cycles_per_ms else
-        f"G4 timing gate on {timer.device_name}: torch.cuda._sleep missing, no host pad (see starved chunks)")
-    for shape in shapes:
-        for spec in plan(shape, args.samples, args.reported_samples, args.control_samples):
-            results += timer.measure_pair(spec, modes, seed=args.seed)
-    s = summarize(results, time.time() - t0)
-    meta = {"device": timer.device_name, "versions": versions(), "settings": {
-        k: getattr(args, k) for k in ("shapes", "policy", "samples", "reported_samples", "control_samples",
-                                      "graph", "chunk", "warmup", "seed")} | {"host_pad": timer.pad_note()}}
-    if args.report_dir:
-        s["reports"] = list(write_reports(args.report_dir, s, results, meta, save_samples=args.save_samples))
-    if args.json:
-        print(json.dumps(s, indent=2, default=str))
-    else:
-        print_summary(s, results)
-    return 0 if s["passed"] else 1
+    def count(name, default, quick_default):
+        v = getattr(args, name, None)
+        v = (quick_default if quick else default) if v is None else v
+        if v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be positive, got {v}")
+        return int(v)
+
+    st = Settings(
+        steps=tuple(_csv(axis("steps", STEPS), STEPS, "steps")), lengths=tuple(lengths),
+        policies=tuple(_csv(axis("policies", POLICIES), POLICIES, "policies")),
+        layouts=tuple(_csv(axis("layouts", LAYOUTS), LAYOUTS, "layouts")),
+        modes=tuple(_csv(axis("modes", MODES), MODES, "modes")), pairs=tuple(parse_pairs(args.pairs)),
+        control=bool(args.control), decode_batch=int(args.decode_batch), prefill=(pb, pq),
+        num_blocks=int(args.num_blocks or 0), samples=count("samples", DEFAULT_SAMPLES, QUICK["samples"]),
+        reported_samples=count("reported_samples", DEFAULT_SIDE_SAMPLES, QUICK["reported_samples"]),
+        control_samples=count("control_samples", DEFAULT_SIDE_SAMPLES, QUICK["control_samples"]),
+        warmup=count("warmup", 50, QUICK["warmup"]), chunk=count("chunk", 128, 128), seed=int(args.seed),
+        quick=quick, preset=getattr(args, "preset", None),
+        time_budget=float(getattr(args, "time_budget", None) if getattr(args, "time_budget", None) is not None
+                          else preset.get("time_budget", 0.0)))
+    if st.time_budget < 0:
+        raise ValueError(f"--time-budget: must be >= 0, got {st.time_budget}")
+    if min(st.decode_batch, pb, pq) <= 0 or pq == 1:
+        raise ValueError("--decode-batch and --prefill B,q: positive, and a prefill chunk has q > 1")
+    for shape in (step_shape(st, k, L, "strict", "random") for k in st.steps for L in st.lengths):
+        if st.num_blocks and st.num_blocks < shape.batch * shape.width + 1:
+            raise ValueError(f"--num-blocks {st.num_blocks}: {shape.step} at L={shape.bucket} reserves "
+                             f"{shape.batch * shape.width} pages (+ block 0, the null block)")
+    return st
+
+
+def step_shape(st: Settings, step: str, bucket: int, policy: str, layout: str):
+    from dhp_backend.audit import classes
+
+    batch, q = (st.decode_batch, 1) if step == "decode" else st.prefill
+    return classes.Shape(batch=batch, bucket=bucket, q_len=q, policy=policy, layout=layout,
+                         num_blocks=st.num_blocks)
 
 
 # ---------------------------------------------------------------- what to measure
 
 @dataclasses.dataclass(frozen=True)
 class PairSpec:
-    shape: object  # classes.Shape
+    shape: object  # classes.Shape (its policy, layout and cache size included)
     a: str
     b: str
     role: str  # "control" | "gating" | "reported"
@@ -189,14 +301,204 @@ class PairSpec:
         return f"{self.a} vs {self.b}"
 
 
-def plan(shape, samples: int, reported_samples: int, control_samples: int) -> list[PairSpec]:
-    """Control first (if it fails the rest is moot but still measured), then gating, then reported pairs."""
-    from dhp_backend.audit import classes
+@dataclasses.dataclass
+class Group:
+    """Pairs measured on one cache (step kind, bucket, layout): tables and data are built once for them."""
 
-    specs = [PairSpec(dataclasses.replace(shape, policy="off"), *CONTROL, "control", control_samples)]
-    specs += [PairSpec(shape, a, b, "gating", samples) for a, b in classes.GATING_PAIRS]
-    specs += [PairSpec(shape, a, b, "reported", reported_samples) for a, b in classes.REPORTED_PAIRS]
-    return specs
+    step: str
+    bucket: int
+    layout: str
+    specs: list
+
+
+def plan(st: Settings) -> list[Group]:
+    """Per step kind and bucket, per layout: the control (first layout only), then the gating pairs of
+    every policy, then the reported ones."""
+    groups = []
+    for step in st.steps:
+        for L in st.lengths:
+            for li, layout in enumerate(st.layouts):
+                specs = []
+                if st.control and li == 0:
+                    specs.append(PairSpec(step_shape(st, step, L, "off", layout), *CONTROL, "control",
+                                          st.control_samples))
+                for role in ("gating", "reported"):  # gating first: a time budget cuts reported pairs first
+                    for policy in st.policies:
+                        shape = step_shape(st, step, L, policy, layout)
+                        specs += [PairSpec(shape, a, b, r, st.samples if r == "gating" else st.reported_samples)
+                                  for a, b, r in st.pairs if r == role]
+                groups.append(Group(step, L, layout, specs))
+    return groups
+
+
+# Cost model (µs), fitted to a G4 run on an H200 (2026-11-25, Triton kernels, all four step kinds x
+# buckets: decode B16 95 / 680 µs per launch at L 4096 / 32768, prefill B4 q64 183 / 1205 µs; 560 µs per
+# round of host pad and events in eager mode, 70 µs in graph replay), with decode's memory-bound walk
+# at an H100's ~3.3 TB/s (~0.66 ms at B16 L32768; the brief's csrc replay: ~0.5 ms): per launch of a
+# constant-time class, plus per round (two launches) the host pad and events.
+ROUND_OVERHEAD_US = {"graph": 70.0, "eager": 560.0}
+GROUP_SETUP_S = 8.0  # inputs (a 25,000+ block cache per data class), graph captures, warm-up
+FIRST_COMPILE_S = 60.0  # Triton JIT / nvcc builds of the step kinds' binaries on a fresh machine
+
+
+def launch_us(shape) -> float:
+    """Estimated time of one launch of ``shape`` on an H100 (a constant-time class; policy off short: less)."""
+    kv_bytes = shape.batch * shape.bucket * shape.num_kv_heads * shape.head_size * 2 * 2
+    t = kv_bytes / 3.3e6 + 10.0  # bytes / (B/µs): memory-bound decode
+    if shape.q_len > 1:  # prefill chunks: latency/compute bound, 183 / 1205 µs at B4 q64 L 4096 / 32768
+        t = max(t, (30.0 + 147.0 * shape.bucket / 4096) * shape.batch * shape.q_len / 256)
+    return t
+
+
+def pair_estimate_s(spec: PairSpec, modes) -> float:
+    """Estimated seconds of one pair in ``modes`` (`launch_us`, `ROUND_OVERHEAD_US`)."""
+    k = launch_us(spec.shape) * (0.56 if spec.role == "control" else 1.0)  # short under off: almost free
+    return sum(spec.rounds * (2 * k + ROUND_OVERHEAD_US[m]) * 1e-6 for m in modes)
+
+
+def estimate_s(st: Settings) -> dict:
+    """Estimated wall seconds of the plan on an H100: per group and total."""
+    per_group, total = [], FIRST_COMPILE_S
+    for g in plan(st):
+        s = GROUP_SETUP_S + sum(pair_estimate_s(spec, st.modes) for spec in g.specs)
+        per_group.append((f"{g.step} L{g.bucket} {g.layout}", s))
+        total += s
+    return {"total_s": total, "groups": per_group}
+
+
+def describe_plan(st: Settings, out=print) -> None:
+    groups = plan(st)
+    n = sum(len(g.specs) for g in groups) * len(st.modes)
+    est = estimate_s(st)
+    out(f"G4 plan: {len(groups)} cache group(s), {n} measurements (pairs x modes); steps {','.join(st.steps)}, "
+        f"buckets {','.join(map(str, st.lengths))}, policies {','.join(st.policies)}, layouts "
+        f"{','.join(st.layouts)}, modes {','.join(st.modes)}; {st.samples} rounds per gating pair, "
+        f"{st.reported_samples} per reported pair, {st.control_samples} for the control"
+        + (" (quick: not a gate verdict)" if st.quick else ""))
+    for (name, s), g in zip(est["groups"], groups):
+        shape = g.specs[0].shape if g.specs else None
+        blocks = f", {shape.blocks} blocks" if shape else ""
+        out(f"  {name}{blocks}: {len(g.specs)} pairs, ~{s / 60:.1f} min")
+    out(f"  estimated wall time on an H100: ~{est['total_s'] / 60:.1f} min (incl. ~{FIRST_COMPILE_S:.0f} s "
+        "first compile; a device command may run 10 min)")
+
+
+def run(args: argparse.Namespace) -> int:
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    try:
+        st = settings_from_args(args)
+    except ValueError as e:
+        print(f"dhp-backend audit timing: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "estimate", False):
+        describe_plan(st, log)
+        return 0
+    try:
+        import torch
+        have_gpu = torch.cuda.is_available()
+    except ImportError:
+        have_gpu = False
+    if not have_gpu:
+        print("dhp-backend audit timing: no CUDA GPU here. G4 (the timing gate) times kernel launches with "
+              "CUDA events, so it runs on the GPU machine (--estimate prints the plan here).", file=sys.stderr)
+        return 2
+
+    t0 = time.time()
+    describe_plan(st, log)
+    timer = Timer(chunk=st.chunk, warmup=st.warmup, progress=log)
+    log(f"G4 timing gate on {timer.device_name}: GPU spin {timer.cycles_per_ms / 1e6:.2f} Gcycles/s"
+        if timer.cycles_per_ms else
+        f"G4 timing gate on {timer.device_name}: torch.cuda._sleep missing, no host pad (see starved chunks)")
+    merge = "auto" if args.merge is None else (args.merge or None)
+    ver = versions()
+
+    source = source_hash()
+
+    def meta(churn, seconds):
+        return {"device": timer.device_name, "versions": ver, "source": source, "churn": churn,
+                "seconds": round(seconds, 1),
+                "settings": settings_dict(st) | {"host_pad": timer.pad_note()}}
+
+    def checkpoint(rows, churn):  # after every group: a run cut short by the device's limit keeps its rows
+        if args.report_dir and rows:
+            write_reports(args.report_dir, rows, meta(churn, time.time() - t0), merge_from=merge)
+
+    rows, churn, skipped = measure_plan(timer, st, log, checkpoint=checkpoint, started=t0)
+    s = summarize(rows, time.time() - t0, quick=st.quick)
+    if skipped:
+        s["messages"].append(f"time budget {st.time_budget:.0f} s: {len(skipped)} measurements not started ("
+                             + "; ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else "") + ")")
+    s["skipped"] = skipped
+    if args.report_dir:
+        paths, merged = write_reports(args.report_dir, rows, meta(churn, s["seconds"]), merge_from=merge,
+                                      plots=args.plots, save_samples=args.save_samples, log=log)
+        s["reports"] = list(paths)
+        s["report_summary"] = merged
+    if args.json:
+        print(json.dumps(_jsonable(s), indent=2, default=str))
+    else:
+        print_summary(s, rows)
+    return exit_code(s, st.quick)
+
+
+def settings_dict(st: Settings) -> dict:
+    d = dataclasses.asdict(st)
+    d["pairs"] = [f"{a}:{b}" for a, b, _ in st.pairs]
+    return d
+
+
+def exit_code(s: dict, quick: bool) -> int:
+    if quick:
+        return 0 if s["control_detected"] is not False and not s["errors"] else 1
+    return 0 if s["run_passed"] else 1
+
+
+def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | None = None):
+    """Every group of the plan on the GPU: (rows, churn info per cache size, skipped measurements).
+
+    With ``st.time_budget``, a pair whose estimated time (`launch_us`) would end past the budget
+    (counted from ``started``) is not started; ``checkpoint(rows, churn)`` runs after every group."""
+    groups = plan(st)
+    total = sum(len(g.specs) for g in groups) * len(st.modes)
+    done, rows, churn, skipped = 0, [], {}, []
+    t0 = time.time()
+    started = t0 if started is None else started
+    for gi, g in enumerate(groups, 1):
+        shape0 = g.specs[0].shape if g.specs else None
+        if shape0 is None:
+            continue
+        info = ""
+        if g.layout == "churned":
+            info = churn_info(shape0.blocks, st.seed)
+            churn[str(shape0.blocks)] = info
+            info = f"; churned order {info['fingerprint']}, {info.get('source', 'vLLM ' + str(info.get('vllm')))}"
+        log(f"== group {gi}/{len(groups)}: {g.step} L={g.bucket} layout {g.layout}, {shape0.blocks} blocks{info}")
+        shared: dict = {}
+        for spec in g.specs:
+            done += len(st.modes)
+            if st.time_budget and time.time() - started + pair_estimate_s(spec, st.modes) > st.time_budget:
+                skipped += [f"{spec.label} {spec.shape.step} L{spec.shape.bucket} {spec.shape.policy} "
+                            f"{spec.shape.layout} {m}" for m in st.modes]
+                log(f"  [time budget] not starting {spec.label} {spec.shape.key} "
+                    f"(~{pair_estimate_s(spec, st.modes):.0f} s)")
+                continue
+            rows += timer.measure_pair(spec, st.modes, seed=st.seed, shared=shared)
+            el = time.time() - t0
+            log(f"  [{done}/{total} measurements, {el / 60:.1f} min; ~{el / done * (total - done) / 60:.1f} min left]")
+        del shared
+        timer.release()
+        if checkpoint is not None:
+            checkpoint(rows, churn)
+    return rows, churn, skipped
+
+
+def churn_info(num_blocks: int, seed: int) -> dict:
+    """Which churned order a report ran on (vLLM version, fingerprint, what the simulated run did)."""
+    from dhp_backend.testing import pages
+
+    order = pages.page_order("churned", num_blocks, seed=seed)
+    st = next((v for k, v in pages.CHURN_STATS.items() if k[0] == num_blocks and k[1] == seed), {})
+    return {"num_blocks": num_blocks, "seed": seed, "fingerprint": pages.churn_fingerprint(order), **st}
 
 
 # ---------------------------------------------------------------- online analysis (GPU and synthetic)
@@ -255,7 +557,7 @@ class PairStats:
             verdict = "leak detected" if detected else "NOT DETECTED"
         elif role == "reported":  # not gating: say what was seen, not pass/fail
             verdict = "differs" if verdict == "FAIL" else "no difference seen"
-        return {**spec_like, "n": list(self.welch.n), "mean_us": [ma, mb],
+        return {**spec_like, "n": list(self.welch.n), "n_per_class": int(min(self.welch.n)), "mean_us": [ma, mb],
                 "std_us": [math.sqrt(v) if v == v else math.nan for v in self.welch.variances],
                 "median_us": [float(np.median(a)) if a.size else math.nan, float(np.median(b)) if b.size else math.nan],
                 "diff_pct": 100.0 * (mb - ma) / ma if ma else math.nan, "t": t, "df": self.welch.df,
@@ -265,24 +567,43 @@ class PairStats:
                 "error": None, "_samples": (a, b)}
 
 
-def analyse_streams(xa, xb, *, pair=("random", "random2"), role="gating", mode="synthetic", shape="synthetic",
-                    policy="strict", chunk: int = 1024) -> dict:
-    """Run recorded or synthetic per-round timings (µs, paired by index) through the gate's analysis."""
+def analyse_streams(xa, xb, *, pair=("random", "random2"), role="gating", mode="synthetic", shape=None,
+                    policy="strict", layout="random", step="decode", chunk: int = 1024) -> dict:
+    """Run recorded or synthetic per-round timings (µs, paired by index) through the gate's analysis.
+
+    ``shape``: a `classes.Shape` (its policy and layout are used) or None (a B16 L4096 decode shape with
+    ``policy``, ``layout`` and ``step``)."""
+    from dhp_backend.audit import classes
+
+    if shape is None:
+        shape = classes.Shape(policy=policy, layout=layout, q_len=1 if step == "decode" else 64,
+                              batch=16 if step == "decode" else 4)
     xa, xb = np.asarray(xa, np.float64), np.asarray(xb, np.float64)
     ps = PairStats()
     for i in range(0, xa.size, chunk):
         ps.add(xa[i:i + chunk], xb[i:i + chunk])
-    return ps.result(_spec_dict(pair[0], pair[1], role, mode, shape, policy))
+    return ps.result(row_fields(PairSpec(shape, pair[0], pair[1], role, xa.size), mode))
 
 
-def _spec_dict(a, b, role, mode, shape, policy, path=None) -> dict:
-    return {"pair": f"{a} vs {b}", "a": a, "b": b, "role": role, "mode": mode, "shape": shape, "policy": policy,
-            "path": path}
+def row_fields(spec: PairSpec, mode: str, path: str | None = None) -> dict:
+    """The fields of a row that say what was measured."""
+    from dhp_backend.audit import classes
+
+    sh = spec.shape
+    return {"pair": spec.label, "layout": sh.layout, "num_blocks": sh.blocks, "mode": mode, "step": sh.step,
+            "policy": sh.policy, "bucket": sh.bucket,
+            "lengths": [classes.true_length(sh, spec.a), classes.true_length(sh, spec.b)],
+            "a": spec.a, "b": spec.b, "role": spec.role, "shape": sh.key, "path": path}
+
+
+def row_key(r: dict) -> tuple:
+    """What a row measured: rows of two runs with equal keys replace each other in a merged report."""
+    return (r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"], r["role"])
 
 
 def error_result(spec: PairSpec, mode: str, why: str) -> dict:
-    d = _spec_dict(spec.a, spec.b, spec.role, mode, spec.shape.key, spec.shape.policy)
-    return {**d, **{k: None for k in RESULT_KEYS if k not in d}, "n": [0, 0], "verdict": "error",
+    d = row_fields(spec, mode)
+    return {**d, **{k: None for k in RESULT_KEYS if k not in d}, "n": [0, 0], "n_per_class": 0, "verdict": "error",
             "passed": False if spec.role == "gating" else None,
             "detected": False if spec.role == "control" else None, "trace": {"n": [], "t": [], "z_n": [], "z": []},
             "plots": [], "error": why}
@@ -344,9 +665,16 @@ class Timer:
                                         num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                         block_size=shape.block_size, causal=shape.causal,
                                         device_capability=self.torch.cuda.get_device_capability(self.device))
-            return dispatch.choose_path(spec, shape.policy, allow_fallback=True).describe()
+            path = dispatch.choose_path(spec, shape.policy, allow_fallback=True).describe()
         except Exception as e:  # noqa: BLE001 - informational only
             return f"unknown ({type(e).__name__}: {e})"
+        try:
+            from dhp_backend.ops.attention import step_kernel
+
+            kernel = step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
+            return f"{path}; kernel {kernel}"
+        except Exception:  # noqa: BLE001 - informational only
+            return path
 
     def _prepare(self, spec: PairSpec, mode: str, inputs: list) -> tuple[list, list, list]:
         """Launch callables for both classes, checked to produce finite output; (fns, outs, graphs)."""
@@ -447,14 +775,24 @@ class Timer:
                               f"({time.time() - t0:.0f}s)")
                 next_report = math.floor(10 * done / rounds + 1) / 10
 
-    def measure_pair(self, spec: PairSpec, modes, seed: int = 0) -> list[dict]:
-        """Both classes' inputs built once; each mode measured on them. Errors become failed results."""
+    def release(self) -> None:
+        """Give the cache's memory back between groups."""
+        gc.collect()
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
+
+    def measure_pair(self, spec: PairSpec, modes, seed: int = 0, shared: dict | None = None) -> list[dict]:
+        """Both classes' inputs built once (tables and data from ``shared`` where another pair of the group
+        built them); each mode measured on them. Errors become failed results."""
         from dhp_backend.audit import classes
 
         torch = self.torch
-        self.progress(f"  [{spec.role}] {spec.label}  {spec.shape.key}  {spec.rounds} rounds")
+        lens = "/".join(str(classes.true_length(spec.shape, c)) for c in (spec.a, spec.b))
+        self.progress(f"  [{spec.role}] {spec.label} ({lens})  {spec.shape.policy}  {spec.shape.key}  "
+                      f"{spec.rounds} rounds")
         try:
-            inputs = [classes.make_inputs(spec.shape, c, seed=seed, device=self.device) for c in (spec.a, spec.b)]
+            inputs = [classes.make_inputs(spec.shape, c, seed=seed, device=self.device, shared=shared)
+                      for c in (spec.a, spec.b)]
         except Exception as e:  # noqa: BLE001 - reported as this pair's failure
             return [error_result(spec, m, f"inputs: {type(e).__name__}: {e}") for m in modes]
         out = []
@@ -465,8 +803,7 @@ class Timer:
                 ps = PairStats()
                 rng = np.random.default_rng([seed, mi, zlib.crc32(spec.label.encode())])
                 self._time(fns, spec.rounds, rng, ps, f"{spec.label} [{mode}]")
-                out.append(ps.result(_spec_dict(spec.a, spec.b, spec.role, mode, spec.shape.key,
-                                                spec.shape.policy, self.path_of(spec.shape))))
+                out.append(ps.result(row_fields(spec, mode, self.path_of(spec.shape))))
             except Exception as e:  # noqa: BLE001 - one broken mode must not lose the others' results
                 out.append(error_result(spec, mode, f"{type(e).__name__}: {e}"))
                 self.progress(f"    {spec.label} [{mode}]: ERROR {type(e).__name__}: {e}")
@@ -474,51 +811,80 @@ class Timer:
                 del graphs
                 torch.cuda.synchronize()
         del inputs
-        torch.cuda.empty_cache()
         return out
 
 
 # ---------------------------------------------------------------- verdicts and reports
 
-def summarize(results: list[dict], seconds: float) -> dict:
-    gating = [r for r in results if r["role"] == "gating"]
-    controls = [r for r in results if r["role"] == "control"]
+def full_grid() -> list[tuple]:
+    """The cells the gate needs (step, bucket, policy, layout, mode, a, b): every gating pair everywhere."""
+    from dhp_backend.audit import classes
+
+    return [(step, L, pol, lay, mode, a, b) for step in STEPS for L in LENGTHS for pol in POLICIES
+            for lay in LAYOUTS for mode in MODES for a, b in classes.GATING_PAIRS]
+
+
+def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
+    """Verdicts over ``rows``: ``passed`` is the gate's (the full grid measured, every gating row passing,
+    the control detected in every step kind, bucket and mode of the grid); ``run_passed`` judges these
+    rows only (a piece of the grid)."""
+    gating = [r for r in rows if r["role"] == "gating"]
+    controls = [r for r in rows if r["role"] == "control"]
     gating_passed = bool(gating) and all(r["passed"] for r in gating)
-    control_detected = bool(controls) and all(r["detected"] for r in controls)
+    control_detected = all(r["detected"] for r in controls) if controls else None
+    have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating}
+    missing = [c for c in full_grid() if c not in have]
+    ctl_have = {(r["step"], r["bucket"], r["mode"]) for r in controls}
+    missing_ctl = [(s, L, m) for s in STEPS for L in LENGTHS for m in MODES if (s, L, m) not in ctl_have]
     messages = []
-    if not control_detected:
-        bad = ", ".join(f"{r['mode']} (|t| = {_f(r['t'])}{'; ' + r['error'] if r['error'] else ''})"
-                        for r in controls if not r["detected"]) or "no control measured"
-        messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) "
-                        f"was not detected in {bad}")
-    failures = [f"{r['pair']} [{r['mode']}, {r['shape']}]: {r['verdict']}" + (f" ({r['error']})" if r["error"] else "")
-                for r in gating if not r["passed"]]
-    side = [f"{r['pair']} [{r['mode']}]: {r['verdict']}, t = {_f(r['t'])}, {_f(r['diff_pct'], '+.3f')} %"
-            for r in results if r["role"] == "reported" and r["verdict"] == "differs"]
+    if control_detected is False:
+        bad = ", ".join(f"{r['step']} L{r['bucket']} {r['mode']} (|t| = {_f(r['t'])}"
+                        f"{'; ' + r['error'] if r['error'] else ''})" for r in controls if not r["detected"])
+        messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) was not "
+                        f"detected in {bad}")
+    if quick:
+        messages.append("quick run: too few samples for a gate verdict (a smoke test of the harness)")
+    failures = [f"{r['pair']} [{r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}]: {r['verdict']}"
+                + (f" ({r['error']})" if r["error"] else "") for r in gating if not r["passed"]]
+    side = [f"{r['pair']} [{r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}]: t = {_f(r['t'])}, "
+            f"{_f(r['diff_pct'], '+.3f')} %" for r in rows if r["role"] == "reported" and r["verdict"] == "differs"]
     if side:
         messages.append("reported (not gating) pairs that differ: " + "; ".join(side))
-    return {"gate": "G4 timing", "passed": gating_passed and control_detected, "control_detected": control_detected,
-            "gating_passed": gating_passed, "failures": failures, "messages": messages,
-            "seconds": round(seconds, 1), "pairs": len(results)}
+    complete = not missing and not missing_ctl
+    return {"gate": "G4 timing", "passed": complete and gating_passed and control_detected is True,
+            "run_passed": gating_passed and control_detected is not False,
+            "complete": complete, "missing": [" ".join(map(str, c[:5])) + f" {c[5]} vs {c[6]}" for c in missing]
+            + [f"control {s} {L} {m}" for s, L, m in missing_ctl],
+            "control_detected": control_detected, "gating_passed": gating_passed, "failures": failures,
+            "errors": [f"{r['pair']} [{r['shape']} {r['mode']}]: {r['error']}" for r in rows if r["error"]],
+            "messages": messages, "seconds": round(seconds, 1), "rows": len(rows)}
 
 
 def _f(x, spec: str = "+.2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def print_summary(s: dict, results: list[dict], out=print) -> None:
-    out(f"G4 timing gate: {'PASS' if s['passed'] else 'FAIL'}  (control "
-        f"{'detects its leak' if s['control_detected'] else 'NOT DETECTED'}; {s['pairs']} measurements, "
-        f"{s['seconds']}s)")
-    out(f"  {'role':9} {'pair':18} {'mode':6} {'n':>7} {'Δ%':>8} {'t':>8} {'crop|t|':>8} {'paired z':>8}  verdict")
-    for r in results:
+def print_summary(s: dict, rows: list[dict], out=print) -> None:
+    verdict = "PASS" if s["run_passed"] else "FAIL"
+    out(f"G4 timing gate, this run: {verdict}  (control "
+        f"{ {True: 'detects its leak', False: 'NOT DETECTED', None: 'not measured'}[s['control_detected']] }; "
+        f"{s['rows']} rows, {s['seconds']} s)")
+    out(f"  {'role':9} {'pair':18} {'step':7} {'L':>6} {'policy':8} {'layout':11} {'mode':6} {'n':>7} {'Δ%':>8} "
+        f"{'t':>8} {'paired z':>8}  verdict")
+    for r in rows:
         z = r["paired"]["z_max"] if r.get("paired") else None
-        out(f"  {r['role']:9} {r['pair']:18} {r['mode']:6} {min(r['n']):>7} {_f(r['diff_pct'], '+.3f'):>8} "
-            f"{_f(r['t']):>8} {_f(r['cropped_t_max'], '.2f'):>8} {_f(z, '.2f'):>8}  {r['verdict']}")
+        out(f"  {r['role']:9} {r['pair']:18} {r['step']:7} {r['bucket']:>6} {r['policy']:8} {r['layout']:11} "
+            f"{r['mode']:6} {r['n_per_class']:>7} {_f(r['diff_pct'], '+.3f'):>8} {_f(r['t']):>8} {_f(z, '.2f'):>8}  "
+            f"{r['verdict']}")
     for m in s["messages"]:
         out(f"  NOTE: {m}")
     for f in s["failures"]:
         out(f"  FAIL: {f}")
+    if s.get("report_summary"):
+        m = s["report_summary"]
+        out(f"  report ({m['rows']} rows, with earlier runs' on this code): gate "
+            f"{'PASS' if m['passed'] else 'not passed'}; {len(m['missing'])} cells of the full grid missing; "
+            f"{len(m['failures'])} gating rows failing")
     if s.get("reports"):
         out(f"  reports: {', '.join(s['reports'][:2])}")
 
@@ -531,12 +897,16 @@ def renderer() -> str:
         return "builtin (dhp_backend.audit.png)"
 
 
+def _row_name(r: dict) -> str:
+    return _safe(f"{r['step']}-L{r['bucket']}-{r['policy']}-{r['layout']}-{r['mode']}-{r['a']}-vs-{r['b']}")
+
+
 def plot_pair(r: dict, stem: str) -> list[str]:
-    """Histograms of the two classes and t over samples, as PNGs next to the report."""
+    """Histograms of the two classes and t over samples, as PNGs (``stem``-<row>-hist.png / -t.png)."""
     a, b = r["_samples"]
-    base = f"{stem}-{_safe(r['shape'])}-{r['mode']}-{r['a']}-vs-{r['b']}"
+    base = f"{stem}-{_row_name(r)}"
     hist, tplot = base + "-hist.png", base + "-t.png"
-    title = f"{r['pair']} ({r['mode']}, {r['shape']})"
+    title = f"{r['pair']} ({r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']})"
     if renderer() == "matplotlib":
         import matplotlib
         matplotlib.use("Agg")
@@ -589,72 +959,159 @@ def _jsonable(x):
     return x
 
 
-def write_reports(report_dir: str, s: dict, results: list[dict], meta: dict, *, save_samples: bool = False,
-                  date: str | None = None) -> tuple[str, str]:
-    """``<report-dir>/<date>-timing-<device>.md/.json`` and the PNG plots; returns (md, json) paths.
+def source_hash() -> str:
+    """A digest of the code a measurement depends on: every file of ``dhp_backend/`` (Python, recorded data)
+    and ``csrc/``. Two runs with equal digests ran the same code even at different commits (a commit that
+    only adds a report or docs does not split a report in pieces)."""
+    import hashlib
 
-    ``meta``: device (name), versions, settings. Results carrying ``_samples`` get plots.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    h = hashlib.sha256()
+    for top in ("dhp_backend", "csrc"):
+        for d, dirs, files in sorted(os.walk(os.path.join(root, top))):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("."))
+            for f in sorted(files):
+                if f.endswith((".pyc", ".pyo")) or f.startswith("."):
+                    continue
+                path = os.path.join(d, f)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def merge_rows(rows: list[dict], previous: dict | None, *, device: str, commit: str | None,
+               source: str | None = None) -> tuple[list, str]:
+    """This run's rows over an earlier report's: (rows, what happened). Merged only when the earlier report
+    ran on the same device and the same code (`source_hash`; reports without one: the same commit)."""
+    if not previous:
+        return list(rows), "no earlier report"
+    same_code = (previous.get("source") == source) if previous.get("source") and source else (
+        previous.get("commit") == commit)
+    if previous.get("device") != device or not same_code:
+        return list(rows), (f"earlier report of {previous.get('device')} at {previous.get('commit')} (code "
+                            f"{previous.get('source')}) not merged (this run: {device} at {commit}, code {source})")
+    mine = {row_key(r) for r in rows}
+    kept = [r for r in previous.get("rows", []) if row_key(r) not in mine]
+    return kept + list(rows), f"merged with {len(kept)} rows of an earlier run ({previous.get('date')})"
+
+
+def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: str | None = "auto",
+                  plots: bool = False, save_samples: bool = False, date: str | None = None,
+                  log=None) -> tuple[tuple[str, str], dict]:
+    """``<report-dir>/g4-latest.json`` and ``.md`` (rows merged into ``merge_from``'s when it is of the same
+    code and device, `merge_rows`; ``"auto"``: the ``g4-latest.json`` already in ``report_dir``; None or "": no merge), and
+    optionally PNG plots and raw samples. Returns ((md, json), merged summary).
+
+    ``meta``: device (name), versions, settings, churn. Rows carrying ``_samples`` can get plots.
     """
-    stem, date = report_stem(report_dir, "timing", device_slug(meta["device"]), date)
-    rend = renderer()
-    for r in results:
-        if r.get("_samples") is not None and r["_samples"][0].size:
-            r["plots"] = plot_pair(r, stem)
+    os.makedirs(report_dir, exist_ok=True)
+    date = date or datetime.date.today().isoformat()
+    stem = os.path.join(report_dir, LATEST)
+    commit = (meta.get("versions") or {}).get("commit") or source_commit()
+    source = meta.get("source") or source_hash()
+    if plots:
+        pdir = os.path.join(report_dir, "timing-plots")
+        os.makedirs(pdir, exist_ok=True)
+        for r in rows:
+            if r.get("_samples") is not None and r["_samples"][0].size:
+                r["plots"] = plot_pair(r, os.path.join(pdir, LATEST))
     if save_samples:
         np.savez_compressed(stem + "-samples.npz", **{
-            _safe(f"{r['shape']}-{r['mode']}-{r['a']}-vs-{r['b']}-{c}"): r["_samples"][i]
-            for r in results if r.get("_samples") is not None for i, c in enumerate(("a", "b"))})
-    doc = {"gate": "G4 timing", "date": date, "device": meta["device"], "versions": meta["versions"],
-           "settings": meta["settings"], "renderer": rend, "summary": s, "results": results}
-    return write_report_files(stem, _jsonable(doc), _markdown(doc, stem))
+            f"{_row_name(r)}-{c}": r["_samples"][i]
+            for r in rows if r.get("_samples") is not None for i, c in enumerate(("a", "b"))})
+    previous = None
+    if merge_from == "auto":
+        merge_from = stem + ".json"
+    if merge_from and os.path.exists(merge_from):
+        try:
+            with open(merge_from) as f:
+                previous = json.load(f)
+        except (OSError, ValueError) as e:
+            previous = None
+            if log:
+                log(f"G4: could not read {merge_from} to merge ({e}); writing this run's rows only")
+    merged, how = merge_rows([dict(_jsonable(r), commit=r.get("commit") or commit) for r in rows], previous,
+                             device=meta["device"], commit=commit, source=source)
+    if log:
+        log(f"G4 report: {how}")
+    merged.sort(key=lambda r: (STEPS.index(r["step"]) if r["step"] in STEPS else 9, r["bucket"],
+                               {"control": 0, "gating": 1, "reported": 2}.get(r["role"], 3), r["policy"],
+                               LAYOUTS.index(r["layout"]) if r["layout"] in LAYOUTS else 9, r["pair"], r["mode"]))
+    s = summarize(merged, float(meta.get("seconds") or 0.0))
+    s["merge"] = how
+    churn = dict((previous or {}).get("churn") or {}) if how.startswith("merged") else {}
+    churn.update(meta.get("churn") or {})
+    doc = {"gate": "G4 timing", "date": date, "device": meta["device"], "commit": commit, "source": source,
+           "versions": meta["versions"], "settings": meta["settings"], "churn": churn, "summary": s,
+           "rows": merged}
+    paths = write_report_files(stem, _jsonable(doc), _markdown(doc))
+    return paths, s
 
 
-def _markdown(doc: dict, stem: str) -> list[str]:
+def _markdown(doc: dict) -> list[str]:
     s, v, st = doc["summary"], doc["versions"], doc["settings"]
-    md = [f"# G4 timing gate — {doc['date']}, {doc['device']}", "",
-          f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — control "
-          f"{'detects its leak' if s['control_detected'] else '**does not detect its leak**'}, gating pairs "
-          f"{'pass' if s['gating_passed'] else '**fail**'}; {s['seconds']} s.", "",
-          f"Commit {v.get('commit')}, dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')} (CUDA "
-          f"{v.get('cuda')}), Triton {v.get('triton')}, driver {v.get('driver')}, Python {v.get('python')}. "
-          "Produced by `dhp-backend audit timing`; the JSON next to this file has every number.", "",
+    verdict = "PASS" if s["passed"] else ("FAIL" if s["failures"] or s["control_detected"] is False else
+                                          "not complete")
+    control = {True: "detects its leak", False: "**does not detect its leak**", None: "not measured"}
+    grid = "the full grid is measured" if s["complete"] else f"{len(s['missing'])} cells of the full grid missing"
+    gating = "all pass" if s["gating_passed"] else "**not all pass**"
+    md = [f"# G4 timing gate — {doc['date']}, {doc['device']}, commit {doc['commit']}", "",
+          f"Result: **{verdict}** — {s['rows']} rows; gating rows {gating}; control "
+          f"{control[s['control_detected']]}; {grid} ({s.get('merge', '')}).", "",
+          f"dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')} (CUDA {v.get('cuda')}), Triton "
+          f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, Python {v.get('python')}. Produced by "
+          "`dhp-backend audit timing` (`dhp_backend/audit/timing.py`); `g4-latest.json` next to this file has every "
+          "number, per row and per run setting.", "",
           "## Method", "",
-          f"Rounds of one launch per class in seeded random order (seed {st.get('seed')}); each launch timed "
-          f"with CUDA events around one `classes.launch`; {st.get('warmup')} warm-up rounds; synchronisation every "
-          f"{st.get('chunk')} rounds, behind a GPU spin so the host has queued the chunk before it runs (host pad: "
-          f"{st.get('host_pad')}). Modes: eager{' and CUDA-graph replay' if st.get('graph') else ''}. Policy of "
-          f"the gating and reported pairs: `{st.get('policy')}`; the control uses `off`. Pass: |Welch t| < "
-          f"{stats.THRESHOLD} and paired |z| (sign test and Wilcoxon signed-rank on per-round differences) < "
-          f"{stats.THRESHOLD} with at least {stats.MIN_SAMPLES} samples per class. The cropped t (largest |t| "
-          "over dudect's pooled-percentile crops) is reported, not gating. Plots rendered with "
-          f"{doc['renderer']}.", ""]
-    paths = sorted({f"`{r['policy']}`: {r['path']}" for r in doc["results"] if r.get("path")})
+          "Inputs obey the address rule (design.md section 2): every request of both classes reserves its bucket L, "
+          "so its block-table row holds distinct real pages up to L in the row's page layout (`consecutive`: a "
+          "fresh engine; `random`; `churned`: the free list of vLLM's own block pool after a serving run, "
+          "`testing.pages.churned_order`), and a short and a long request read the very same pages. Caches hold "
+          "`num_blocks` blocks (at least 25,000 and more than (B + 1) L / block_size). Rounds of one launch per class "
+          f"in seeded random order; each launch timed with CUDA events; {st.get('warmup')} warm-up rounds; a "
+          f"synchronisation every {st.get('chunk')} rounds behind a GPU spin (host pad: {st.get('host_pad')}). Pass: "
+          f"|Welch t| < {stats.THRESHOLD} and paired |z| (sign test and Wilcoxon signed-rank of per-round "
+          f"differences) < {stats.THRESHOLD} with at least {stats.MIN_SAMPLES} samples per class, for every gating "
+          "row of the full grid (step kinds decode and prefill, buckets 4096 and 32768, policies strict and "
+          "request, three layouts, eager and graph). Reported pairs (degenerate data) are findings, not gating.", ""]
+    for blocks, c in sorted((doc.get("churn") or {}).items()):
+        md += [f"Churned layout of {blocks} blocks: order {c.get('fingerprint')} of vLLM {c.get('vllm')}'s "
+               f"BlockPool, {c.get('source', 'live')} (seed {c.get('seed')}; {c.get('requests')} requests, "
+               f"{c.get('preemptions')} preemptions, {c.get('handed_out')} blocks handed out over {c.get('steps')} "
+               "steps).", ""]
+    paths = sorted({f"`{r['policy']}` {r['step']}: {r['path']}" for r in doc["rows"] if r.get("path")})
     if paths:
-        md += ["Kernel path per policy (from the dispatcher): " + "; ".join(paths) + ".", ""]
+        md += ["Kernel path per policy and step (from the dispatcher): " + "; ".join(paths) + ".", ""]
     for m in s["messages"]:
         md += [f"**Note:** {m}", ""]
-    titles = {"control": "Control (must detect: policy off, true lengths public)",
-              "gating": "Gating pairs", "reported": "Reported pairs (degenerate data; not gating)"}
+    titles = {"control": "Control (must detect: policy off, true lengths public)", "gating": "Gating pairs",
+              "reported": "Reported pairs (degenerate data; not gating)"}
     for role in ("control", "gating", "reported"):
-        rs = [r for r in doc["results"] if r["role"] == role]
+        rs = [r for r in doc["rows"] if r["role"] == role]
         if not rs:
             continue
         md += [f"## {titles[role]}", "",
-               "| pair | shape | mode | n (A / B) | mean A µs | mean B µs | Δ % | t | cropped max \\|t\\| | "
-               "sign z | Wilcoxon z | starved chunks | verdict |",
-               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+               "| pair | lengths | step | L | policy | layout | blocks | mode | n per class | mean A µs | mean B µs "
+               "| Δ % | t | cropped max \\|t\\| | paired \\|z\\| | starved | verdict |",
+               "|" + " --- |" * 17]
         for r in rs:
             p = r.get("paired") or {}
-            sz, wz = (p.get("sign") or {}).get("z"), (p.get("wilcoxon") or {}).get("z")
-            ma, mb = (r["mean_us"] or [None, None])
-            md.append(f"| {r['pair']} | {r['shape']} | {r['mode']} | {r['n'][0]} / {r['n'][1]} | "
-                      f"{_f(ma, '.3f')} | {_f(mb, '.3f')} | {_f(r['diff_pct'], '+.3f')} | {_f(r['t'])} | "
-                      f"{_f(r['cropped_t_max'], '.2f')} | {_f(sz)} | {_f(wz)} | "
-                      f"{r['starved_chunks']}/{r['chunks']} | {r['verdict']}"
-                      f"{' — ' + r['error'] if r['error'] else ''} |")
+            ma, mb = (r.get("mean_us") or [None, None])
+            lens = "/".join(map(str, r.get("lengths") or []))
+            md.append(f"| {r['pair']} | {lens} | {r['step']} | {r['bucket']} | {r['policy']} | {r['layout']} | "
+                      f"{r['num_blocks']} | {r['mode']} | {r['n_per_class']} | {_f(ma, '.3f')} | {_f(mb, '.3f')} | "
+                      f"{_f(r['diff_pct'], '+.3f')} | {_f(r['t'])} | {_f(r.get('cropped_t_max'), '.2f')} | "
+                      f"{_f(p.get('z_max'), '.2f')} | {r.get('starved_chunks')}/{r.get('chunks')} | {r['verdict']}"
+                      f"{' — ' + r['error'] if r.get('error') else ''} |")
         md.append("")
-    md += ["## Plots", ""]
-    for r in doc["results"]:
-        for p in r["plots"] or []:
-            md.append(f"- {r['pair']} ({r['mode']}, {r['shape']}): [{os.path.basename(p)}]({os.path.basename(p)})")
+    if s["missing"]:
+        md += ["## Cells of the full grid not measured yet", "",
+               ", ".join(s["missing"][:200]) + (" ..." if len(s["missing"]) > 200 else ""), ""]
+    plots = [(r, p) for r in doc["rows"] for p in (r.get("plots") or [])]
+    if plots:
+        md += ["## Plots", ""]
+        for r, p in plots:
+            md.append(f"- {r['pair']} ({r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}): "
+                      f"[{os.path.basename(p)}](timing-plots/{os.path.basename(p)})")
     return md
