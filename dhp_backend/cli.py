@@ -329,10 +329,21 @@ def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     from dhp_backend.ops.triton import config as kcfg
 
+    if not args.all:
+        # The variant axes choose among every variant; the CI subset is fixed. An axis
+        # given without --all would be silently ignored: say so instead.
+        given = [f"--{n}" for n, default in (("groups", "1,2,4,8"), ("dtypes", "bf16,fp16,fp32"), ("heads", None))
+                 if getattr(args, n) != default]
+        if given:
+            ap.error(f"{', '.join(given)} select variants for --all; without --all the CI subset runs "
+                     "(add --all, or drop the option)")
     try:
         groups = tuple(int(x) for x in args.groups.split(",") if x.strip())
     except ValueError:
         ap.error(f"--groups: comma-separated integers, got {args.groups!r}")
+    if not groups or any(not 1 <= g <= kcfg.MAX_GROUP for g in groups):
+        ap.error(f"--groups: query heads per KV head, integers in [1, {kcfg.MAX_GROUP}] (the kernels' tile holds "
+                 f"at most {kcfg.MAX_GROUP}); got {args.groups!r}")
     names = {short: full for full, short in variants.DTYPES.items()}
     dtypes = tuple(x.strip() for x in args.dtypes.split(",") if x.strip())
     if not dtypes or any(d not in names for d in dtypes):

@@ -224,3 +224,16 @@ def test_info_says_when_a_forced_path_cannot_run(monkeypatch, capsys):
     r = json.loads(capsys.readouterr().out)
     for case in r["cases"].values():
         assert case["path"] == "CANNOT RUN" and case["why"].startswith("forced path 'triton' cannot run this case")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["audit", "sass", "--all", "--groups", "0"], "--groups: query heads per KV head, integers in [1, 128]"),
+    (["audit", "sass", "--all", "--groups", "-2"], "got '-2'"),
+    (["audit", "sass", "--all", "--groups", "1,x"], "--groups: comma-separated integers"),
+    (["audit", "sass", "--heads", "64", "--dtypes", "fp32"], "--dtypes, --heads select variants for --all"),
+    (["audit", "sass", "--groups", "4"], "--groups select variants for --all"),
+])
+def test_audit_sass_refuses_impossible_or_ignored_options(argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2 and needle in capsys.readouterr().err

@@ -25,7 +25,7 @@ _PRED_WRITERS = ("ISETP", "UISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "PLOP3"
 # predicates that follow it, or a predicate that precedes it in LOP3's form).
 _ALU = frozenset({
     "MOV", "UMOV", "IMAD", "UIMAD", "IADD3", "UIADD3", "VIADD", "LOP3", "ULOP3", "SHF", "USHF", "LEA", "ULEA",
-    "SEL", "USEL", "SGXT", "USGXT", "IMNMX", "VIMNMX", "UIMNMX", "FLO", "UFLO", "POPC", "UPOPC", "BREV", "UBREV",
+    "SEL", "USEL", "SGXT", "USGXT", "IMNMX", "VIMNMX", "UIMNMX", "VIADDMNMX", "FLO", "UFLO", "POPC", "UPOPC", "BREV", "UBREV",
     "PRMT", "UPRMT", "IABS", "ISCADD", "R2UR", "I2F", "F2I", "IMUL", "UMUL", "BMSK", "UBMSK", "P2R", "R2P",
     "S2R", "S2UR", "CS2R", "LDC", "ULDC", "IDP", "FADD", "FMUL", "FFMA", "FMNMX", "FSEL",
 })
