@@ -1,6 +1,13 @@
-"""Scheduler probe (tests/test_reservation.py's, for the GPU machine): run_generation in-process, every
-scheduled request's pages checked against the address rule at every step of vLLM's own scheduler."""
+"""vLLM's scheduler probed for the address rule: integration.run_generation in this process's engine
+(--multiprocessing 0), and at every step of vLLM's own scheduler every scheduled request's pages checked:
+at least ceil(reserved / block_size) of them, distinct, never vLLM's null block, shared with no other
+request of the step. Used by tests/test_reservation.py (vLLM 0.32 CPU) and on the GPU machine (0.24):
+
+    PROBE_POLICY=strict PROBE_OUT=probe.json python3 scripts/reservation_probe.py --model DIR \
+        --backend DHP --policy strict --multiprocessing 0 --batching together
+"""
 import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from vllm.v1.core.sched.scheduler import Scheduler
 from dhp_backend.ops.buckets import reserved_tokens
 

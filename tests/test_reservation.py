@@ -405,42 +405,10 @@ def test_cli_info_shows_the_reservation(capsys):
 
 # --- end to end on vLLM's CPU engine --------------------------------------------
 
-# Runs integration.run_generation in this process's engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-# and checks, at every step of vLLM's own scheduler, the pages each scheduled request owns.
-_PROBE = textwrap.dedent("""
-    import json, os, sys
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from dhp_backend.ops.buckets import reserved_tokens
-
-    report = {"steps": 0, "requests": 0, "max_blocks": 0, "hooked": None, "violations": []}
-    policy = os.environ["PROBE_POLICY"]
-    original = Scheduler.schedule
-
-    def schedule(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        mgr, bs, mml = self.kv_cache_manager, self.block_size, self.max_model_len
-        report["hooked"] = type(mgr.allocate_slots).__name__
-        owner = {}
-        for req_id in out.num_scheduled_tokens:
-            ids = list(mgr.get_block_ids(req_id)[0])
-            seq = self.requests[req_id].num_computed_tokens
-            need = -(-reserved_tokens(policy, seq, mml) // bs)
-            report["max_blocks"] = max(report["max_blocks"], len(ids))
-            shared = [b for b in ids if b in owner]
-            if len(ids) < need or 0 in ids[:need] or len(set(ids)) != len(ids) or shared:
-                report["violations"].append({"req": req_id, "seq": seq, "need": need, "ids": ids,
-                                             "shared": shared})
-            owner.update((b, req_id) for b in ids)
-        report["steps"] += 1
-        report["requests"] = max(report["requests"], len(out.num_scheduled_tokens))
-        with open(os.environ["PROBE_OUT"], "w") as f:
-            json.dump(report, f)
-        return out
-
-    Scheduler.schedule = schedule
-    from integration.run_generation import main
-    main(sys.argv[1:])
-""")
+# scripts/reservation_probe.py runs integration.run_generation in this process's engine
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0) and checks, at every step of vLLM's own scheduler, the pages each
+# scheduled request owns (the same script probes vLLM 0.24 on the GPU machine).
+_PROBE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "reservation_probe.py")
 
 
 def _generate_probed(model_dir, policy, tmp_path):
@@ -448,7 +416,7 @@ def _generate_probed(model_dir, policy, tmp_path):
 
     probe = tmp_path / f"probe-{policy}.json"
     env = engine_env(DHP_CHECK_VALUES="1", PROBE_POLICY=policy, PROBE_OUT=str(probe))
-    cmd = [sys.executable, "-c", _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", policy,
+    cmd = [sys.executable, _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", policy,
            "--multiprocessing", "0", "--batching", "together"]
     code, text = run_in_session(cmd, env)
     assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
