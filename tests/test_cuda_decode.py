@@ -2,11 +2,11 @@
 is accepted; ops.step_kernel routes exactly the policy-off decode steps to it; the
 csrc kernel compiles for sm_90a where nvcc exists."""
 
-import ctypes
 import types
 
 import numpy as np
 import pytest
+from csrc_signature import c_signature
 import torch
 
 import dhp_backend.ops.attention as attn
@@ -19,18 +19,6 @@ def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, T=4):
     kc = torch.zeros(4, Hkv, bs, D, dtype=dtype)
     return (q, kc, kc.clone(), torch.zeros(T, 4, dtype=torch.int32), torch.arange(T + 1, dtype=torch.int32),
             torch.full((T,), 10, dtype=torch.int32), torch.zeros_like(q))
-
-
-# ctypes classes of the C entry point's parameter types (pointers: c_void_p).
-_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "int64_t": ctypes.c_int64}
-
-
-def c_signature(source: str, name: str) -> list:
-    """The ctypes classes of ``extern "C" int name(...)``'s parameters in csrc/<source>."""
-    text = (cuda_build.csrc_dir() / source).read_text()
-    params = text.split(f'extern "C" int {name}(', 1)[1].split(")", 1)[0]
-    return [ctypes.c_void_p if "*" in a else _C_TYPES[" ".join(a.split()).rsplit(" ", 1)[0]]
-            for a in params.split(",")]
 
 
 def test_cpu_tensors_refused_with_the_accepted_device():

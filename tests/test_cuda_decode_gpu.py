@@ -15,20 +15,17 @@ Needs nvcc (the kernel is built on first use). Run:
 ``pytest -m gpu tests/test_cuda_decode_gpu.py``.
 """
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
-from triton_steps import assemble, bits, make_request, reference, rel_err
+from triton_steps import assemble, bits, make_request, reference, rel_err, reserved_step
 
 from dhp_backend.ops import paged_attention, step_kernel
-from dhp_backend.ops.buckets import reserved_tokens
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops.cuda_decode import VARIANTS, decode_sm90
 from dhp_backend.ops.cuda_common import unavailable_reason
-from dhp_backend.testing.pages import pages_for, reserved_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,41 +57,6 @@ def decode_step(rng, gen, n, H, Hkv, dtype, bs, lens=None, pad_tokens=0):
     lens = lens or [rng.choice(EDGE_LENS + (rng.randint(1, 3000),)) for _ in range(n)]
     reqs = [make_request(1, s, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen) for s in lens]
     return assemble(reqs, block_size=bs, gen=gen, pad_tokens=pad_tokens, extra_rows=3)
-
-
-def _garbage(shape, gen, dtype):
-    """Stale cache content: NaN, with +-inf and large finite values mixed in."""
-    sel = torch.rand(shape, generator=gen, device=gen.device)
-    g = torch.full(shape, float("nan"), device=gen.device)
-    g[sel < 0.2] = float("inf")
-    g[(sel >= 0.2) & (sel < 0.3)] = -float("inf")
-    g[(sel >= 0.3) & (sel < 0.4)] = 6.0e4
-    return g.to(dtype)
-
-
-def reserved_step(reqs, policy, *, block_size, width, gen, pad_tokens=0, extra_rows=0, spare_blocks=5):
-    """`assemble`'s step with a block table that obeys the address rule for ``policy``
-    (max_model_len = the table's capacity, ``width`` pages): request r owns distinct
-    random pages up to its reservation (`buckets.reserved_tokens`), its K/V in the first
-    seq_len positions, NaN/inf garbage in the rest of its pages and in every other page
-    (block 0, vLLM's null block, fills the columns past the reservation)."""
-    step = assemble(reqs, block_size=block_size, gen=gen, pad_tokens=pad_tokens, extra_rows=extra_rows,
-                    max_blocks=width)
-    capacity = width * block_size
-    reserve = [reserved_tokens(policy, r.seq_len, capacity) for r in reqs]
-    num_blocks = 1 + sum(pages_for(t, block_size) for t in reserve) + spare_blocks
-    table = reserved_table(reserve, block_size=block_size, num_blocks=num_blocks, width=width,
-                           seed=int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)),
-                           device=gen.device)
-    kc = _garbage((num_blocks,) + tuple(step.key_cache.shape[1:]), gen, step.key_cache.dtype)
-    vc = _garbage(tuple(kc.shape), gen, kc.dtype)
-    for i, r in enumerate(reqs):
-        if r.seq_len:
-            pos = torch.arange(r.seq_len, device=gen.device)
-            blk, slot = table[i, pos // block_size].long(), pos % block_size
-            kc.permute(0, 2, 1, 3)[blk, slot] = r.k
-            vc.permute(0, 2, 1, 3)[blk, slot] = r.v
-    return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
 
 
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [

@@ -1,27 +1,15 @@
 """ops.cuda_prefill without a GPU: argument validation says what is wrong and what
 is accepted; the csrc kernel compiles for sm_90a where nvcc exists."""
 
-import ctypes
 import dataclasses
 import types
 
 import pytest
+from csrc_signature import c_signature
 import torch
 
 from dhp_backend.ops import cuda_build
 from dhp_backend.ops.cuda_prefill import prefill_sm90, validate
-
-
-# ctypes classes of the C entry point's parameter types (pointers: c_void_p).
-_C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "int64_t": ctypes.c_int64}
-
-
-def c_signature(source: str, name: str) -> list:
-    """The ctypes classes of ``extern "C" int name(...)``'s parameters in csrc/<source>."""
-    text = (cuda_build.csrc_dir() / source).read_text()
-    params = text.split(f'extern "C" int {name}(', 1)[1].split(")", 1)[0]
-    return [ctypes.c_void_p if "*" in a else _C_TYPES[" ".join(a.split()).rsplit(" ", 1)[0]]
-            for a in params.split(",")]
 
 
 def cpu_step(H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16):

@@ -122,6 +122,35 @@ def assemble(reqs: list[Request], *, block_size: int, H: int | None = None, Hkv:
                 seq_lens=seq_lens, num_tokens=num_tokens, capacity=max_blocks * block_size)
 
 
+def reserved_step(reqs: list[Request], policy: str, *, block_size: int, width: int, gen: torch.Generator,
+                  pad_tokens: int = 0, extra_rows: int = 0, spare_blocks: int = 5) -> Step:
+    """`assemble`'s step with a block table that obeys the address rule for ``policy``
+    (max_model_len = the table's capacity, ``width`` pages): request r owns distinct
+    random pages up to its reservation (`buckets.reserved_tokens`), its K/V in the first
+    seq_len positions, NaN/inf garbage in the rest of its pages and in every other page
+    (block 0, vLLM's null block, fills the columns past the reservation)."""
+    from dhp_backend.ops.buckets import reserved_tokens
+    from dhp_backend.testing.pages import pages_for, reserved_table
+
+    step = assemble(reqs, block_size=block_size, gen=gen, pad_tokens=pad_tokens, extra_rows=extra_rows,
+                    max_blocks=width)
+    capacity = width * block_size
+    reserve = [reserved_tokens(policy, r.seq_len, capacity) for r in reqs]
+    num_blocks = 1 + sum(pages_for(t, block_size) for t in reserve) + spare_blocks
+    table = reserved_table(reserve, block_size=block_size, num_blocks=num_blocks, width=width,
+                           seed=int(torch.randint(1 << 30, (1,), generator=gen, device=gen.device)),
+                           device=gen.device)
+    kc = _garbage((num_blocks,) + tuple(step.key_cache.shape[1:]), gen, step.key_cache.dtype)
+    vc = _garbage(tuple(kc.shape), gen, kc.dtype)
+    for i, r in enumerate(reqs):
+        if r.seq_len:
+            pos = torch.arange(r.seq_len, device=gen.device)
+            blk, slot = table[i, pos // block_size].long(), pos % block_size
+            kc.permute(0, 2, 1, 3)[blk, slot] = r.k
+            vc.permute(0, 2, 1, 3)[blk, slot] = r.v
+    return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
+
+
 def reference(step: Step, *, scale: float, causal: bool) -> torch.Tensor:
     """The reference in float32 on the step's own inputs (upcast)."""
     q, kc, vc, bt, qsl, sl = step.args()
