@@ -103,7 +103,7 @@ def info(args: argparse.Namespace) -> dict:
         seq_lens = [c + q for c, q in step]
         try:
             choice = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=cfg.allow_fallback)
-            path, why, ct = choice.name, choice.reason, choice.constant_time
+            path, why, ct = choice.name, choice.reason, choice.constant_time and cfg.policy.is_constant_time
         except FallbackRefused as exc:
             allowed = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
             path, ct = "REFUSED", False
@@ -115,8 +115,15 @@ def info(args: argparse.Namespace) -> dict:
                                  max_seq_len=max(seq_lens))
         if hasattr(bucket, "tolist"):
             bucket = bucket.tolist()
+        kernel = path
+        if path == "triton" and cfg.path == "auto":
+            # The kernel such a step runs on (the csrc Hopper kernels where they apply), by the same
+            # rule ops.paged_attention follows, from the step's public geometry.
+            from dhp_backend.ops.attention import step_kernel
+
+            kernel = step_kernel(spec, cfg.policy, sum(q for _, q in step), len(step))
         cases[name] = {"requests": len(step), "tokens": sum(q for _, q in step), "seq_lens": seq_lens,
-                       "bucket": bucket, "path": path, "constant_time": ct, "why": why}
+                       "bucket": bucket, "path": path, "kernel": kernel, "constant_time": ct, "why": why}
 
     memory = {"kv_cache": "vLLM's own"}
     if any(c["path"] == "triton" for c in cases.values()):
@@ -181,7 +188,8 @@ def _print_info(r: dict) -> None:
         if len(bucket) > 12:
             bucket = bucket[:10] + ".."
         ct = "constant-time" if k["constant_time"] else "not constant-time"
-        print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {k['path']} ({ct})")
+        kernel = f", kernel {k['kernel']}" if k.get("kernel") not in (None, k["path"]) else ""
+        print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {k['path']}{kernel} ({ct})")
         print(f"{'':8} why: {k['why']}")
     print()
     if r.get("refusal"):

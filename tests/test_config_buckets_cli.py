@@ -237,3 +237,16 @@ def test_audit_sass_refuses_impossible_or_ignored_options(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(argv)
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_info_names_the_kernel_each_step_runs_on(capsys):
+    assert cli_main(["info", "--json", "--device", "cuda", "--policy", "strict"]) == 0
+    cases = json.loads(capsys.readouterr().out)["cases"]
+    from dhp_backend.ops import ProblemSpec, step_kernel
+
+    spec = ProblemSpec("cuda", "bfloat16", 128, 32, 8, 16, True, (9, 0))
+    for c in cases.values():
+        assert c["path"] == "triton" and c["constant_time"]
+        assert c["kernel"] == step_kernel(spec, "strict", c["tokens"], c["requests"])
+    assert cli_main(["info", "--json", "--device", "cuda", "--policy", "off"]) == 0
+    assert not any(c["constant_time"] for c in json.loads(capsys.readouterr().out)["cases"].values())
