@@ -69,6 +69,9 @@ class Policy(str, enum.Enum):
 
 
 PATHS = ("auto", "reference", "triton")
+# KV-cache dtypes the kernels read (vLLM's --kv-cache-dtype values): the backend declares them to vLLM,
+# and the start-up check refuses the others before an engine starts.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 # The one set of words a boolean setting accepts, in every source.
 _TRUE_WORDS = ("true", "1", "yes", "on")

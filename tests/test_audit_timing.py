@@ -461,11 +461,8 @@ def test_timing_loop_pairs_rounds_correctly():
     assert len(lines) == 8 and "100%" in lines[-1]  # every chunk crosses a 10 % step here
 
 
-def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
-    """`run` end to end (arguments, plan, merged reports, exit codes) with the GPU measurement faked."""
-    import torch
-
-    seen = []
+def fake_timer(measure):
+    """A `timing.Timer` stand-in whose `measure_pair` is ``measure(spec, modes, seed, shared)``."""
 
     class FakeTimer:
         device_name, cycles_per_ms = "NVIDIA H100 80GB HBM3", 1.9e6
@@ -480,15 +477,27 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
             pass
 
         def measure_pair(self, spec, modes, seed=0, shared=None):
-            seen.append((spec, shared is not None))
-            rng = np.random.default_rng(seed)
-            a = rng.normal(100, 1, spec.rounds)
-            b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
-            return [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
-                    for m in modes]
+            return measure(spec, modes, seed, shared)
+
+    return FakeTimer
+
+
+def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
+    """`run` end to end (arguments, plan, merged reports, exit codes) with the GPU measurement faked."""
+    import torch
+
+    seen = []
+
+    def measure(spec, modes, seed, shared):
+        seen.append((spec, shared is not None))
+        rng = np.random.default_rng(seed)
+        a = rng.normal(100, 1, spec.rounds)
+        b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
+        return [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
+                for m in modes]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "Timer", FakeTimer)
+    monkeypatch.setattr(timing, "Timer", fake_timer(measure))
     monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"num_blocks": n, "seed": seed, "fingerprint": "x",
                                                                  "vllm": "fake"})
     monkeypatch.setattr(timing.stats.verdict, "__kwdefaults__", {"threshold": 4.5, "min_samples": 100_000})
@@ -526,28 +535,16 @@ def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
 
     calls = []
 
-    class FakeTimer:
-        device_name, cycles_per_ms = "NVIDIA H100 80GB HBM3", 1.9e6
-
-        def __init__(self, chunk, warmup, progress):
-            pass
-
-        def pad_note(self):
-            return "fake"
-
-        def release(self):
-            pass
-
-        def measure_pair(self, spec, modes, seed=0, shared=None):
-            calls.append(spec)
-            if spec.shape.bucket == 32768:
-                raise KeyboardInterrupt  # the device's time limit, say
-            a = np.random.default_rng(len(calls)).normal(100, 1, spec.rounds)
-            return [timing.analyse_streams(a, a + (20 if spec.role == "control" else 0), pair=(spec.a, spec.b),
-                                           role=spec.role, mode=m, shape=spec.shape) for m in modes]
+    def measure(spec, modes, seed, shared):
+        calls.append(spec)
+        if spec.shape.bucket == 32768:
+            raise KeyboardInterrupt  # the device's time limit, say
+        a = np.random.default_rng(len(calls)).normal(100, 1, spec.rounds)
+        return [timing.analyse_streams(a, a + (20 if spec.role == "control" else 0), pair=(spec.a, spec.b),
+                                       role=spec.role, mode=m, shape=spec.shape) for m in modes]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "Timer", FakeTimer)
+    monkeypatch.setattr(timing, "Timer", fake_timer(measure))
     monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"fingerprint": "x", "vllm": "fake"})
     ap = argparse.ArgumentParser()
     timing.add_arguments(ap)

@@ -275,6 +275,8 @@ def _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, nu
                   "seq_len >= query length (seq_len counts the cached context plus the new tokens)")
     if qsl[-1] > num_tokens:
         _fail("query_start_loc[-1]", str(qsl[-1]), f"at most num_tokens = {num_tokens}")
+    # One host copy of the buckets serves both the length checks and the address rule's.
+    buckets = None
     if bucket is not None:
         buckets = bucket.tolist() if isinstance(bucket, torch.Tensor) else [bucket] * len(lens)
         table_capacity = block_table.shape[1] * block_size
@@ -285,9 +287,6 @@ def _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, nu
             if b > table_capacity:
                 _fail(f"bucket[{r}]", str(b), f"at most block_table.shape[1] * block_size = {table_capacity}")
     table = block_table.cpu()
-    buckets = None
-    if bucket is not None:
-        buckets = bucket.tolist() if isinstance(bucket, torch.Tensor) else [bucket] * len(lens)
     for r, s in enumerate(lens):
         n = -(-s // block_size)
         if n > table.shape[1]:

@@ -34,7 +34,7 @@ from vllm.v1.attention.backend import (
 )
 
 from dhp_backend import __version__
-from dhp_backend.config import DHPConfig, Policy
+from dhp_backend.config import KV_CACHE_DTYPES, DHPConfig, Policy
 from dhp_backend.ops import (
     ProblemSpec,
     bucket_for_step,
@@ -75,7 +75,7 @@ class DHPAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

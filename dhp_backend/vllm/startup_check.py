@@ -21,14 +21,11 @@ import functools
 import logging
 import sys
 
-from dhp_backend.config import DHPConfig
+from dhp_backend.config import KV_CACHE_DTYPES, DHPConfig
 
 logger = logging.getLogger("dhp_backend")
 
 _MARK = "_dhp_startup_check"
-# KV-cache dtypes the DHP kernels read (the backend's supported_kv_cache_dtypes; a
-# copy here keeps this module free of torch and of the backend's imports).
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
 class DHPConfigError(ValueError):
