@@ -16,7 +16,7 @@ def _load(name):
         return C.parse_ncu_csv(f.read())
 
 
-# docs/results/2026-11-21-h200/README.md, G1 table
+# docs/results/2026-11-21-h200/README.md (git history), G1 table
 RECORDED = {
     "ncu-B16-L4096-len1.csv": {"dram__bytes_read.sum": 298_211_584, "smsp__inst_executed.sum": 39_326_976,
                                "smsp__sass_inst_executed_op_branch.sum": 64_512,

@@ -346,10 +346,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.summary_text(doc))
     print(f"{len(rows)} rows in {head['seconds']:.0f} s; written: " + ", ".join(paths))
     if gpu:
-        from dhp_backend.audit.provenance import device_slug
-
-        print(f"to publish: --out docs/bench/{datetime.date.today().isoformat()}-"
-              f"{device_slug(head['device']['name'])} --latest docs/bench/latest.json")
+        print("to publish: --latest docs/bench/latest.json, and copy bench.md and the PNGs of --out to "
+              "docs/bench/ (latest.md); dated raw runs stay out of the tree")
     return 0
 
 
