@@ -21,6 +21,9 @@ bits do not depend on which mode the host picked (that choice follows the batch)
 Constant time: every loop bound below is derived from the public bucket L (or,
 under policy ``off``, the true length), the public step geometry, or constexprs.
 Masking is by selection (`tl.where`), never by branches or multiplication.
+Addresses follow the address rule (design.md section 2, `position_blocks`): a
+request reads its own reserved block-table line up to its bucket, in walk order,
+whatever its true length is.
 """
 
 from __future__ import annotations
