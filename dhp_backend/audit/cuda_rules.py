@@ -79,8 +79,9 @@ RULES = (
     CudaRule("pages-per-step", "prefill_sm90.cu", r"^if \(pg < pages_per_step\) \{", PUBLIC,
              "pages per 64-position step follow the block size (a kernel parameter)"),
     CudaRule("clean-loop", "prefill_sm90.cu",
-             r"^for \(int it = 0; it < kTileBytes / 16 / kCleanThreads; \+\+it\) \{$", PUBLIC,
-             "a constant trip count: every V row of the stage is cleaned or rewritten"),
+             r"^for \(int it = 0; it < kPieces; it \+= kCleanBatch\) \{$", PUBLIC,
+             "a constant trip count: every 16-byte piece of the stage's V tile is loaded and stored back "
+             "(masked by the length), at the tile's own addresses"),
     CudaRule("run-init", "prefill_sm90.cu", r"^for \(int i = 0; i < 16; \+\+i\) run_smem\[", PUBLIC,
              "a constant trip count (16 float4 of running state per thread)"),
     CudaRule("fold", "prefill_sm90.cu",
