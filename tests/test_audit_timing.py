@@ -305,7 +305,7 @@ def test_run_without_gpu_returns_2_and_estimate_runs_anywhere(capsys, monkeypatc
     out = capsys.readouterr().out
     assert "12 cache group(s)" in out and "estimated wall time on an H100" in out
     assert timing.run(ap.parse_args(["--estimate", "--preset", "subset"])) == 0
-    assert "decode L32768 churned, 34816 blocks" in capsys.readouterr().out
+    assert "decode L4096 churned, 25000 blocks" in capsys.readouterr().out
 
 
 def _settings(*argv):
@@ -343,7 +343,8 @@ def test_plan_covers_the_grid_with_shared_caches():
     assert shapes["prefill", 32768].blocks == 25000
     # a piece of the grid, and the preset one device call runs
     sub = _settings("--preset", "subset")
-    assert (sub.steps, sub.policies, sub.layouts, sub.modes) == (("decode",), ("strict",), ("churned",), ("graph",))
+    assert (sub.steps, sub.lengths, sub.policies, sub.layouts, sub.modes) == (
+        ("decode",), (4096,), ("strict", "request"), ("churned",), ("graph",))
     assert timing.estimate_s(sub)["total_s"] < 9 * 60
     assert _settings("--preset", "subset", "--layouts", "random").layouts == ("random",)
     q = _settings("--quick")

@@ -132,9 +132,17 @@ def block_table(shape: Shape, *, seed: int = 0, device: str | torch.device = "cp
                                 device=device)
 
 
-def _data_key(cls: str) -> str:
+def data_key(cls: str) -> str:
     """Classes with the same data: short, long and random differ only in lengths."""
     return "random" if cls in ("short", "long", "long2") else cls
+
+
+def data_copy_bytes(shape: Shape) -> int:
+    """Bytes the timing gate copies before each launch of a class with its own data (its buffers are shared
+    with the other class of the pair): the Q rows and the step's K and V pages."""
+    item = _DTYPES[shape.dtype].itemsize
+    page = shape.num_kv_heads * shape.block_size * shape.head_size * item
+    return 2 * shape.batch * shape.width * page + shape.batch * shape.q_len * shape.num_heads * shape.head_size * item
 
 
 def _make_data(shape: Shape, kind: str, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,9 +196,9 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
     tkey = ("table", geometry, shape.layout)
     if tkey not in shared:
         shared[tkey] = block_table(shape, seed=seed, device=device)
-    dkey = ("data", geometry, _data_key(cls))
+    dkey = ("data", geometry, data_key(cls))
     if dkey not in shared:
-        shared[dkey] = _make_data(shape, _data_key(cls), seed, device)
+        shared[dkey] = _make_data(shape, data_key(cls), seed, device)
     q, k, v = shared[dkey]
     T = shape.batch * shape.q_len
     qsl = torch.arange(0, T + 1, shape.q_len, dtype=torch.int32, device=device)

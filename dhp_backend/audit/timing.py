@@ -101,9 +101,10 @@ MODES = ("eager", "graph")
 CONTROL = ("short", "long")
 PRESETS = {
     "full": {},
-    # one ~8-minute device call on an H100 (--estimate): the churned layout, strict, decode at both buckets,
-    # graph replay, gating and reported pairs, the control
-    "subset": {"steps": "decode", "lengths": "4096,32768", "policies": "strict", "layouts": "churned",
+    # one device call on an H100 (--estimate): the churned layout, decode at L 4096, both constant-time
+    # policies, graph replay, gating and reported pairs, the control (a data pair at L 32768 copies 2 GB of
+    # pages per launch: a call of its own)
+    "subset": {"steps": "decode", "lengths": "4096", "policies": "strict,request", "layouts": "churned",
                "modes": "graph", "time_budget": 540.0},
 }
 LATEST = "g4-latest"
@@ -131,8 +132,8 @@ def _csv(text: str, accepted, what: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="a named piece of the grid: 'subset' = one ~8-minute H100 call (decode, 4096+32768, "
-                             "strict, churned, graph); 'full' = everything (the default). Axis options given "
+                        help="a named piece of the grid: 'subset' = one H100 call (decode, 4096, "
+                             "strict + request, churned, graph); 'full' = everything (the default). Axis options given "
                              "explicitly override the preset's")
     parser.add_argument("--steps", default=None, help=f"step kinds, comma-separated (default {','.join(STEPS)})")
     parser.add_argument("--lengths", default=None,
@@ -351,8 +352,13 @@ def launch_us(shape) -> float:
 
 
 def pair_estimate_s(spec: PairSpec, modes) -> float:
-    """Estimated seconds of one pair in ``modes`` (`launch_us`, `ROUND_OVERHEAD_US`)."""
+    """Estimated seconds of one pair in ``modes`` (`launch_us`, `ROUND_OVERHEAD_US`; classes with their own
+    data add their untimed data copy, read and written at an H100's ~3.3 TB/s)."""
+    from dhp_backend.audit import classes
+
     k = launch_us(spec.shape) * (0.56 if spec.role == "control" else 1.0)  # short under off: almost free
+    if classes.data_key(spec.a) != classes.data_key(spec.b):
+        k += 2 * classes.data_copy_bytes(spec.shape) / 3.3e6
     return sum(spec.rounds * (2 * k + ROUND_OVERHEAD_US[m]) * 1e-6 for m in modes)
 
 
@@ -678,22 +684,30 @@ class Timer:
 
     @staticmethod
     def shares_buffers(inputs: list) -> bool:
-        """Whether both classes can run on one set of buffers: they share the data tensors and the table, so
-        what differs (lengths, and under request the bucket tensor) is small enough to copy in before each
-        launch."""
+        """Whether both classes run on one set of buffers: always when they share the block table (every
+        class of a shape does). Classes that share their data too (short, long, long2) differ only in the
+        lengths (and under request the bucket tensor), copied in before each launch; classes with different
+        data (random vs random2, degenerate data) get their data copied in as well: the Q rows and the
+        step's pages of the K/V cache (`classes.data_copy_bytes`)."""
         a, b = inputs
-        return all(a[k] is b[k] for k in ("query", "key_cache", "value_cache", "block_table"))
+        return a["block_table"] is b["block_table"]
+
+    @staticmethod
+    def same_data(inputs: list) -> bool:
+        a, b = inputs
+        return all(a[k] is b[k] for k in ("query", "key_cache", "value_cache"))
 
     def _prepare(self, spec: PairSpec, mode: str, inputs: list) -> tuple[list, list, list]:
         """Launch callables for both classes, checked to produce finite output; (fns, outs, graphs).
 
-        Classes that share their data (short, long, long2) run on ONE set of buffers: one output, one
-        length tensor (and bucket tensor), one CUDA graph; each class's lengths are copied into the shared
-        tensors before its launch, outside the timed events (`fn.prep`). So the two classes differ in their
-        secret values only, not in where their buffers sit: with a buffer set (and a graph) per class, a
-        null pair of identical inputs measured 0.09 % apart (t 16, H200), the size of what a gate must see.
-        Classes with different data (random vs random2, degenerate data) keep a set each: copying a cache
-        of 25,000+ blocks per launch is too slow; their rows carry ``buffers: "per class"``."""
+        Both classes run on ONE set of buffers: one output, one length tensor (and bucket tensor), one
+        Q and one K/V cache, one CUDA graph; each class's secrets are copied into the shared tensors before
+        its launch, outside the timed events (`fn.prep`): its lengths, and for classes with their own data
+        (random vs random2, degenerate data) its Q rows and the K/V pages the step reads (the table's, all
+        distinct). So the two classes differ in their secret values only, not in where their buffers sit:
+        with a buffer set (and a graph) per class, a null pair of identical inputs measured 0.09 % apart
+        (t 16, H200), the size of what a gate must see. Rows say ``buffers: "shared"`` or ``"shared, data
+        copied"``; ``"per class"`` remains for inputs that do not share a table (none the harness builds)."""
         from dhp_backend.audit import classes
 
         torch = self.torch
@@ -737,16 +751,33 @@ class Timer:
         tensor_bucket = isinstance(inputs[0].get("bucket"), torch.Tensor)
         if tensor_bucket:
             base["bucket"] = inputs[0]["bucket"].clone()
-        out = classes.empty_out(base)
-        sources = [(x["seq_lens"], x["bucket"] if tensor_bucket else None) for x in inputs]
         if not tensor_bucket and inputs[0].get("bucket") != inputs[1].get("bucket"):
             raise RuntimeError(f"classes {spec.a!r} and {spec.b!r} have different host buckets: not one shape")
+        copies = [[(base["seq_lens"], x["seq_lens"])] + ([(base["bucket"], x["bucket"])] if tensor_bucket else [])
+                  for x in inputs]
+        if not self.same_data(inputs):
+            # One Q and one cache for both classes: each launch's class has its data copied in first. Only
+            # the pages the step reads are copied (the table's, distinct under the address rule), gathered
+            # once per class, so the copy is two index_copy_ kernels of the step's size, not the cache's.
+            shape = spec.shape
+            pages = inputs[0]["block_table"][:, :shape.width].reshape(-1).long()
+            if int(pages.unique().numel()) != int(pages.numel()):
+                raise RuntimeError("the step's pages repeat: a data copy would not give each class its own data")
+            for k in ("query", "key_cache", "value_cache"):
+                base[k] = inputs[0][k].clone()
+            for x, c in zip(inputs, copies):
+                c.append((base["query"], x["query"]))
+                for k in ("key_cache", "value_cache"):
+                    c.append((base[k], pages, x[k].index_select(0, pages)))
+        out = classes.empty_out(base)
 
         def prep_for(i):
             def prep():
-                base["seq_lens"].copy_(sources[i][0], non_blocking=True)
-                if tensor_bucket:
-                    base["bucket"].copy_(sources[i][1], non_blocking=True)
+                for c in copies[i]:
+                    if len(c) == 2:
+                        c[0].copy_(c[1], non_blocking=True)
+                    else:
+                        c[0].index_copy_(0, c[1], c[2])
             return prep
 
         graphs = []
@@ -772,7 +803,7 @@ class Timer:
             fn = (lambda r=run: r())
             fn.prep = prep_for(i)
             fns.append(fn)
-        for cls, fn in zip((spec.a, spec.b), fns):
+        for x, cls, fn in zip(inputs, (spec.a, spec.b), fns):
             out.fill_(float("nan"))  # a launch that writes nothing must not pass as finite
             fn.prep()
             fn()
@@ -780,6 +811,13 @@ class Timer:
             bad = int((~torch.isfinite(out.float())).sum())
             if bad:
                 raise RuntimeError(f"class {cls!r} ({mode}): {bad} non-finite outputs; broken launches are not timed")
+            if not self.same_data(inputs):  # the copy must give the launch this class's data, bit for bit
+                own = classes.empty_out(x)
+                classes.launch(x, own)
+                torch.cuda.synchronize()
+                if not torch.equal(out, own):
+                    raise RuntimeError(f"class {cls!r} ({mode}): the shared buffers after its data copy give other "
+                                       "bits than its own inputs; the copy is incomplete")
         return fns, [out], graphs
 
     def _host_ms_per_round(self, fns, events) -> float:
@@ -879,7 +917,8 @@ class Timer:
                 rng = np.random.default_rng([seed, mi, zlib.crc32(spec.label.encode())])
                 self._time(fns, spec.rounds, rng, ps, f"{spec.label} [{mode}]")
                 row = ps.result(row_fields(spec, mode, self.path_of(spec.shape)))
-                row["buffers"] = "shared" if self.shares_buffers(inputs) else "per class"
+                row["buffers"] = ("per class" if not self.shares_buffers(inputs) else
+                                  "shared" if self.same_data(inputs) else "shared, data copied")
                 out.append(row)
             except Exception as e:  # noqa: BLE001 - one broken mode must not lose the others' results
                 out.append(error_result(spec, mode, f"{type(e).__name__}: {e}"))
@@ -892,7 +931,7 @@ class Timer:
 
 
 def _prep(fn) -> None:
-    """Run a launch's untimed preparation (the shared-buffer copy of its class's lengths), if it has one."""
+    """Run a launch's untimed preparation (the shared-buffer copy of its class's secrets), if it has one."""
     prep = getattr(fn, "prep", None)
     if prep is not None:
         prep()
