@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from dhp_backend.bench.cuda_decode import _shape, cuda_fn
-from dhp_backend.bench.cuda_prefill import fa3_fn, make_step
+from benchmarks.cuda_decode import _shape, cuda_fn
+from benchmarks.cuda_prefill import fa3_fn, make_step
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "B16-32k"
 target = sys.argv[2] if len(sys.argv) > 2 else "m2x2_pv_ef"

@@ -1,12 +1,12 @@
-"""bench.cuda_runs (what the csrc kernels' benches share), on CPU tensors: a row is
+"""benchmarks.cuda_runs (what the csrc kernels' benches share), on CPU tensors: a row is
 timed only when its output is right or it is a declared diagnostic; a missing anchor
 is a row that says so; the benches refuse a machine without an sm_90 GPU; the
-shape names of bench.cuda_decode; bench.sustained's table and plot."""
+shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot."""
 
 import pytest
 import torch
 
-from dhp_backend.bench import cuda_decode, cuda_prefill, cuda_runs, sustained
+from benchmarks import cuda_decode, cuda_prefill, cuda_runs, sustained
 
 REF = torch.ones(4, 2, 8)
 

@@ -12,7 +12,7 @@ What it is and is not, today:
 - Not constant-time (it walks the true lengths).
 - Two arithmetics. The ``VARIANTS`` (FA3-like: 128-position KV steps, one running
   state) are fastest but not bit-equal to the Triton kernels, so nothing routes
-  to them; ``python -m dhp_backend.bench.cuda_prefill`` measures them. The
+  to them; ``python -m benchmarks.cuda_prefill`` measures them. The
   ``compat`` binary repeats the Triton kernels' arithmetic operation for
   operation (64-position steps, 512-position splits folded, the same row-sum
   tree, ex2/div instructions and roundings: csrc/prefill_sm90.cu), so its rows

@@ -1,4 +1,4 @@
-"""What the csrc kernels' benches (`bench.cuda_decode`, `bench.cuda_prefill`) share:
+"""What the csrc kernels' benches (`benchmarks.cuda_decode`, `benchmarks.cuda_prefill`) share:
 refusing a machine without an sm_90 GPU, the probe before any timing, how one
 variant's row is checked and timed, and the FA3 ratio of a shape's rows."""
 
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from dhp_backend.bench.inputs import rel_err
+from benchmarks.inputs import rel_err
 
 TOLERANCE = 2e-2  # relative error against SDPA above which a row is "wrong result" and not timed
 DIAGNOSTIC = "diagnostic (wrong on purpose), timed unchecked"

@@ -1,6 +1,6 @@
 """The csrc Hopper prefill kernel against FA3 and DHP's Triton kernel, same tensors, same run.
 
-    python -m dhp_backend.bench.cuda_prefill [--out DIR] [--probe] [--shapes ...]
+    python -m benchmarks.cuda_prefill [--out DIR] [--probe] [--shapes ...]
 
 ``--probe`` runs every binary on three small problems and exits non-zero unless
 all are right: the first thing a device call runs (in a subprocess with a
@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.inputs import rel_err
+from benchmarks import cuda_runs
+from benchmarks.inputs import rel_err
 from dhp_backend.ops.cuda_prefill import (COMPAT, COMPAT_CT, COMPAT_CT_VARIANTS, COMPAT_VARIANTS, DIAGNOSTIC_VARIANTS,
                                           V_DESC, VARIANTS)
 
@@ -202,7 +202,7 @@ def main(argv=None):
     if stop is not None:
         return stop
 
-    from dhp_backend.bench.timer import CudaTimer
+    from benchmarks.timer import CudaTimer
     timer = CudaTimer(reps=args.reps, warmup=3)
     gen = torch.Generator(device="cuda").manual_seed(0)
     names = args.variants.split(",")

@@ -1,6 +1,6 @@
 """The csrc Hopper decode kernel against FA3 and DHP's Triton kernel, same tensors, same run.
 
-    python -m dhp_backend.bench.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
+    python -m benchmarks.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
 
 ``--probe`` runs every variant in both split modes on small steps and exits
 non-zero unless all are right and bit-equal to the Triton kernel (policy off):
@@ -9,7 +9,7 @@ kernel costs seconds).
 
 Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, one query token per
 request, NaN in every cache slot no request holds data in, a random block table
-(the steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
+(the steps of `benchmarks.cuda_prefill`). Every variant is checked against SDPA and its
 bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
 replay (decode launches are microseconds), two input sets alternating.
 Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
@@ -35,9 +35,9 @@ import time
 
 import torch
 
-from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
-from dhp_backend.bench.inputs import rel_err
+from benchmarks import cuda_runs
+from benchmarks.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
+from benchmarks.inputs import rel_err
 from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, DIAGNOSTIC_VARIANTS, VARIANTS
 
 
@@ -185,7 +185,7 @@ def main(argv=None):
     if stop is not None:
         return stop
 
-    from dhp_backend.bench.timer import CudaTimer, capture_graphs
+    from benchmarks.timer import CudaTimer, capture_graphs
     timer = CudaTimer(reps=args.reps, warmup=3)
 
     profiled: dict = {}
