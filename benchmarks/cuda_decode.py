@@ -38,7 +38,7 @@ import torch
 from benchmarks import cuda_runs
 from benchmarks.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from benchmarks.inputs import rel_err
-from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, DIAGNOSTIC_VARIANTS, VARIANTS
+from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, VARIANTS
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
@@ -115,7 +115,7 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 def _cuda_variant(name: str):
     """``cuda_<variant>[:grid|:lpt|:spp<N>]`` -> (variant, order, spp), or None for another name."""
     v, _, o = name[5:].partition(":")
-    known = v in VARIANTS or v in DIAGNOSTIC_VARIANTS or v == AUTO
+    known = v in VARIANTS or v == AUTO
     if not (name.startswith("cuda_") and known):
         return None
     if re.fullmatch(r"spp[1-9][0-9]*", o):
@@ -230,8 +230,7 @@ def main(argv=None):
                     fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
-                diag = bool(_cuda_variant(name)) and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
-                o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms, diagnostic=diag)
+                o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:
                     row["kernels_us"] = dict(profiled)
                 if o is not None:

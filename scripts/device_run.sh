@@ -89,7 +89,7 @@ for step in "$@"; do
     ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
              # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target
              S=${NCUDEC_SHAPE:-B16-32k}; first=1
-             for tg in ${NCUDEC_TARGETS:-m2x2_pv_ef fa3}; do
+             for tg in ${NCUDEC_TARGETS:-p2x2_pv_ef fa3}; do
                if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"
                else K="--kernel-name regex:decode_kernel"; fi
                timeout 240 ncu --clock-control none $K --launch-skip 2 --launch-count 1 \
