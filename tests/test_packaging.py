@@ -97,3 +97,21 @@ def test_csrc_dir_in_a_checkout_and_by_override(monkeypatch, tmp_path):
     monkeypatch.setenv("DHP_CSRC", str(tmp_path / "nowhere"))
     with pytest.raises(cuda_build.CudaBuildError, match=r"DHP_CSRC=.*nowhere is not a directory"):
         cuda_build.csrc_dir()
+
+
+def test_the_package_imports_nothing_from_the_tools_beside_it():
+    """benchmarks/ and integration/ are not installed: a dhp_backend module that imported
+    them would work in a checkout and fail in an install."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import)\s+(benchmarks|integration|tests)\b", re.M)
+    offenders = []
+    for here, dirs, files in os.walk(os.path.join(ROOT, "dhp_backend")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(here, f)
+                with open(path) as fh:
+                    if pattern.search(fh.read()):
+                        offenders.append(os.path.relpath(path, ROOT))
+    assert not offenders, offenders
