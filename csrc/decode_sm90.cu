@@ -80,12 +80,6 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   Same operands, same arithmetic, same bits; half the V TMAs, and
 //                   with the maps' 128 B L2 promotion 1-5 % more bandwidth at
 //                   B >= 16 on an H200 (docs/perf-notes.md, change 20).
-//   kDiagLoadsOnly  diagnostic, WRONG on purpose: the consumer only waits for each
-//                   stage and releases it (no wgmma, no softmax, no stores): the load
-//                   path's own rate.
-//   kDiagNoLoads    diagnostic, WRONG on purpose: after the first STAGES steps the
-//                   producer releases stages without loading them (the consumer
-//                   recomputes stale tiles): the consumer's own rate.
 //   kEvictFirst     K/V TMA loads with an L2 evict_first policy: the cache is read
 //                   once per step, and the split states (written during the walk,
 //                   read by the merge) then stay in L2 instead of being pushed to
@@ -95,7 +89,8 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   (consume_mma) instead of the 64-row wgmma tile of which GROUP
 //                   rows are real: a quarter of the tensor work per step. GROUP <= 16
 //                   (larger groups run the wgmma consumer). Same bits.
-constexpr int kPairedV = 1, kDiagLoadsOnly = 2, kDiagNoLoads = 4, kEvictFirst = 8, kMmaSync = 16;
+// (Bits 2 and 4 were timing diagnostics, 32 a merge without PDL: measurements, in git history.)
+constexpr int kPairedV = 1, kEvictFirst = 8, kMmaSync = 16;
 // kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
 constexpr int kMmaPipe = 64;
 // kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
@@ -109,9 +104,6 @@ template <int OPT>
 constexpr int kWalk = (OPT & kConstTime) ? ((OPT & kBucketPerReq) ? 2 : 1) : 0;
 template <int OPT>
 constexpr int kMmaForm = (OPT & kMmaSync) ? ((OPT & kMmaPipe) ? 2 : 1) : 0;
-// kPlainMerge (host only): the merge launched without the programmatic dependent
-// launch attribute, for the A/B measurement of it (same bits).
-constexpr int kPlainMerge = 32;
 constexpr int kMmaMaxGroup = 16;
 constexpr uint32_t kBarRows = 2;  // named barrier of consume_mma's cross-warp row values
 
@@ -167,7 +159,7 @@ struct Params {
   int n_split_grid;                         // split mode: splits the workspace holds per row
   float qk_scale;                           // softmax scale * log2(e), the Triton launcher's value
   int causal;
-  int merge_pdl;                            // split mode: the merge as a programmatic dependent launch
+  int merge_pdl;                            // always 1 (kept: the kernels' parameter layout)
   const int* order;                         // fold mode: (token, request) of grid row y, longest walk first; or null
   // CT binaries only: the public bucket.
   int l_scalar;                             // the one bucket L (walk 1)
@@ -388,10 +380,8 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
         row[b] = pos % bs;
       }
       const int boxes = kStep / rows;
-      const bool no_load = (OPT & kDiagNoLoads) && k >= STAGES;
       if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
-      if (lane == 0 && no_load) mbar_arrive(bar.k_full(st));
-      if (lane == 0 && !no_load) {
+      if (lane == 0) {
         mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
@@ -402,8 +392,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
         }
       }
       if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
-      if (lane == 0 && no_load) mbar_arrive(bar.v_full(st));
-      if (lane == 0 && !no_load) {
+      if (lane == 0) {
         mbar_arrive_expect_tx(bar.v_full(st), kTile);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
@@ -481,18 +470,6 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
   mbar_wait(bar.q_full(), 0);
   const int n_steps = cta_steps(w);
-  if constexpr (OPT & kDiagLoadsOnly) {
-    for (int k = 0; k < n_steps; ++k) {
-      const int st = k % STAGES;
-      mbar_wait(bar.k_full(st), (k / STAGES) & 1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.k_empty(st));
-      mbar_wait(bar.v_full(st), (k / STAGES) & 1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.v_empty(st));
-    }
-    return;
-  }
   // The B operand of the PV wgmma for positions [16 jj, 16 jj + 16) of a V stage.
   auto v_desc = [&](uint32_t v_base, int jj) {
     if constexpr (OPT & kPairedV) {
@@ -1309,99 +1286,51 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.merge_pdl ? 1 : 0;
+  cfg.numAttrs = 1;
   return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, kWalk<OPT>>, p));
 }
 
-// Base variant 4 ("s2x2o") or 5 ("s3x2o": three stages, small Q tiles only) with
-// the binary options OPT.
-// With kMmaSync: base 4 two stages x two CTAs per SM, base 5 two x three, base 6
-// three x two (5 and 6: small Q tiles only, larger groups run as 4); groups over
-// kMmaMaxGroup run the wgmma consumer (the same bits).
+// The binaries ops.cuda_decode routes to (its VARIANTS and CT_VARIANTS), by variant
+// code 8 x options + base:
+//   "p2x2_pv_ef"  kPipe, base 4: the mma.sync consumer split by role
+//                 (consume_mma_pipe), two stages x two CTAs per SM; policy off;
+//   "m2x3_pv_ef"  kSync, base 5: the mma.sync consumer (consume_mma), two stages
+//                 x three CTAs per SM (small Q tiles only: larger groups run
+//                 "p2x2_pv_ef"); policy off, fold launches of many waves;
+//   the CT binaries: kPipe | kConstTime (one bucket), | kBucketPerReq (per-request
+//                 buckets), base 4; strict / request.
+// Every one has the same bits. Groups over kMmaMaxGroup run the wgmma consumer
+// (policy off; the constant-time walk has none). Other codes: -5.
+constexpr int kSync = kPairedV | kEvictFirst | kMmaSync;
+constexpr int kPipe = kSync | kMmaPipe;
+
+// Two stages x two CTAs per SM with the binary options OPT.
 template <bool BF16, bool WRITE_PARTIALS, int OPT>
-int launch_opt(int base, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
-               dim3 grid, cudaStream_t st) {
-  if constexpr ((OPT & kMmaSync) != 0) {
-    constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);
-    if (p.group > kMmaMaxGroup) {
-      if constexpr (kWalk<OPT> != 0)
-        return -7;  // the constant-time walk has no wgmma consumer
-      else
-        return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
-    }
-    if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
-    if (base == 6) return launch<BF16, 3, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
-    return base == 5 ? launch<BF16, 2, WRITE_PARTIALS, 3, true, false, OPT>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
-  } else {
-    if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, OPT>(tq, tk, tv, p, grid, st);
-    return base == 5 ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, true, true, OPT>(tq, tk, tv, p, grid, st);
+int launch_opt(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+               cudaStream_t st) {
+  constexpr int kWg = OPT & ~(kMmaSync | kMmaPipe);
+  if (p.group > kMmaMaxGroup) {
+    if constexpr (kWalk<OPT> != 0)
+      return -7;  // the constant-time walk has no wgmma consumer
+    else
+      return launch<BF16, 2, WRITE_PARTIALS, 2, false, true, kWg>(tq, tk, tv, p, grid, st);
   }
+  if (p.group > 8) return launch<BF16, 2, WRITE_PARTIALS, 2, false, false, OPT>(tq, tk, tv, p, grid, st);
+  return launch<BF16, 2, WRITE_PARTIALS, 2, true, false, OPT>(tq, tk, tv, p, grid, st);
 }
 
-// Residency variants (the same arithmetic and bits): STAGES 64-position stages
-// of K and V (32 KB each) per CTA, MIN_BLOCKS CTAs per SM. Three CTAs per SM
-// need the small Q tile (GROUP <= 8); with a larger group variant 2 runs as 1.
-// 4 and 5: variants 1 and 3 with the next step's QK^T overlapped (OVERLAP).
-// Codes 8 x opt + 4 or 5: variant 4 or 5 with the binary options `opt`: kPairedV
-// (code 12, "s2x2o_pv" in ops.cuda_decode), with kEvictFirst too (code 76,
-// "s2x2o_pv_ef"; code 77 "s3x2o_pv_ef"), and kPairedV with the two diagnostics
-// (bf16 only).
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
-  const bool small_q = p.group <= 8;
-  if (variant >= 8) {
-    const int base = variant % 8;
-    if (base != 4 && base != 5 && !(base == 6 && ((variant / 8) & kMmaSync))) return -5;
-    switch (variant / 8) {
-      case kPairedV: return launch_opt<BF16, WRITE_PARTIALS, kPairedV>(base, tq, tk, tv, p, grid, st);
-      case kPairedV | kEvictFirst:
-        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst>(base, tq, tk, tv, p, grid, st);
-      case kPairedV | kMmaSync: return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync>(base, tq, tk, tv, p, grid, st);
-      case kPairedV | kEvictFirst | kMmaSync:
-        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync>(base, tq, tk, tv, p, grid, st);
-      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe:
-        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe>(base, tq, tk, tv, p,
-                                                                                               grid, st);
-      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime:
-        return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime>(
-            base, tq, tk, tv, p, grid, st);
-      case kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime | kBucketPerReq:
-        return launch_opt<BF16, WRITE_PARTIALS,
-                          kPairedV | kEvictFirst | kMmaSync | kMmaPipe | kConstTime | kBucketPerReq>(
-            base, tq, tk, tv, p, grid, st);
-      case kPairedV | kMmaSync | kDiagNoLoads:
-        if constexpr (BF16)
-          return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kMmaSync | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
-        return -5;
-      case kPairedV | kDiagLoadsOnly:
-        if constexpr (BF16) return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kDiagLoadsOnly>(base, tq, tk, tv, p, grid, st);
-        return -5;
-      case kPairedV | kDiagNoLoads:
-        if constexpr (BF16) return launch_opt<BF16, WRITE_PARTIALS, kPairedV | kDiagNoLoads>(base, tq, tk, tv, p, grid, st);
-        return -5;
-      default: return -5;
-    }
-  }
   switch (variant) {
-    case 0: return launch<BF16, 4, WRITE_PARTIALS, 1, false>(tq, tk, tv, p, grid, st);
-    case 1:
-      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
-    case 2:
-      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 3, true>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
-    case 3:
-      return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false>(tq, tk, tv, p, grid, st);
-    case 4:
-      return small_q ? launch<BF16, 2, WRITE_PARTIALS, 2, true, true>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true>(tq, tk, tv, p, grid, st);
-    case 5:
-      return small_q ? launch<BF16, 3, WRITE_PARTIALS, 2, true, true>(tq, tk, tv, p, grid, st)
-                     : launch<BF16, 2, WRITE_PARTIALS, 2, false, true>(tq, tk, tv, p, grid, st);
+    case 4 + 8 * kPipe: return launch_opt<BF16, WRITE_PARTIALS, kPipe>(tq, tk, tv, p, grid, st);
+    case 5 + 8 * kSync:
+      if (p.group > 8) return launch_opt<BF16, WRITE_PARTIALS, kPipe>(tq, tk, tv, p, grid, st);
+      return launch<BF16, 2, WRITE_PARTIALS, 3, true, false, kSync>(tq, tk, tv, p, grid, st);
+    case 4 + 8 * (kPipe | kConstTime):
+      return launch_opt<BF16, WRITE_PARTIALS, kPipe | kConstTime>(tq, tk, tv, p, grid, st);
+    case 4 + 8 * (kPipe | kConstTime | kBucketPerReq):
+      return launch_opt<BF16, WRITE_PARTIALS, kPipe | kConstTime | kBucketPerReq>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
 }
@@ -1471,8 +1400,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.n_split_grid = n_split_grid;
   p.qk_scale = qk_scale;
   p.causal = causal;
-  p.merge_pdl = !(variant >= 8 && ((variant / 8) & kPlainMerge));
-  if (!p.merge_pdl) variant -= 8 * kPlainMerge;
+  p.merge_pdl = 1;
   const bool split = spp > 0;
   const int opts = variant >= 8 ? variant / 8 : 0;
   const bool ct = (opts & kConstTime) != 0;

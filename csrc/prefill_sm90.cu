@@ -45,9 +45,10 @@
 //             512-position splits folded; see consume_compat): the same bits as
 //             dhp_backend/ops/triton/kernels.py, so ops.paged_attention may run
 //             policy-off prefill steps here. The other binaries' bits differ
-//             from Triton's (one running state, 128-position steps): measured,
-//             not routed (dhp_backend/ops/cuda_prefill.py).
-//   DIAG      timing-by-difference binaries (wrong results on purpose).
+//             from Triton's (one running state, 128-position steps): measured
+//             (docs/perf-notes.md), not routed, and not built: launch_variant
+//             instantiates the compat binaries only.
+//   DIAG      timing-by-difference binaries (wrong results on purpose); not built.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -932,40 +933,17 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return static_cast<int>(cudaGetLastError());
 }
 
-// variant bits: 1 OVERLAP, 2 PINGPONG, 4 three stages; 8/16/24 the diagnostic
-// plain binaries (no softmax / no loads / neither; bf16 only); 32/33 compat.
+// The binaries ops.cuda_prefill routes to: 33 compat (policy off; FA3's register split,
+// the m64n128 QK^T form), 34 compat_ct (the constant-time walk). Other codes: -5.
 template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
-  if (variant == 32) return launch<BF16, false, false, 2, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 33) return launch<BF16, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
   if (variant == 34) {  // one binary per bucket mode (l_mode 1: per-request buckets, policy request)
     if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1>(tq, tk, tv, p, grid, st);
     return launch<BF16, false, false, 2, 0, true, false, true, 0>(tq, tk, tv, p, grid, st);
   }
-#ifdef DHP_PREFILL_COMPAT_ONLY
-  // The build ops.paged_attention loads: the compat binaries only (codes 32-34,
-  // a few seconds of nvcc on first use instead of ~20).
   return -5;
-#else
-  if (variant >= 8) {
-    if (!BF16) return -5;
-    if (variant == 8) return launch<BF16, false, false, 2, kDiagNoSoftmax>(tq, tk, tv, p, grid, st);
-    if (variant == 16) return launch<BF16, false, false, 2, kDiagNoLoads>(tq, tk, tv, p, grid, st);
-    if (variant == 24) return launch<BF16, false, false, 2, kDiagNoSoftmax | kDiagNoLoads>(tq, tk, tv, p, grid, st);
-    return -5;
-  }
-  switch (variant & 7) {
-    case 0: return launch<BF16, false, false, 2>(tq, tk, tv, p, grid, st);
-    case 1: return launch<BF16, true, false, 2>(tq, tk, tv, p, grid, st);
-    case 2: return launch<BF16, false, true, 2>(tq, tk, tv, p, grid, st);
-    case 3: return launch<BF16, true, true, 2>(tq, tk, tv, p, grid, st);
-    case 4: return launch<BF16, false, false, 3>(tq, tk, tv, p, grid, st);
-    case 5: return launch<BF16, true, false, 3>(tq, tk, tv, p, grid, st);
-    case 6: return launch<BF16, false, true, 3>(tq, tk, tv, p, grid, st);
-    default: return launch<BF16, true, true, 3>(tq, tk, tv, p, grid, st);
-  }
-#endif
 }
 
 }  // namespace

@@ -25,11 +25,10 @@ them with nvcc (-lineinfo, no GPU needed), and explains every branch of the
 constant-time binaries by a rule of ``dhp_backend/audit/cuda_rules.py`` checked
 on the PTX ptxas compiled, or fails.
 
-    dhp-backend bench [--quick] [--device auto|cuda|cpu] [--out DIR] [--latest PATH] [--e2e-json PATH] ...
-
-`bench` times DHP under each policy against FlashAttention-3, FlashInfer, vLLM's
-Triton unified_attention and cuDNN SDPA on the same tensors
-(``dhp_backend/bench/harness.py``; docs/bench/README.md).
+The benchmarks are not part of the installed package: from the repository,
+``python -m benchmarks.harness`` times DHP under each policy against
+FlashAttention-3, FlashInfer, vLLM's Triton unified_attention and cuDNN SDPA on
+the same tensors (docs/bench/README.md).
 """
 
 from __future__ import annotations
@@ -263,20 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _optional_module("dhp_backend.audit.summary") if auditing else None
     if summary is not None:
         summary.add_arguments(a)
-    # Imported only for `bench` invocations (it declares its own options; torch loads later).
-    benching = (sys.argv[1:] if argv is None else list(argv))[:1] == ["bench"]
-    bench = _optional_module("dhp_backend.bench.harness") if benching else None
-    b = sub.add_parser("bench", help="time DHP against FA3, FlashInfer, Triton and SDPA on the same tensors"
-                       + ("" if bench or not benching else " [not available in this build]"))
-    if bench is not None:
-        bench.add_arguments(b)
     args = ap.parse_args(argv)
-    if args.command == "bench":
-        if bench is None:
-            print("dhp-backend bench: not available in this build", file=sys.stderr)
-            return 2
-        args.command_line = (sys.argv[1:] if argv is None else list(argv))
-        return bench.run(args)
     if args.command == "audit":
         if args.gate is None:
             if summary is None:

@@ -3,14 +3,14 @@
 # lacks them, install this package so vLLM finds its plugin, then run the steps
 # named in $@ (each logs to $OUT/<step>.log):
 #   kernels   GPU-marked kernel tests (tests/test_triton_gpu.py)
-#   bench     quick kernel timing vs anchors (dhp_backend/bench/quick_kernel_bench.py; BENCH_ARGS)
+#   bench     quick kernel timing vs anchors (benchmarks/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
-#   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_prefill.py; CUDAPF_ARGS)
-#   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (bench/cuda_decode.py; CUDADEC_ARGS)
-#   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (bench/triton_ceiling.py; CEIL_ARGS)
-#   harness   dhp-backend bench (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
+#   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_prefill.py; CUDAPF_ARGS)
+#   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_decode.py; CUDADEC_ARGS)
+#   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (benchmarks/triton_ceiling.py; CEIL_ARGS)
+#   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
-#   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (bench/sustained.py; SUSTAIN_ARGS)
+#   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
@@ -52,44 +52,44 @@ for step in "$@"; do
   case $step in
     kernels) DHP_REPORT_DIR=$OUT python3 -m pytest -q -s -m gpu tests/test_triton_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/kernels.log" | grep -v "^\s*$" | tail -25 ;;
-    bench)   python3 -m dhp_backend.bench.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    bench)   python3 -m benchmarks.quick_kernel_bench ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     benchbase) # the same quick bench on another commit's package, a same-run baseline: make it with
-             # git archive BASE dhp_backend | tar -x -C .work/base, and carry .work/base. Run from
+             # git archive BASE dhp_backend benchmarks | tar -x -C .work/base, and carry .work/base. Run from
              # inside .work/base: `python -m` puts the working directory first on sys.path.
-             if [ ! -f .work/base/dhp_backend/__init__.py ]; then
-               echo "benchbase: .work/base/dhp_backend is missing (git archive BASE dhp_backend | tar -x -C .work/base; carry .work/base)"
+             if [ ! -f .work/base/dhp_backend/__init__.py ] || [ ! -f .work/base/benchmarks/__init__.py ]; then
+               echo "benchbase: .work/base/{dhp_backend,benchmarks} missing (git archive BASE dhp_backend benchmarks | tar -x -C .work/base; carry .work/base)"
                (exit 2)
              else
                mkdir -p "$OUT/base"
                ( cd .work/base && python3 -c "import dhp_backend; print('baseline package:', dhp_backend.__file__)" \
-                 && python3 -m dhp_backend.bench.quick_kernel_bench ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" ) 2>&1 \
+                 && python3 -m benchmarks.quick_kernel_bench ${BASE_BENCH_ARGS:-${BENCH_ARGS:-}} --out "$OUT/base" ) 2>&1 \
                  | tee "$OUT/benchbase.log" | tail -40
              fi ;;
     cudapf)  # A wrong barrier protocol hangs the GPU: every part under its own timeout.
-             timeout 240 python3 -m dhp_backend.bench.cuda_prefill --probe 2>&1 | tee "$OUT/cudapf-probe.log" | tail -8 \
+             timeout 240 python3 -m benchmarks.cuda_prefill --probe 2>&1 | tee "$OUT/cudapf-probe.log" | tail -8 \
              && { timeout ${CUDAPF_TEST_S:-200} python3 -m pytest -q -m gpu tests/test_cuda_prefill_gpu.py -x -p no:cacheprovider 2>&1 \
                     | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
-                  timeout ${CUDAPF_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
+                  timeout ${CUDAPF_BENCH_S:-300} python3 -m benchmarks.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudapf.log" | tail -45; } ;;
     cudadec) # As cudapf: every part under its own timeout.
-             timeout 240 python3 -m dhp_backend.bench.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
+             timeout 240 python3 -m benchmarks.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
              && { timeout ${CUDADEC_TEST_S:-240} python3 -m pytest -q -m gpu tests/test_cuda_decode_gpu.py -x -p no:cacheprovider 2>&1 \
                     | tee "$OUT/cudadec-tests.log" | grep -v "^\s*$" | tail -15
-                  timeout ${CUDADEC_BENCH_S:-300} python3 -m dhp_backend.bench.cuda_decode ${CUDADEC_ARGS:-} --out "$OUT" 2>&1 \
+                  timeout ${CUDADEC_BENCH_S:-300} python3 -m benchmarks.cuda_decode ${CUDADEC_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudadec.log" | tail -75; } ;;
-    ceiling) python3 -m dhp_backend.bench.triton_ceiling ${CEIL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" | tail -30 ;;
+    ceiling) python3 -m benchmarks.triton_ceiling ${CEIL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/ceiling.log" | tail -30 ;;
     harness) ( . /root/gpu-stack/env-flashinfer.sh; export PYTHONPATH=$PWD:$PYTHONPATH
-               python3 -m dhp_backend.cli bench ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
+               python3 -m benchmarks.harness ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
                --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
-    sustain) python3 -m dhp_backend.bench.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
+    sustain) python3 -m benchmarks.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
     ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
              # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target
              S=${NCUDEC_SHAPE:-B16-32k}; first=1
-             for tg in ${NCUDEC_TARGETS:-m2x2_pv_ef fa3}; do
+             for tg in ${NCUDEC_TARGETS:-p2x2_pv_ef fa3}; do
                if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"
                else K="--kernel-name regex:decode_kernel"; fi
                timeout 240 ncu --clock-control none $K --launch-skip 2 --launch-count 1 \
@@ -127,7 +127,7 @@ for step in "$@"; do
              for n in 1 $L; do
                ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
                  --metrics dram__bytes_read.sum,smsp__inst_executed.sum,smsp__sass_inst_executed_op_branch.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum \
-                 --csv python3 -m dhp_backend.bench.quick_kernel_bench --profile base --profile-shape $B,$L,$n \
+                 --csv python3 -m benchmarks.quick_kernel_bench --profile base --profile-shape $B,$L,$n \
                  > "$OUT/ncu-B$B-L$L-len$n.csv" 2>"$OUT/ncu-B$B-L$L-len$n.err"
                echo "B=$B L=$L true length $n:"; grep -E "dram__|inst_executed|requests|sectors" "$OUT/ncu-B$B-L$L-len$n.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF}'
              done
@@ -137,7 +137,7 @@ for step in "$@"; do
                ncu --clock-control none --kernel-name regex:attention_kernel --launch-skip 2 --launch-count 1 \
                  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
-                 python3 -m dhp_backend.bench.quick_kernel_bench --profile ${PROF_VARIANT:-base} --profile-shape ${shape},${shape#*,} \
+                 python3 -m benchmarks.quick_kernel_bench --profile ${PROF_VARIANT:-base} --profile-shape ${shape},${shape#*,} \
                  > "$OUT/prof-${shape/,/-}.txt" 2>&1
                grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Stall|L2 Hit|Local" "$OUT/prof-${shape/,/-}.txt" | head -30
              done; (exit 0) ;;

@@ -1,4 +1,4 @@
-"""`dhp-backend bench` on a CPU: summary arithmetic, row statuses, the output files.
+"""`benchmarks.harness` on a CPU: summary arithmetic, row statuses, the output files.
 
 No test asserts on a time. In this process DHP runs the reference path (conftest
 keeps TRITON_INTERPRET unset outside the interpreter module, and vLLM may have
@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 
-from dhp_backend.bench import anchors as A
-from dhp_backend.bench import cases as C
-from dhp_backend.bench import harness, inputs, report
-from dhp_backend.bench.timer import HostTimer, Timing
+from benchmarks import anchors as A
+from benchmarks import cases as C
+from benchmarks import harness, inputs, report
+from benchmarks.timer import HostTimer, Timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_ANCHORS = ("fa3", "flashinfer", "triton_unified", "sdpa_cudnn")
@@ -143,7 +143,7 @@ def test_summary_takes_each_e2e_key_from_the_first_complete_run(tmp_path):
 
 def test_resummarize_joins_a_bench_json_with_e2e_runs(tmp_path):
     """`bench --resummarize`: no timing, the kernel keys recomputed from the rows, the e2e keys from the runs."""
-    from dhp_backend.bench import harness
+    from benchmarks import harness
 
     # A real GPU run: the published latest.json (every header field, every row).
     with open(os.path.join(ROOT, "docs", "bench", "latest.json")) as f:
@@ -313,22 +313,20 @@ def test_rows_for_absent_broken_wrong_and_working_anchors(capsys):
 
 
 def test_cli_rejects_unknown_names(capsys):
-    from dhp_backend.cli import main as cli_main
-
-    assert cli_main(["bench", "--device", "cpu", "--cases", "no-such-case"]) == 2
-    assert cli_main(["bench", "--device", "cpu", "--anchors", "fa4"]) == 2
+    assert harness.main(["--device", "cpu", "--cases", "no-such-case"]) == 2
+    assert harness.main(["--device", "cpu", "--anchors", "fa4"]) == 2
     err = capsys.readouterr().err
     assert "matches no case" in err and "unknown anchor(s) ['fa4']" in err
 
 
-# ------------------------------------------------------------------ the CLI end to end
+# ------------------------------------------------------------------ the harness end to end
 
 def test_cpu_run_end_to_end_under_the_interpreter(tmp_path):
     e2e = _e2e_file(tmp_path, E2E_ROWS)
     out, latest = tmp_path / "out", tmp_path / "docs" / "latest.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "dhp_backend.cli", "bench", "--device", "cpu", "--out", str(out),
+        [sys.executable, "-m", "benchmarks.harness", "--device", "cpu", "--out", str(out),
          "--latest", str(latest), "--e2e-json", e2e],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -360,7 +358,7 @@ def test_cpu_run_end_to_end_under_the_interpreter(tmp_path):
 
 
 def test_anchor_imports_say_why_they_are_absent():
-    from dhp_backend.bench import anchors
+    from benchmarks import anchors
 
     (fn,), why = anchors._imported("dhp_backend.ops", "paged_attention")
     assert why is None and callable(fn)
@@ -368,3 +366,13 @@ def test_anchor_imports_say_why_they_are_absent():
     assert mod is None and why.startswith("no_such_package_dhp does not import: ModuleNotFoundError")
     mod, why = anchors._imported("json", "dumps", "no_such_function")
     assert mod is None and why == "json has no no_such_function (another version?)"
+
+
+def test_the_product_cli_has_no_bench_subcommand(capsys):
+    """The benchmarks are not installed: `dhp-backend` offers no `bench` (it would import them)."""
+    from dhp_backend.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'bench'" in capsys.readouterr().err

@@ -40,7 +40,7 @@ SCALE = 0.0883
 EDGE_LENS = (1, 15, 16, 17, 63, 64, 65, 511, 512, 513, 1025, 2100)
 
 
-def run(step, causal=True, variant="s2x2", mode=None, out=None, check=True, order=None):
+def run(step, causal=True, variant="p2x2_pv_ef", mode=None, out=None, check=True, order=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     return decode_sm90(*step.args(), out, scale=SCALE, causal=causal, num_tokens=step.num_tokens, variant=variant,
                        mode=mode, check=check, order=order)
@@ -271,7 +271,7 @@ def test_longest_first_schedule_keeps_the_bits():
                          dtype=torch.bfloat16, gen=gen) for q in q_lens]
     step = assemble(reqs, block_size=16, gen=gen, pad_tokens=5, extra_rows=3)
     n = int(step.query_start_loc[-1])
-    p = plan(step.num_tokens, 70, 32, 8, step.block_table.shape[1] * 16, "bfloat16", "s2x2o", None)
+    p = plan(step.num_tokens, 70, 32, 8, step.block_table.shape[1] * 16, "bfloat16", "p2x2_pv_ef", None)
     assert longest_first(p, step.num_tokens, 8), f"the rule should pick the schedule here: {p}"
     want = bits(run_triton(step)[: step.num_tokens])
     ref = reference(step, scale=SCALE, causal=True)
@@ -400,8 +400,8 @@ def test_ct_refuses_what_it_cannot_run():
     step = reserved_step(reqs, "strict", block_size=16, width=8, gen=gen)
     with pytest.raises(ValueError, match=r"seq_lens\[0\] is 100, above its bucket 64"):
         run_ct(step, 64)
-    with pytest.raises(ValueError, match=r"variant is 's2x2' with a bucket"):
-        run_ct(step, 128, variant="s2x2")
+    with pytest.raises(ValueError, match=r"variant is 'm2x3_pv_ef' with a bucket"):
+        run_ct(step, 128, variant="m2x3_pv_ef")
     with pytest.raises(ValueError, match=r"bucket is 129; accepted: an int in \[1, "):
         run_ct(step, 129)
 

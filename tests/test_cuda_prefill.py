@@ -56,9 +56,6 @@ def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     lib = cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu")
     assert lib.is_file() and lib.stat().st_size > 100_000
     assert cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu") == lib  # cached, not rebuilt
-    compat = cuda_build.build("dhp_prefill_sm90_compat", "prefill_sm90.cu",
-                              cuda_build.SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
-    assert compat.is_file() and compat != lib and compat.stat().st_size < lib.stat().st_size
 
 
 def test_build_key_follows_every_source_and_header(tmp_path):
@@ -94,7 +91,7 @@ def _on_cuda(monkeypatch):
      r"bucket is a torch.int64 tensor of shape \(1,\) on cuda:0; accepted: an int, or an int32 tensor of 1 "),
     (dict(variant="compat_ct", bucket=torch.tensor([64, 64], dtype=torch.int32)),
      r"bucket is a torch.int32 tensor of shape \(2,\)"),
-    (dict(variant="nope"), r"variant is 'nope'; accepted: .*compat, compat_ct"),
+    (dict(variant="nope"), r"variant is 'nope'; accepted: compat, compat_ct$"),
 ])
 def test_ct_bucket_refused(monkeypatch, kw, pattern):
     """The constant-time binary needs the policy's public bucket (an int up to the
@@ -136,8 +133,7 @@ def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
         attn._cuda_routes.cache_clear()
 
 
-@pytest.mark.parametrize("compat_only", [True, False])
-def test_entry_argtypes_follow_the_c_signature(monkeypatch, compat_only):
+def test_entry_argtypes_follow_the_c_signature(monkeypatch):
     """The ctypes argument list of dhp_prefill_sm90 is the C entry point's, parameter for
     parameter (a stale list would pass wrong values to the kernel, not fail)."""
     from dhp_backend.ops import cuda_prefill
@@ -146,7 +142,7 @@ def test_entry_argtypes_follow_the_c_signature(monkeypatch, compat_only):
     monkeypatch.setattr(cuda_prefill, "load", lambda *a, **k: types.SimpleNamespace(dhp_prefill_sm90=fn))
     cuda_prefill._entry.cache_clear()
     try:
-        assert cuda_prefill._entry(compat_only) is fn
+        assert cuda_prefill._entry() is fn
         assert fn.argtypes == c_signature("prefill_sm90.cu", "dhp_prefill_sm90")
     finally:
         cuda_prefill._entry.cache_clear()

@@ -1,4 +1,4 @@
-"""bench/triton_ceiling.py's experimental kernels compute attention (CPU interpreter).
+"""benchmarks/triton_ceiling.py's experimental kernels compute attention (CPU interpreter).
 
 They are timed on the GPU machine only; here each variant (dense, one page per
 step, two pages joined) must match SDPA on a small causal and full prefill,
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 CODE = """
 import json
-from dhp_backend.bench import triton_ceiling as tc
+from benchmarks import triton_ceiling as tc
 errs = tc.check_interpreted()
 print(json.dumps([[list(k), v] for k, v in errs.items()]))
 """
@@ -29,7 +29,7 @@ def test_ceiling_variants_match_sdpa_under_interpreter():
     r = subprocess.run([sys.executable, "-c", CODE], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     errs = json.loads(r.stdout.strip().splitlines()[-1])
-    from dhp_backend.bench.triton_ceiling import VARIANTS
+    from benchmarks.triton_ceiling import VARIANTS
 
     paged = [n for n, v in VARIANTS.items() if v["PAGED"]]
     # every variant on the identity table, the paged ones also on a shuffled table, causal and full

@@ -50,7 +50,7 @@ from dhp_backend.audit import sass_slice as slicemod
 
 # What the library build of each source uses (ops.cuda_prefill / ops.cuda_decode).
 SOURCES = {
-    "prefill_sm90.cu": ("dhp_prefill_sm90_compat", ("-DDHP_PREFILL_COMPAT_ONLY",)),
+    "prefill_sm90.cu": ("dhp_prefill_sm90", ()),
     "decode_sm90.cu": ("dhp_decode_sm90", ()),
 }
 

@@ -92,7 +92,7 @@ RULES = (
              r"^for \(int base = 1; base <= p\.num_seqs; base \+= blockDim\.x\) \{$", PUBLIC,
              "work_ct counts over all requests in chunks of the CTA's threads: ceil(num_seqs / blockDim.x) trips"),
     CudaRule("dec-role", "decode_sm90.cu",
-             r"^if \((threadIdx\.x (==|>=) \d+|warp < 2|lane == 0|lane == 0 && !no_load|ws == 0 && lane % 4 == 0)\)"
+             r"^if \((threadIdx\.x (==|>=) \d+|warp < 2|lane == 0|ws == 0 && lane % 4 == 0)\)"
              r"( \{)?(\s+//.*)?$", PUBLIC,
              "warp-specialised roles by thread index: barrier init, producer warp and its issuing lane, the S and "
              "PV warp pairs, the lanes that write a row's values"),

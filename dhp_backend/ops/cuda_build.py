@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import importlib.resources
 import os
 import shutil
 import subprocess
@@ -30,12 +31,23 @@ class CudaBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """The repository's ``csrc/`` (the package is installed editable from the repository)."""
-    d = Path(os.environ.get("DHP_CSRC", Path(__file__).resolve().parents[2] / "csrc"))
-    if not d.is_dir():
-        raise CudaBuildError(f"CUDA sources not found at {d}: install dhp_backend editable from its repository "
-                             "(pip install -e .) or point DHP_CSRC at the csrc/ directory")
-    return d
+    """Where the CUDA sources are: ``$DHP_CSRC`` if set; else the package data
+    ``dhp_backend/csrc`` of an installed wheel (pyproject maps the repository's
+    ``csrc/`` there); else, in a checkout (an editable install, or the repository on
+    ``sys.path``), the repository's ``csrc/`` beside the package."""
+    if "DHP_CSRC" in os.environ:
+        d = Path(os.environ["DHP_CSRC"])
+        if not d.is_dir():
+            raise CudaBuildError(f"DHP_CSRC={d} is not a directory; accepted: the csrc/ directory of dhp_backend")
+        return d
+    installed = importlib.resources.files("dhp_backend") / "csrc"
+    if installed.is_dir():
+        return Path(str(installed))
+    checkout = Path(__file__).resolve().parents[2] / "csrc"
+    if checkout.is_dir():
+        return checkout
+    raise CudaBuildError(f"CUDA sources not found (neither {installed} nor {checkout}): reinstall dhp_backend "
+                         "(pip install .) or point DHP_CSRC at its csrc/ directory")
 
 
 def find_nvcc() -> str | None:

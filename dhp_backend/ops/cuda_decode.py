@@ -49,53 +49,30 @@ from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch
                                          validate_common)
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
-# Variants of the binary (csrc: launch_variant): K/V stages of 64 positions per
-# CTA x CTAs per SM, and "o": the next step's QK^T overlapped with this step's PV.
-# The same arithmetic, the same bits. Three CTAs per SM need the 2 KB Q tile of
-# GROUP <= 8 (and leave ptxas too few registers to keep the wgmmas asynchronous);
-# with larger groups "s2x3" and "s3x2" run as "s2x2", "s3x2o" as "s2x2o".
-# "s2x2o_pv" (csrc code 4 + 8 x kPairedV): "s2x2o" with each V page loaded by one
-# TMA box holding both 64-column halves (half the V TMAs; same operands, same bits);
-# 1-5 % faster at B >= 16 on an H200 (docs/perf-notes.md, change 20).
-# "s2x2o_pv_ef" (+ kEvictFirst): its K/V loads with an L2 evict_first policy, so
-# that the split states stay in L2 for the merge; same bits, 1-3 % faster at B <= 16,
-# equal at B >= 64 (docs/perf-notes.md, change 24). "s3x2o_pv_ef": three stages.
-# "m2x2_pv_ef" / "m2x3_pv_ef" / "m3x2_pv_ef" (+ kMmaSync): the consumer on a 16-row
-# tile by warp-level mma.sync, each warp a quarter of the step's positions and
-# output columns (a quarter of the 64-row wgmma tile's tensor work, of which GROUP /
-# 64 is useful); stages x CTAs per SM as above; same bits. GROUP <= 16 (larger groups
-# run the wgmma consumer). "m2x2_pv_ef": 1-8 % faster than "s2x2o_pv_ef" on every
-# bench shape of one H200 run (docs/perf-notes.md, change 26).
-# Measurement variants (change 26): "m2x2_pv" (no evict_first), "*_plainmerge" (the
-# split merge launched without programmatic dependent launch).
-# "p2x2_pv_ef" / "p2x3_pv_ef" / "p3x2_pv_ef" (+ kMmaPipe): the mma.sync consumer split
-# by role, two warps computing S and the softmax, two accumulating PV, P passed
-# through a two-slot ring, so a step's softmax overlaps the previous step's PV; the
-# same operations per element, the same bits (csrc: consume_mma_pipe). "p2x2_pv_ef"
-# against "m2x2_pv_ef", FA3 ratio on 9 bench shapes of one H200 run: -0.006 to +0.055
-# (B1 32K 1.07 -> 1.13, B4 16K 0.98 -> 1.01; B4 32K 0.984 -> 0.978), docs/perf-notes.md
-# change 29.
-VARIANTS = {"s4x1": (0, 1), "s2x2": (1, 2), "s2x3": (2, 3), "s3x2": (3, 2), "s2x2o": (4, 2), "s3x2o": (5, 2),
-            "s2x2o_pv": (4 + 8, 2), "s2x2o_pv_ef": (4 + 8 * 9, 2), "s3x2o_pv_ef": (5 + 8 * 9, 2),
-            "m2x2_pv_ef": (4 + 8 * 25, 2), "m2x3_pv_ef": (5 + 8 * 25, 3),
-            "m3x2_pv_ef": (6 + 8 * 25, 2), "m2x2_pv": (4 + 8 * 17, 2),
-            "m2x2_pv_ef_plainmerge": (4 + 8 * 57, 2), "m2x3_pv_ef_plainmerge": (5 + 8 * 57, 3),
-            "p2x2_pv_ef": (4 + 8 * 89, 2), "p2x3_pv_ef": (5 + 8 * 89, 3), "p3x2_pv_ef": (6 + 8 * 89, 2)}
+# The binaries (csrc: launch_variant), the ones `pick_variant` and the CT walk route
+# to; the same arithmetic, the same bits. Each maps to (csrc variant code, CTAs per SM).
+# Options in the code's high bits (8 x options + base): V pages by one TMA box
+# holding both 64-column halves (kPairedV, 1), K/V loads with an L2 evict_first
+# policy so that the split states stay in L2 for the merge (kEvictFirst, 8), the
+# consumer on a 16-row tile by warp-level mma.sync (kMmaSync, 16: a quarter of the
+# 64-row wgmma tile's tensor work; GROUP <= 16, larger groups run the wgmma consumer).
+# "p2x2_pv_ef" (+ kMmaPipe, 64): the mma.sync consumer split by role, two warps
+# computing S and the softmax, two accumulating PV, P passed through a two-slot
+# ring (csrc: consume_mma_pipe); two stages x two CTAs per SM (docs/perf-notes.md
+# change 29). "m2x3_pv_ef": the mma.sync consumer, two stages x three CTAs per SM
+# (the 2 KB Q tile of GROUP <= 8; larger groups run "p2x2_pv_ef"), for fold-mode
+# launches of many waves (change 26). The other variants, diagnostics and the
+# merge without PDL measured in changes 20-29 are in git history.
+_PAIRED_V, _EVICT_FIRST, _MMA_SYNC, _MMA_PIPE = 1, 8, 16, 64
+_SYNC = _PAIRED_V | _EVICT_FIRST | _MMA_SYNC
+VARIANTS = {"p2x2_pv_ef": (4 + 8 * (_SYNC | _MMA_PIPE), 2), "m2x3_pv_ef": (5 + 8 * _SYNC, 3)}
 # "auto" (the default): `pick_variant` (p2x2_pv_ef or m2x3_pv_ef).
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
-# Timing-by-difference binaries of "s2x2o_pv" (csrc: kDiagLoadsOnly, kDiagNoLoads):
-# WRONG results on purpose, bf16 only: the load path alone (the consumer only
-# waits and releases each stage), the consumer alone (stale stages, no loads
-# after the first two). For the bench's "where the time goes" rows.
-DIAGNOSTIC_VARIANTS = {"diag_loadsonly": (4 + 8 * 3, 2), "diag_noloads": (4 + 8 * 5, 2),
-                       "diag_loadsonly_s3": (5 + 8 * 3, 2), "diag_noloads_s3": (5 + 8 * 5, 2),
-                       "diag_noloads_m2x2": (4 + 8 * 21, 2), "diag_noloads_m2x3": (5 + 8 * 21, 3)}
-_ALL_VARIANTS = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
 MODES = (None, "fold", "split")
 # The constant-time walk (csrc option kConstTime, with kBucketPerReq for per-request
-# buckets) exists for the consume_mma_pipe variants only (GROUP <= 16).
-CT_VARIANTS = ("p2x2_pv_ef", "p2x3_pv_ef", "p3x2_pv_ef")
+# buckets) exists for the consume_mma_pipe consumer only (GROUP <= 16).
+CT_VARIANTS = ("p2x2_pv_ef",)
 CT_DEFAULT_VARIANT = "p2x2_pv_ef"
 MAX_CT_GROUP = 16
 _CONST_TIME, _BUCKET_PER_REQ = 128, 256
@@ -171,7 +148,7 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
     from dhp_backend.ops.triton import launch
 
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
-    code, resident = _ALL_VARIANTS[variant]
+    code, resident = VARIANTS[variant]
     if num_heads // num_kv_heads > 8:
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
@@ -220,8 +197,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 bucket: int | torch.Tensor | None = None, spp: int | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
-    ``variant``: "auto" (`pick_variant`), one of `VARIANTS` (residency; same bits), or of
-    `DIAGNOSTIC_VARIANTS` (wrong results on purpose; timing only). ``mode``: None picks
+    ``variant``: "auto" (`pick_variant`) or one of `VARIANTS` (residency; same bits). ``mode``: None picks
     split or fold by occupancy as the Triton launcher does; "split"/"fold" force
     one (tests; same bits). ``order``: fold mode's longest-first schedule, None =
     by `longest_first`, True/False force it (split mode ignores it; timing only,
@@ -240,8 +216,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
-    if variant != AUTO and variant not in _ALL_VARIANTS:
-        _fail("variant", repr(variant), ", ".join([AUTO, *_ALL_VARIANTS]))
+    if variant != AUTO and variant not in VARIANTS:
+        _fail("variant", repr(variant), ", ".join([AUTO, *VARIANTS]))
     if mode not in MODES:
         _fail("mode", repr(mode), "None, 'fold', 'split'")
     if order not in (None, True, False):
@@ -303,7 +279,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             # ((token, request) int32 pairs, written and read in stream order by this launch).
             ws, _, _ = wsp.reserve_workspace(query.device)
             order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
-        code = _ALL_VARIANTS[variant][0]
+        code = VARIANTS[variant][0]
         ct_args = (0, null, 0)
         if ct:
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))

@@ -10,15 +10,14 @@ What it is and is not, today:
   invariant by construction: one CTA per (request, 128 query rows, head), no
   atomics, a fixed KV order.
 - Not constant-time (it walks the true lengths).
-- Two arithmetics. The ``VARIANTS`` (FA3-like: 128-position KV steps, one running
-  state) are fastest but not bit-equal to the Triton kernels, so nothing routes
-  to them; ``python -m dhp_backend.bench.cuda_prefill`` measures them. The
-  ``compat`` binary repeats the Triton kernels' arithmetic operation for
+- The Triton kernels' arithmetic. The ``compat`` binary repeats it operation for
   operation (64-position steps, 512-position splits folded, the same row-sum
   tree, ex2/div instructions and roundings: csrc/prefill_sm90.cu), so its rows
   have the Triton kernels' bits (GPU test) and `ops.paged_attention` may route
   policy-``off`` prefill steps to it without breaking the cross-step-kind bit
-  equality that batch invariance rests on (`routes_prefill`).
+  equality that batch invariance rests on (`routes_prefill`). (FA3-like binaries,
+  faster but with other bits, were measured and never routed: docs/perf-notes.md;
+  the library does not build them.)
 - Head size 128, fp16/bf16, block size 16/32/64/128, query heads per KV head a power
   of two <= 128, sm_90 only. Anything else
   is refused with a message saying what is accepted.
@@ -36,7 +35,7 @@ import os
 
 import torch
 
-from dhp_backend.ops.cuda_build import SM90A, load
+from dhp_backend.ops.cuda_build import load
 from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, ct_bucket,  # noqa: F401
                                          launch_error, unavailable_reason, validate_common)
 
@@ -49,27 +48,19 @@ def _fail(what: str, got: str, accepted: str) -> None:
 # the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh;
 # the swapped pair was measured wrong on the H200, cuda_prefill-cfd35f6.json).
 V_DESC = (128 * 128, 1024)
-# The binaries (csrc/prefill_sm90.cu's variant bits): FA3's intra-warpgroup
-# overlap (the next QK^T under the softmax), its pingpong schedule of the two
-# consumer warpgroups, and 2 or 3 shared-memory stages. Same arithmetic, same bits.
-VARIANTS = {"plain": 0, "overlap": 1, "pingpong": 2, "overlap_pingpong": 3,
-            "plain_s3": 4, "overlap_s3": 5, "pingpong_s3": 6, "overlap_pingpong_s3": 7}
-DEFAULT_VARIANT = "plain"
-# The Triton kernels' arithmetic (csrc: COMPAT): other bits than VARIANTS, equal to Triton's.
+# The Triton kernels' arithmetic (csrc: COMPAT), policy off: the csrc code of the binary.
+# Its QK^T runs as one m64n128 wgmma batch per 128 positions (Triton's tile issues two
+# m64n64 batches; the same products and bits, 4-5 % faster on an H200), with FA3's
+# register split (producer warpgroup 24, consumers 240 instead of 40 / 232: ptxas
+# spills 56 B per thread instead of 100), 1-2 % faster with the same bits (H200,
+# cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
 COMPAT = "compat"
-# compat's QK^T runs as one m64n128 wgmma batch per 128 positions (csrc code 33);
-# Triton's tile issues two m64n64 batches. The products are the same and so are
-# the bits (H200: every bench shape and the GPU tests), 4-5 % faster than the
-# m64n64 form, kept as "compat_n64" (code 32) for comparison.
-# compat runs with FA3's register split (producer warpgroup 24, consumers 240 instead of
-# 40 / 232: ptxas spills 56 B per thread instead of 100), 1-2 % faster with the same bits
-# (H200, cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
-_CODES = {COMPAT: 33, "compat_n64": 32}
+_CODES = {COMPAT: 33}
 # The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
 # binaries (csrc: CT; policies strict / request): every tile walks its request's
 # public bucket L_r over the request's reserved block-table line
 # (block_table[r, :ceil(L_r / block_size)], the address rule of design.md section 2),
-# selects instead of branches. It is compat_n64's QK^T form (the n128 form spilled
+# selects instead of branches. Its QK^T is the m64n64 form (the n128 form spilled
 # in this binary).
 COMPAT_CT = "compat_ct"
 _CT_CODES = {COMPAT_CT: 34}
@@ -77,10 +68,7 @@ _CT_CODES = {COMPAT_CT: 34}
 COMPAT_VARIANTS = tuple(_CODES)
 # Every binary with the Triton CONST_TIME kernels' bits (takes a bucket).
 COMPAT_CT_VARIANTS = tuple(_CT_CODES)
-# Timing-by-difference binaries (csrc: kDiagNoSoftmax, kDiagNoLoads): WRONG
-# results on purpose, bf16 only, for the bench's "where the time goes" rows.
-DIAGNOSTIC_VARIANTS = {"diag_nosoftmax": 8, "diag_noloads": 16, "diag_gemm_only": 24}
-_ALL_CODES = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **_CODES, **_CT_CODES}
+_ALL_CODES = {**_CODES, **_CT_CODES}
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
@@ -112,20 +100,10 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
     return True, "constant-time prefill steps: csrc/prefill_sm90.cu (compat_ct binary)"
 
 
-def _lib(variant: str):
-    """The compat binaries come from a build of just them (what ops.paged_attention
-    needs: seconds of nvcc on first use); the measured variants from the full build."""
-    return _entry(variant in _CODES or variant in _CT_CODES)
-
-
 @functools.lru_cache(maxsize=None)
-def _entry(compat_only: bool):
-    # Loaded and typed once per build, not per launch.
-    if compat_only:
-        lib = load("dhp_prefill_sm90_compat", "prefill_sm90.cu", SM90A + ("-DDHP_PREFILL_COMPAT_ONLY",))
-    else:
-        lib = load("dhp_prefill_sm90", "prefill_sm90.cu")
-    fn = lib.dhp_prefill_sm90
+def _entry():
+    # Loaded and typed once, not per launch.
+    fn = load("dhp_prefill_sm90", "prefill_sm90.cu").dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
@@ -153,12 +131,11 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 
 
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
-                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
+                 causal: bool = True, num_tokens: int | None = None, variant: str = COMPAT,
                  bucket: int | torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
-    ``variant`` picks one of `VARIANTS` (schedules of the same arithmetic: the
-    GPU test compares their bits), `COMPAT` (the Triton kernels' bits), or
+    ``variant`` picks `COMPAT` (the Triton kernels' bits) or
     `COMPAT_CT` (the same bits on the constant-time walk to ``bucket``: the public
     length bucket L of the policy, an int or per-request int32 buckets; required
     by `COMPAT_CT` and refused by the others; request r then reads
@@ -170,7 +147,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
     if variant not in _ALL_CODES:
-        _fail("variant", repr(variant), ", ".join([*VARIANTS, COMPAT, COMPAT_CT]))
+        _fail("variant", repr(variant), ", ".join(_ALL_CODES))
     ct = variant in _CT_CODES
     if ct != (bucket is not None):
         _fail("bucket", "given" if bucket is not None else "missing",
@@ -202,7 +179,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                    T, (2**32 - 1) // T, sink.data_ptr())
     with torch.cuda.device(query.device):
         stream = torch.cuda.current_stream().cuda_stream
-        launch = _lib(variant)
+        launch = _entry()
         rc = launch(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),

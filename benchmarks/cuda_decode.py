@@ -1,6 +1,6 @@
 """The csrc Hopper decode kernel against FA3 and DHP's Triton kernel, same tensors, same run.
 
-    python -m dhp_backend.bench.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
+    python -m benchmarks.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
 
 ``--probe`` runs every variant in both split modes on small steps and exits
 non-zero unless all are right and bit-equal to the Triton kernel (policy off):
@@ -9,7 +9,7 @@ kernel costs seconds).
 
 Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, one query token per
 request, NaN in every cache slot no request holds data in, a random block table
-(the steps of `bench.cuda_prefill`). Every variant is checked against SDPA and its
+(the steps of `benchmarks.cuda_prefill`). Every variant is checked against SDPA and its
 bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
 replay (decode launches are microseconds), two input sets alternating.
 Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
@@ -35,10 +35,10 @@ import time
 
 import torch
 
-from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
-from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, DIAGNOSTIC_VARIANTS, VARIANTS
+from benchmarks import cuda_runs
+from benchmarks.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
+from benchmarks.inputs import rel_err
+from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, VARIANTS
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
@@ -115,7 +115,7 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 def _cuda_variant(name: str):
     """``cuda_<variant>[:grid|:lpt|:spp<N>]`` -> (variant, order, spp), or None for another name."""
     v, _, o = name[5:].partition(":")
-    known = v in VARIANTS or v in DIAGNOSTIC_VARIANTS or v == AUTO
+    known = v in VARIANTS or v == AUTO
     if not (name.startswith("cuda_") and known):
         return None
     if re.fullmatch(r"spp[1-9][0-9]*", o):
@@ -185,7 +185,7 @@ def main(argv=None):
     if stop is not None:
         return stop
 
-    from dhp_backend.bench.timer import CudaTimer, capture_graphs
+    from benchmarks.timer import CudaTimer, capture_graphs
     timer = CudaTimer(reps=args.reps, warmup=3)
 
     profiled: dict = {}
@@ -230,8 +230,7 @@ def main(argv=None):
                     fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
-                diag = bool(_cuda_variant(name)) and _cuda_variant(name)[0] in DIAGNOSTIC_VARIANTS
-                o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms, diagnostic=diag)
+                o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:
                     row["kernels_us"] = dict(profiled)
                 if o is not None:

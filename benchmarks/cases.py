@@ -1,4 +1,4 @@
-"""The shapes `dhp-backend bench` times, and the work each one represents.
+"""The shapes `benchmarks.harness` times, and the work each one represents.
 
 A `Case` is one attention step: per request, its query length and its total
 length (cached context plus the new tokens, as ``seq_lens`` in

@@ -1,6 +1,6 @@
 """What Triton reaches on Hopper when it may use TMA and automatic warp specialisation.
 
-    python -m dhp_backend.bench.triton_ceiling [--out DIR] [--seq 4096]
+    python -m benchmarks.triton_ceiling [--out DIR] [--seq 4096]
 
 A measurement for issue 4's "show precisely what stands in the way", not a
 production kernel: policy off semantics only (true lengths, no
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dhp_backend.bench.timer import CudaTimer
+from benchmarks.timer import CudaTimer
 
 H, HKV, D, BS = 32, 8, 128, 16
 GROUP = H // HKV

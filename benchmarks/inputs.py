@@ -15,7 +15,7 @@ import torch
 
 from dhp_backend.testing.pages import reserved_table
 
-from dhp_backend.bench import cases as C
+from benchmarks import cases as C
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -1,16 +1,18 @@
-"""`dhp-backend bench`: DHP against vLLM's attention kernels, in one process, on the same tensors.
+"""`python -m benchmarks.harness`: DHP against vLLM's attention kernels, in one process, on the same tensors.
 
-    dhp-backend bench [--quick] [--device auto|cuda|cpu] [--out DIR] [--latest PATH]
-                      [--e2e-json PATH] [--cases PATTERNS] [--anchors NAMES]
-                      [--reps N] [--warmup N] [--max-sets N] [--no-graph] [--no-plots]
+    python -m benchmarks.harness [--quick] [--device auto|cuda|cpu] [--out DIR] [--latest PATH]
+                                 [--e2e-json PATH] [--cases PATTERNS] [--anchors NAMES]
+                                 [--reps N] [--warmup N] [--max-sets N] [--no-graph] [--no-plots]
 
-For every case (`bench.cases`) the input sets are built once; each anchor
-(`bench.anchors`) converts them to its native layout outside the timed region,
+(from the repository root: the benchmarks sit beside the package and are not installed)
+
+For every case (`benchmarks.cases`) the input sets are built once; each anchor
+(`benchmarks.anchors`) converts them to its native layout outside the timed region,
 is checked against a float32 reference on the same data (relative error below
 2e-2 for bf16/fp16, else the row says "wrong result" and it is not timed), and
-then timed (`bench.timer`): decode steps replayed from CUDA graphs where the
+then timed (`benchmarks.timer`): decode steps replayed from CUDA graphs where the
 anchor captures, the rest eager. The device's copy bandwidth and GEMM rate
-(`bench.ceilings`) are measured in the same run. `bench.report` writes
+(`benchmarks.ceilings`) are measured in the same run. `benchmarks.report` writes
 ``bench.json``, ``bench.md`` and the plots to ``--out`` and prints the summary.
 
 With ``--device cpu`` (no GPU) the run uses tiny shapes, host clocks, and DHP
@@ -59,7 +61,7 @@ def _device(choice: str):
     import torch
 
     if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("dhp-backend bench: --device cuda, but torch sees no CUDA device "
+        raise SystemExit("benchmarks.harness: --device cuda, but torch sees no CUDA device "
                          "(use --device cpu for the tiny CPU run)")
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +87,7 @@ def header(args, device, timer) -> dict:
 
     v = versions()
     v["flashinfer"] = _dist_version("flashinfer-python", "flashinfer")
-    return {"tool": "dhp-backend bench", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    return {"tool": "benchmarks.harness", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "device": device_info(device), "versions": v, "commit": v.get("commit"),
             "command": sys.argv[1:] if args.command_line is None else args.command_line,
             "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
@@ -109,7 +111,7 @@ def _short(exc: BaseException) -> str:
 
 
 def base_row(c, anchor) -> dict:
-    from dhp_backend.bench import cases as C
+    from benchmarks import cases as C
 
     useful = C.work(c)
     return {"case": c.name, "family": c.family, "kind": c.kind, "bound": c.bound, "batch": c.num_reqs,
@@ -127,10 +129,10 @@ def measure_anchor(anchor, c, sets, ref, *, timer, device, graphs: bool, toleran
     """One row: prepare, check against the reference, maybe capture, time. Never raises."""
     import torch
 
-    from dhp_backend.bench import cases as C
-    from dhp_backend.bench.anchors import NotAvailable
-    from dhp_backend.bench.inputs import rel_err
-    from dhp_backend.bench.timer import capture_graphs
+    from benchmarks import cases as C
+    from benchmarks.anchors import NotAvailable
+    from benchmarks.inputs import rel_err
+    from benchmarks.timer import capture_graphs
 
     row = base_row(c, anchor)
     row["sets"] = len(sets)
@@ -220,8 +222,8 @@ def run_cases(cases, anchors, *, device, timer, l2_bytes, max_sets=32, graphs=Tr
     """Every anchor on every case; one row per (case, anchor the case lists)."""
     import torch
 
-    from dhp_backend.bench import inputs
-    from dhp_backend.bench.anchors import TOLERANCE
+    from benchmarks import inputs
+    from benchmarks.anchors import TOLERANCE
 
     plan = [(c, [a for a in anchors if c.anchors is None or a.name in c.anchors]) for c in cases]
     progress = progress or Progress(sum(len(a) for _, a in plan))
@@ -297,10 +299,10 @@ def _resummarize(args: argparse.Namespace, report) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_backend.bench import anchors as A
-    from dhp_backend.bench import cases as C
-    from dhp_backend.bench import ceilings, report
-    from dhp_backend.bench.timer import CudaTimer, HostTimer
+    from benchmarks import anchors as A
+    from benchmarks import cases as C
+    from benchmarks import ceilings, report
+    from benchmarks.timer import CudaTimer, HostTimer
 
     if getattr(args, "resummarize", None):
         return _resummarize(args, report)
@@ -318,18 +320,18 @@ def run(args: argparse.Namespace) -> int:
         anchors = A.make_anchors(device, [n.strip() for n in args.anchors.split(",") if n.strip()]
                                  if args.anchors else None)
     except ValueError as exc:
-        print(f"dhp-backend bench: --anchors: {exc}", file=sys.stderr)
+        print(f"benchmarks.harness: --anchors: {exc}", file=sys.stderr)
         return 2
     cases = C.select(C.gpu_cases(args.quick) if gpu else C.cpu_cases(), args.cases)
     if not cases:
-        print(f"dhp-backend bench: --cases {args.cases!r} matches no case", file=sys.stderr)
+        print(f"benchmarks.harness: --cases {args.cases!r} matches no case", file=sys.stderr)
         return 2
     if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
         print("  CPU run without TRITON_INTERPRET=1: DHP runs the reference path "
               "(set TRITON_INTERPRET=1 before starting to run the Triton kernels in the interpreter)", flush=True)
     timer = CudaTimer(args.reps, args.warmup) if gpu else HostTimer(args.reps, args.warmup)
     head = header(args, device, timer)
-    print(f"dhp-backend bench on {head['device']['name']} (commit {head['commit']}), {len(cases)} cases, "
+    print(f"benchmarks.harness on {head['device']['name']} (commit {head['commit']}), {len(cases)} cases, "
           f"anchors {', '.join(a.name for a in anchors)}; clock: {timer.clock}", flush=True)
     ceil = ceilings.measure(device, timer, quick=args.quick)
     for k, v in ceil.items():
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dhp-backend bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__.split("\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     args.command_line = list(sys.argv[1:] if argv is None else argv)

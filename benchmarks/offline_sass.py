@@ -1,6 +1,6 @@
 """Compile the attention kernel for sm_90 without a GPU and summarise its SASS.
 
-    python -m dhp_backend.bench.offline_sass [--dtype bf16] [--head 128] [--group 4]
+    python -m benchmarks.offline_sass [--dtype bf16] [--head 128] [--group 4]
         [--block-size 16] [--non-causal] [--dump DIR]
 
 Uses the ptxas bundled with Triton, so registers, spills, shared memory, the

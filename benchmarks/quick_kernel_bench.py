@@ -1,6 +1,6 @@
 """Quick timing of the Triton kernels against simple anchors, on one GPU.
 
-    python -m dhp_backend.bench.quick_kernel_bench [--sweep] [--out DIR]
+    python -m benchmarks.quick_kernel_bench [--sweep] [--out DIR]
 
 Llama-3-8B attention (32 query heads, 8 KV heads, head 128, block 16, bf16):
 decode B=1/16/64 at 4K and 32K context, and one 4K causal prefill. Each shape
@@ -337,7 +337,7 @@ def profile_one(name, gen, B=64, ctx=4096, seq_len=None, launches=3):
 
 def inspect_binaries(out_dir):
     """HGMMA / branches / spills / division in the compiled kernels that ran."""
-    from dhp_backend.bench.offline_sass import summarize
+    from benchmarks.offline_sass import summarize
     from dhp_backend.ops.triton import kernels
 
     report = []

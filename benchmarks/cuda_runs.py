@@ -1,4 +1,4 @@
-"""What the csrc kernels' benches (`bench.cuda_decode`, `bench.cuda_prefill`) share:
+"""What the csrc kernels' benches (`benchmarks.cuda_decode`, `benchmarks.cuda_prefill`) share:
 refusing a machine without an sm_90 GPU, the probe before any timing, how one
 variant's row is checked and timed, and the FA3 ratio of a shape's rows."""
 
@@ -8,10 +8,9 @@ import time
 
 import torch
 
-from dhp_backend.bench.inputs import rel_err
+from benchmarks.inputs import rel_err
 
 TOLERANCE = 2e-2  # relative error against SDPA above which a row is "wrong result" and not timed
-DIAGNOSTIC = "diagnostic (wrong on purpose), timed unchecked"
 
 
 def probe_first(ap, probe, kernel: str, probe_only: bool) -> int | None:
@@ -32,12 +31,11 @@ def probe_first(ap, probe, kernel: str, probe_only: bool) -> int | None:
     return 0 if probe_only else None
 
 
-def check_and_time(row: dict, fns, ref: torch.Tensor, measure, *, diagnostic: bool = False,
+def check_and_time(row: dict, fns, ref: torch.Tensor, measure, *,
                    rows_checked: int | None = None) -> torch.Tensor | None:
     """Fill ``row`` (``rel_err``, ``us`` or ``error``) for one variant: run ``fns[0]``
     once, check it against ``ref`` (its first ``rows_checked`` rows), and time it with
-    ``measure(fns)`` (median ms) only when right, or when it is a ``diagnostic``
-    binary (wrong on purpose: timed unchecked, never compared). Returns the checked
+    ``measure(fns)`` (median ms) only when right. Returns the checked
     output (for the bit comparisons), None otherwise. ``fns[0] is None``: the anchor
     is not available here."""
     if fns[0] is None:
@@ -49,10 +47,6 @@ def check_and_time(row: dict, fns, ref: torch.Tensor, measure, *, diagnostic: bo
     if rows_checked is not None:
         o = o[:rows_checked]
     row["rel_err"] = rel_err(o, ref)
-    if diagnostic:
-        row["us"] = measure(fns) * 1e3
-        row["error"] = DIAGNOSTIC
-        return None
     if row["rel_err"] >= TOLERANCE:
         row["error"] = "wrong result"
         return None

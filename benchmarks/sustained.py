@@ -1,9 +1,9 @@
 """Decode under sustained load: the csrc decode kernel against FA3 when each runs
 back to back for seconds, with the SM clock and board power sampled meanwhile.
 
-    python -m dhp_backend.bench.sustained [--shapes B16-32k,...] [--seconds 3] [--out DIR]
+    python -m benchmarks.sustained [--shapes B16-32k,...] [--seconds 3] [--out DIR]
 
-Why: the harness (and `bench.cuda_decode`) time the median of ~100 launches after
+Why: the harness (and `benchmarks.cuda_decode`) time the median of ~100 launches after
 a short warm-up, a burst that starts from whatever clock the idle card had. A
 serving engine decodes without pause; on an H200 a memory-bound decode stream
 then sits at the 700 W board limit and the SM clock drops (1.4-1.8 GHz instead of
@@ -12,7 +12,7 @@ differently, so this reports both: ``burst`` (graph replays, median of 60 after
 3 warm-up) and ``sustained`` (graph replays for ``--seconds`` after a second of
 untimed load; mean time per call over the window).
 
-Same steps as `bench.cuda_decode` (Llama-3-8B heads, bf16, block 16, random
+Same steps as `benchmarks.cuda_decode` (Llama-3-8B heads, bf16, block 16, random
 block table, NaN in unowned slots); each target checked against SDPA before it is
 timed. Targets: ``fa3`` and ``dhp`` (the decode kernel ops.paged_attention runs
 under policy off: `ops.cuda_decode` variant "auto"). Output: a table, JSON and a
@@ -30,9 +30,9 @@ import time
 
 import torch
 
-from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.cuda_decode import _shape, _table_width, cuda_fn, kv_bytes
-from dhp_backend.bench.cuda_prefill import fa3_fn, make_step, sdpa_ref
+from benchmarks import cuda_runs
+from benchmarks.cuda_decode import _shape, _table_width, cuda_fn, kv_bytes
+from benchmarks.cuda_prefill import fa3_fn, make_step, sdpa_ref
 
 SHAPES = [f"B{b}-{c}k" for c in (4, 16, 32) for b in (1, 4, 16, 64, 256)]
 TARGETS = ("fa3", "dhp")
@@ -209,7 +209,7 @@ def plot(rows, path: str) -> str | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="as bench.cuda_decode (B<batch>-<ctx>k[-w<cap>k])")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="as benchmarks.cuda_decode (B<batch>-<ctx>k[-w<cap>k])")
     ap.add_argument("--seconds", type=float, default=3.0, help="timed back-to-back window per target (default 3)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """The csrc Hopper prefill kernel against FA3 and DHP's Triton kernel, same tensors, same run.
 
-    python -m dhp_backend.bench.cuda_prefill [--out DIR] [--probe] [--shapes ...]
+    python -m benchmarks.cuda_prefill [--out DIR] [--probe] [--shapes ...]
 
 ``--probe`` runs every binary on three small problems and exits non-zero unless
 all are right: the first thing a device call runs (in a subprocess with a
@@ -12,10 +12,9 @@ every cache slot no request holds data in (the kernel must not let it through), 
 random block table (`testing.pages.reserved_table`; with ``--bucket L`` every request
 owns its pages up to L, the address rule of the constant-time walk). FA3 gets the
 same data in its own paged layout (NHD, contiguous), DHP's Triton kernel runs under
-policy ``off`` (its fastest), the CUDA kernel in
-each binary of `ops.cuda_prefill.VARIANTS` asked for (``cuda_<variant>``; their
-outputs are compared bit for bit) and the ``compat`` binary (``cuda_compat``,
-compared bit for bit with ``triton_off``). FLOPs are the useful count (the
+policy ``off`` (its fastest), and the CUDA kernel's ``compat`` binary (``cuda_compat``,
+what ops.paged_attention routes policy-off prefill steps to; compared bit for bit
+with ``triton_off``). FLOPs are the useful count (the
 causal triangle).
 
 ``--bucket L`` adds the constant-time policy's rows: ``triton_strict`` (DHP's
@@ -36,10 +35,9 @@ import time
 
 import torch
 
-from dhp_backend.bench import cuda_runs
-from dhp_backend.bench.inputs import rel_err
-from dhp_backend.ops.cuda_prefill import (COMPAT, COMPAT_CT, COMPAT_CT_VARIANTS, COMPAT_VARIANTS, DIAGNOSTIC_VARIANTS,
-                                          V_DESC, VARIANTS)
+from benchmarks import cuda_runs
+from benchmarks.inputs import rel_err
+from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, COMPAT_CT_VARIANTS, COMPAT_VARIANTS, V_DESC
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -60,9 +58,7 @@ SHAPES = {
     # off routes it to the compat binary.
     "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
-DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [*VARIANTS, COMPAT])
-ALL_CUDA = {**VARIANTS, **DIAGNOSTIC_VARIANTS, **dict.fromkeys(COMPAT_VARIANTS)}
-# cuda_diag_*: timed without a check (wrong on purpose), to place the time by difference.
+DEFAULT_VARIANTS = f"fa3,triton_off,cuda_{COMPAT}"
 
 
 def useful_flop(reqs, causal: bool) -> float:
@@ -174,7 +170,7 @@ def probe() -> bool:
     for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
         st = make_step(reqs, gen, reserve=PROBE_BUCKET)
         ref = sdpa_ref(st, causal)
-        for variant in [*VARIANTS, *COMPAT_VARIANTS, COMPAT_CT]:
+        for variant in [*COMPAT_VARIANTS, COMPAT_CT]:
             bucket = PROBE_BUCKET if variant == COMPAT_CT else None
             o = cuda_fn(st, causal, variant, bucket)()
             torch.cuda.synchronize()
@@ -202,7 +198,7 @@ def main(argv=None):
     if stop is not None:
         return stop
 
-    from dhp_backend.bench.timer import CudaTimer
+    from benchmarks.timer import CudaTimer
     timer = CudaTimer(reps=args.reps, warmup=3)
     gen = torch.Generator(device="cuda").manual_seed(0)
     names = args.variants.split(",")
@@ -229,12 +225,12 @@ def main(argv=None):
                     fns = [triton_off_fn(s, causal, "strict", args.bucket) for s in sets]
                 elif name[5:] in COMPAT_CT_VARIANTS and args.bucket:
                     fns = [cuda_fn(s, causal, name[5:], args.bucket) for s in sets]
-                elif name.startswith("cuda_") and name[5:] in ALL_CUDA:
+                elif name.startswith("cuda_") and name[5:] in COMPAT_VARIANTS:
                     fns = [cuda_fn(s, causal, name[5:]) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 o = cuda_runs.check_and_time(row, fns, ref, lambda f: timer.measure(f).median_ms,
-                                             diagnostic=name[5:] in DIAGNOSTIC_VARIANTS, rows_checked=ref.shape[0])
+                                             rows_checked=ref.shape[0])
                 if o is not None:
                     outs[name] = o
                     row["tflops"] = flop / row["us"] / 1e6
@@ -244,12 +240,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-        # Bits: the FA3-like binaries among themselves; compat against DHP's Triton kernel.
-        cuda_outs = [o.view(torch.int16) for n, o in outs.items() if n[5:] in VARIANTS]
-        if len(cuda_outs) > 1:
-            same = all(torch.equal(cuda_outs[0], o) for o in cuda_outs[1:])
-            for r in rows[-len(names):]:
-                r["cuda_binaries_bit_equal"] = same
+        # Bits: compat against DHP's Triton kernel, compat_ct against its strict walk.
         for cname in COMPAT_VARIANTS:
             if f"cuda_{cname}" in outs and "triton_off" in outs:
                 same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))

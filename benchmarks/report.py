@@ -1,4 +1,4 @@
-"""What `dhp-backend bench` writes: the JSON (every number), a markdown table, plots, the summary.
+"""What `benchmarks.harness` writes: the JSON (every number), a markdown table, plots, the summary.
 
 The summary's keys (worst case = min over the shapes named; null when no shape
 had both inputs; ``detail[key]`` says which shape was worst, which shapes were
@@ -284,7 +284,7 @@ def markdown(doc: dict, *, pngs=(), plot_note: str | None = None) -> str:
                   f"{v.get('triton')}, vLLM {v.get('vllm')}, FlashInfer {v.get('flashinfer')}; clock: "
                   f"{h['settings']['clock']}; {h['settings']['reps']} timed launches per row at most (fewer "
                   f"for long ones), {h['settings']['warmup']} warm-up.")
-    out = [f"# dhp-backend bench: {h['device']['name']}, {h['date']}", "", provenance, ""]
+    out = [f"# benchmarks.harness: {h['device']['name']}, {h['date']}", "", provenance, ""]
     for k, c in doc["ceilings"].items():
         val = (f"{c['GBps']:.0f} GB/s" if "GBps" in c else f"{c['TFLOPs']:.1f} TFLOP/s" if "TFLOPs" in c
                else c.get("status"))

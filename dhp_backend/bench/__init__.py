@@ -1,1 +1,0 @@
-"""Benchmarks and binary inspection of the kernels (GPU tools; nothing here runs at import)."""
