@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from dhp_backend import config
+
 SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
@@ -30,8 +32,9 @@ class CudaBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """The repository's ``csrc/`` (the package is installed editable from the repository)."""
-    d = Path(os.environ.get("DHP_CSRC", Path(__file__).resolve().parents[2] / "csrc"))
+    """The CUDA sources: the setting ``csrc`` (DHP_CSRC), else the repository's
+    ``csrc/`` (the package is installed editable from the repository)."""
+    d = Path(config.from_env("csrc") or Path(__file__).resolve().parents[2] / "csrc")
     if not d.is_dir():
         raise CudaBuildError(f"CUDA sources not found at {d}: install dhp_backend editable from its repository "
                              "(pip install -e .) or point DHP_CSRC at the csrc/ directory")
@@ -46,7 +49,8 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DHP_CUDA_CACHE", Path.home() / ".cache" / "dhp_backend" / "cuda"))
+    """The build cache: the setting ``cuda_cache`` (DHP_CUDA_CACHE), else ~/.cache/dhp_backend/cuda."""
+    return Path(config.from_env("cuda_cache") or Path.home() / ".cache" / "dhp_backend" / "cuda")
 
 
 # What a build depends on in csrc/: every source and header (tma_maps.h included:
