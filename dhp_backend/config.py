@@ -1,12 +1,19 @@
 """User configuration of the DHP backend: one table of settings, one strict parser.
 
-Every user setting is declared once in `SETTINGS` (name, type, default, the
-environment variable that can set it, what it does). Sources, highest
+Every setting of the product is declared once in `SETTINGS` (name, type,
+default, the environment variable that can set it, what it does); the product
+reads them through this module, never from ``os.environ``. Sources, highest
 precedence first (vLLM's convention for plugins):
 
-1. ``--additional-config '{"dhp": {"policy": "request"}}'`` (``vllm_config.additional_config``)
-2. the setting's environment variable (``DHP_POLICY``, ``DHP_ALLOW_FALLBACK``, ``DHP_PATH``)
-3. the default (``policy="strict"``, no non-constant-time fallback, ``path="auto"``)
+1. ``--additional-config '{"dhp": {"policy": "request"}}'`` (``vllm_config.additional_config``),
+   for the settings an engine reads once vLLM's configuration exists;
+2. the setting's environment variable (``DHP_POLICY``, ``DHP_ALLOW_FALLBACK``, ...);
+3. the default (``policy="strict"``, no non-constant-time fallback, ``path="auto"``, ...).
+
+A few settings are read before any vLLM configuration exists (the plugin's
+registration, the CUDA build): they come from their environment variable only
+(``Setting.engine`` false; `from_env`), and an ``additional_config`` key naming one
+says so.
 
 Parsing is strict and the same everywhere (the engine, the CLI, tests): booleans
 are JSON true/false or one of `BOOL_WORDS`; enums are case-insensitive; an unknown
@@ -106,8 +113,14 @@ def _parse_path(value: Any, source: str) -> str:
     return parse_choice(value, PATHS, source=source, what="path")
 
 
-def _parse_allow(value: Any, source: str) -> bool:
+def _parse_bool(value: Any, source: str) -> bool:
     return parse_bool(value, source=source)
+
+
+def _parse_file(value: Any, source: str) -> str:
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"{source}: got {value!r}; accepted: a non-empty path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +131,7 @@ class Setting:
     parse: Any     # (value, source) -> parsed value; raises ValueError naming value and accepted ones
     accepted: str  # for docs and `dhp-backend info`
     doc: str
+    engine: bool = True  # read by an engine once vLLM's config exists: additional_config may set it
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -126,15 +140,50 @@ SETTINGS: tuple[Setting, ...] = (
             "what timing may reveal: strict = nothing beyond the step geometry (bucket L = "
             "max_model_len); request = each request's next power of two; off = true lengths "
             "(not constant-time; still deterministic and batch-invariant)"),
-    Setting("allow_fallback", "DHP_ALLOW_FALLBACK", False, _parse_allow,
+    Setting("allow_fallback", "DHP_ALLOW_FALLBACK", False, _parse_bool,
             "true/false",
             "accept the non-constant-time PyTorch reference path, under a constant-time policy, for "
             "shapes the kernels do not cover (otherwise the engine refuses to start)"),
     Setting("path", "DHP_PATH", "auto", _parse_path,
             ", ".join(PATHS),
-            "force one implementation (tests, debugging); an unsupported forced path is an error"),
+            "force one implementation: 'triton' keeps every step on the Triton kernels (no csrc "
+            "kernel; the same bits), 'reference' on the PyTorch reference; an unsupported forced path "
+            "is an error"),
+    Setting("check_values", "DHP_CHECK_VALUES", False, _parse_bool,
+            "true/false",
+            "check every step's offsets, lengths, block ids and the address rule on the host before "
+            "it runs (a device sync per layer; debugging only)"),
+    Setting("trace_file", "DHP_TRACE_FILE", None, _parse_file,
+            "a file path",
+            "append one JSON line per process the first time DHP's forward runs, and per kernel its "
+            "steps ran on (tests use it to prove the worker ran DHP)"),
+    Setting("override_cpu_attn", "DHP_OVERRIDE_CPU_ATTN", False, _parse_bool,
+            "true/false",
+            "point vLLM's CPU_ATTN slot at DHP, so that a CPU engine runs it (testing aid: vLLM's CPU "
+            "platform ignores --attention-backend; the CPU path is the reference, not constant-time)",
+            engine=False),
+    Setting("cuda_cache", "DHP_CUDA_CACHE", None, _parse_file,
+            "a directory (default ~/.cache/dhp_backend/cuda)",
+            "where the nvcc builds of the csrc kernels are cached", engine=False),
+    Setting("csrc", "DHP_CSRC", None, _parse_file,
+            "a directory (default the repository's csrc/)",
+            "the CUDA sources of the csrc kernels", engine=False),
 )
-KEYS = tuple(s.name for s in SETTINGS)
+_BY_NAME = {s.name: s for s in SETTINGS}
+KEYS = tuple(s.name for s in SETTINGS if s.engine)  # what additional_config["dhp"] accepts
+
+
+def setting(name: str) -> Setting:
+    return _BY_NAME[name]
+
+
+def from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from its environment variable (or its default), by the table's
+    parser: for the settings read before vLLM's configuration exists."""
+    s = _BY_NAME[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(s.env)
+    return s.default if raw in (None, "") else s.parse(raw, s.env)
 
 
 def _nearest(word: str, options) -> str:
@@ -160,6 +209,11 @@ def dhp_section(additional_config: Mapping[str, Any] | None) -> Mapping[str, Any
     if not isinstance(raw, Mapping):
         raise ValueError(f"additional_config['{SECTION}']: got {raw!r}; accepted: a JSON object such as "
                          '{"policy": "strict"}')
+    env_only = [k for k in raw if k in _BY_NAME and not _BY_NAME[k].engine]
+    if env_only:
+        s = _BY_NAME[env_only[0]]
+        raise ValueError(f"additional_config['{SECTION}']: key {s.name!r} is read before vLLM's configuration "
+                         f"exists; accepted: the environment variable {s.env}, or the keys {', '.join(KEYS)}")
     unknown = [k for k in raw if k not in KEYS]
     if unknown:
         k = unknown[0]
@@ -176,13 +230,18 @@ class DHPConfig:
     cover is refused at start-up, because the reference fallback is not
     constant-time. Setting this to true accepts the fallback (logged loudly).
     ``path``: ``auto`` lets the dispatcher choose; ``reference``/``triton``
-    force one path (for tests and debugging; an unsupported forced path is an
-    error, never a silent substitute).
+    force one path (an unsupported forced path is an error, never a silent
+    substitute). The other fields: `SETTINGS`.
     """
 
     policy: Policy = Policy.STRICT
     allow_fallback: bool = False
     path: str = "auto"
+    check_values: bool = False
+    trace_file: str | None = None
+    override_cpu_attn: bool = False
+    cuda_cache: str | None = None
+    csrc: str | None = None
     sources: tuple[str, ...] = ()  # where each non-default value came from, and what it overrode
 
     KEYS = KEYS
@@ -215,9 +274,11 @@ class DHPConfig:
                 values[s.name] = s.default
         return cls(**values, sources=tuple(sources))
 
+    def values(self) -> dict[str, Any]:
+        """Every setting's effective value, in `SETTINGS` order (the policy by name)."""
+        return {s.name: getattr(self, s.name).value if s.name == "policy" else getattr(self, s.name)
+                for s in SETTINGS}
+
     def describe(self) -> str:
         src = f" ({'; '.join(self.sources)})" if self.sources else " (defaults)"
-        return (
-            f"policy={self.policy.value} allow_fallback={self.allow_fallback} "
-            f"path={self.path}{src}"
-        )
+        return " ".join(f"{k}={v}" for k, v in self.values().items()) + src

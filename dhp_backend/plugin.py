@@ -9,7 +9,8 @@ What it does:
   ``--attention-backend CUSTOM`` and ``LLM(..., attention_backend="DHP")`` all
   work, including when the engine core runs in a spawned process (the pickled
   config carries ``CUSTOM``, whose value exists in every process);
-- only if ``DHP_OVERRIDE_CPU_ATTN=1``: also points ``CPU_ATTN`` at our backend.
+- only if ``DHP_OVERRIDE_CPU_ATTN=1`` (the setting ``override_cpu_attn``): also
+  points ``CPU_ATTN`` at our backend.
   vLLM's CPU platform ignores ``--attention-backend`` and always takes the
   ``CPU_ATTN`` slot; this opt-in is a testing aid that lets a CPU engine run
   DHP (it is how CI runs the backend end to end);
@@ -26,15 +27,10 @@ What it does:
 from __future__ import annotations
 
 import logging
-import os
+
+from dhp_backend import config
 
 logger = logging.getLogger("dhp_backend")
-
-CPU_OVERRIDE_ENV = "DHP_OVERRIDE_CPU_ATTN"
-
-
-def cpu_override_requested() -> bool:
-    return os.environ.get(CPU_OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def register() -> None:
@@ -46,9 +42,10 @@ def register() -> None:
                        "DHP takes it over", previous)
     compat.register_class_path("CUSTOM")
     compat.install_alias()
-    if cpu_override_requested():
+    if config.from_env("override_cpu_attn"):
         compat.register_class_path("CPU_ATTN")
-        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)", CPU_OVERRIDE_ENV)
+        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)",
+                    config.setting("override_cpu_attn").env)
     from dhp_backend.vllm import reservation, startup_check
 
     reservation.install()

@@ -69,12 +69,12 @@ GPU_CONFIGS = {
     "dhp-off": ("DHP", "off"),
     "dhp-strict": ("DHP", "strict"),
     "dhp-request": ("DHP", "request"),
-    # DHP strict with its decode steps on the Triton kernels (DHP_CUDA_DECODE_CT=0);
-    # "dhp-strict" is the default path (csrc CT decode).
+    # DHP strict with every step on its Triton kernels (the setting path=triton);
+    # "dhp-strict" is the default path (the csrc kernels where they apply).
     "dhp-strict-triton": ("DHP", "strict"),
 }
 # Environment a configuration sets in its own process (over the caller's).
-CONFIG_ENV = {"dhp-strict-triton": {"DHP_CUDA_DECODE_CT": "0"}}
+CONFIG_ENV = {"dhp-strict-triton": {"DHP_PATH": "triton"}}
 CPU_CONFIGS = {
     "cpu-attn": ("CPU_ATTN", None),
     "dhp-off": ("DHP", "off"),

@@ -107,7 +107,7 @@ for step in "$@"; do
                rm -f "$OUT/ncudec-$tg.ncu-rep"
              done; (exit 0) ;;
     ncuprobe) # what this ncu reports per opcode and per SASS instruction for the CT prefill kernel (G1 design)
-             export DHP_CUDA_PREFILL_CT=1; ncu --version | tail -1
+             ncu --version | tail -1
              CH="python3 -m dhp_backend.audit.counters --child ${PROBE_SHAPE:-B4-L4096-q64} random --launches 2 --sidecar $OUT/probe-child.json"
              timeout 200 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 \
                --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum --print-metric-instances values --csv $CH \

@@ -42,8 +42,8 @@ def _scope_triton_interpreter(request, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from dhp_backend.ops import attention
+    from dhp_backend.ops import plan
 
-    attention._choose_path_logged.cache_clear()
+    plan.clear_caches()
     yield
-    attention._choose_path_logged.cache_clear()
+    plan.clear_caches()

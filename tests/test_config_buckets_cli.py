@@ -250,3 +250,54 @@ def test_info_names_the_kernel_each_step_runs_on(capsys):
         assert c["kernel"] == step_kernel(spec, "strict", c["tokens"], c["requests"])
     assert cli_main(["info", "--json", "--device", "cuda", "--policy", "off"]) == 0
     assert not any(c["constant_time"] for c in json.loads(capsys.readouterr().out)["cases"].values())
+
+
+def test_every_setting_is_in_the_table_and_env_only_ones_say_so():
+    """Settings read before vLLM's config exists come from their variable only; an
+    additional_config key naming one says which variable; each is parsed strictly."""
+    from dhp_backend import config
+
+    cfg = DHPConfig.from_sources({"dhp": {"check_values": "yes", "trace_file": "/tmp/t.jsonl"}},
+                                 environ={"DHP_CUDA_CACHE": "/tmp/c", "DHP_OVERRIDE_CPU_ATTN": "on"})
+    assert (cfg.check_values, cfg.trace_file, cfg.cuda_cache, cfg.override_cpu_attn) == (True, "/tmp/t.jsonl",
+                                                                                          "/tmp/c", True)
+    assert "check_values=True" in cfg.describe() and "cuda_cache from DHP_CUDA_CACHE" in cfg.describe()
+    with pytest.raises(ValueError, match=r"key 'cuda_cache' is read before vLLM's configuration exists; "
+                                         r"accepted: the environment variable DHP_CUDA_CACHE"):
+        DHPConfig.from_sources({"dhp": {"cuda_cache": "/tmp/c"}}, environ={})
+    assert config.from_env("override_cpu_attn", {}) is False
+    assert config.from_env("override_cpu_attn", {"DHP_OVERRIDE_CPU_ATTN": "1"}) is True
+    with pytest.raises(ValueError, match=r"DHP_OVERRIDE_CPU_ATTN: got 'maybe'; accepted: a boolean"):
+        config.from_env("override_cpu_attn", {"DHP_OVERRIDE_CPU_ATTN": "maybe"})
+    with pytest.raises(ValueError, match=r"DHP_TRACE_FILE: got ' '; accepted: a non-empty path"):
+        DHPConfig.from_sources(None, environ={"DHP_TRACE_FILE": " "})
+    # no product module reads a DHP_ variable but through the table
+    names = {s.env for s in config.SETTINGS}
+    root = Path(__file__).resolve().parents[1] / "dhp_backend"
+    import re
+
+    for f in root.rglob("*.py"):
+        if f.parts[-2] in ("bench", "audit"):
+            continue
+        for name in re.findall(r"environ(?:\.get)?[\[(]\s*[\"'](DHP_\w+)", f.read_text()):
+            assert name in names, f"{f}: {name} is read outside config.SETTINGS"
+
+
+def test_info_prints_the_plan_of_each_step(capsys):
+    assert cli_main(["info", "--json", "--device", "cpu", "--policy", "off", "--head-size", "64"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["config"]) >= {"policy", "check_values", "trace_file", "cuda_cache", "sources"}
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from dhp_backend.ops import plan
+
+        plan.clear_caches()
+        assert cli_main(["info", "--json", "--device", "cpu", "--policy", "off", "--head-size", "64"]) == 0
+        cases = json.loads(capsys.readouterr().out)["cases"]
+        assert cases["decode"]["kernel"] == "triton" and "decode tile" in cases["decode"]["binary"]
+        assert cases["decode"]["launch"]["tiling"] == "token" and cases["prefill"]["launch"]["tiling"] == "request"
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+        plan.clear_caches()

@@ -9,8 +9,7 @@ import pytest
 from csrc_signature import c_signature
 import torch
 
-import dhp_backend.ops.attention as attn
-from dhp_backend.ops import cuda_build, dispatch, step_kernel
+from dhp_backend.ops import cuda_build, dispatch, plan, step_kernel
 from dhp_backend.ops.cuda_decode import decode_sm90, validate
 
 
@@ -59,29 +58,23 @@ SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128,
 @pytest.fixture
 def with_nvcc(monkeypatch):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
-    attn._cuda_routes.cache_clear()
+    plan.clear_caches()
     yield
-    attn._cuda_routes.cache_clear()
+    plan.clear_caches()
 
 
 def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
-    assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE  # 64 requests x 1 token
-    assert step_kernel(SPEC, "off", 65, 64) == attn.CUDA_DECODE  # one request with 2 tokens: still token tiles
+    assert step_kernel(SPEC, "off", 64, 64) == plan.CUDA_DECODE  # 64 requests x 1 token
+    assert step_kernel(SPEC, "off", 65, 64) == plan.CUDA_DECODE  # one request with 2 tokens: still token tiles
     assert step_kernel(SPEC, "off", 3 * 16, 16) == dispatch.TRITON  # 3 tokens each: request tiles (mixed)
-    assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
+    assert step_kernel(SPEC, "off", 4096, 1) == plan.CUDA_PREFILL
     assert step_kernel(SPEC, "off", 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
     for policy in ("strict", "request"):
-        assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT  # constant-time: the CT binaries
+        assert step_kernel(SPEC, policy, 64, 64) == plan.CUDA_DECODE_CT  # constant-time: the CT binaries
     import dataclasses
     for other in (dict(head_size=64), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
                   dict(device_capability=(8, 0))):
         assert step_kernel(dataclasses.replace(SPEC, **other), "off", 64, 64) == dispatch.TRITON, other
-
-
-def test_step_kernel_decode_routing_can_be_turned_off(with_nvcc, monkeypatch):
-    monkeypatch.setenv("DHP_CUDA_DECODE", "0")
-    assert step_kernel(SPEC, "off", 64, 64) == dispatch.TRITON
-    assert step_kernel(SPEC, "off", 4096, 1) == attn.CUDA_PREFILL
 
 
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="no nvcc on this machine (CI): built on the GPU machine")
@@ -169,10 +162,10 @@ def test_merge_coefficients_scanned_equal_the_sequential_fold(seed):
 ])
 def test_pick_variant_by_waves(monkeypatch, B, ctx, group, expected):
     from dhp_backend.ops import cuda_decode
-    from dhp_backend.ops.triton import launch
+    from dhp_backend.ops import geometry
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch, "num_sms_of", lambda device: 132)
+    monkeypatch.setattr(geometry, "num_sms_of", lambda device: 132)
     got = cuda_decode.pick_variant(B, B, 8 * group, 8, ctx, "bfloat16", None)
     assert got == expected
     assert got in cuda_decode.VARIANTS
@@ -198,23 +191,16 @@ def test_constant_time_arguments_refused(monkeypatch):
         decode_sm90(*cpu_step(), scale=0.1, bucket=torch.full((4,), 64, dtype=torch.int64))
 
 
-def test_step_kernel_routes_constant_time_decode_steps_unless_disabled(with_nvcc, monkeypatch):
-    """Decode steps of strict/request go to cuda_decode_ct by default where the
-    group fits its tile, and stay on Triton with DHP_CUDA_DECODE_CT=0; mixed steps
-    and policy off are unchanged."""
+def test_step_kernel_routes_constant_time_decode_steps(with_nvcc):
+    """Decode steps of strict/request go to cuda_decode_ct where the group fits its
+    tile; mixed steps stay on Triton; policy off's decode steps on cuda_decode."""
     import dataclasses
-    monkeypatch.delenv("DHP_CUDA_DECODE_CT", raising=False)
-    attn._cuda_routes.cache_clear()
     for policy in ("strict", "request"):
-        assert step_kernel(SPEC, policy, 64, 64) == attn.CUDA_DECODE_CT
+        assert step_kernel(SPEC, policy, 64, 64) == plan.CUDA_DECODE_CT
         assert step_kernel(SPEC, policy, 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
         assert step_kernel(dataclasses.replace(SPEC, num_heads=64, num_kv_heads=2), policy, 64, 64) \
             == dispatch.TRITON  # GROUP 32: no mma.sync tile for it
-    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "0")
-    attn._cuda_routes.cache_clear()
-    for policy in ("strict", "request"):
-        assert step_kernel(SPEC, policy, 64, 64) == dispatch.TRITON
-    assert step_kernel(SPEC, "off", 64, 64) == attn.CUDA_DECODE
+    assert step_kernel(SPEC, "off", 64, 64) == plan.CUDA_DECODE
 
 
 def test_entry_argtypes_follow_the_c_signature(monkeypatch):

@@ -184,21 +184,16 @@ def test_batch_invariant():
 def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     """ops.paged_attention (path auto, policy off) runs a decode step on the csrc
     decode kernel with the Triton kernel's bits; strict does not run on the off binary."""
-    import dhp_backend.ops.attention as attn
-    from dhp_backend.ops import dispatch
+    from dhp_backend.ops import cuda_decode, dispatch, plan
 
-    calls = []
-    real = attn._CSRC_RUNNERS[attn.CUDA_DECODE]
+    calls = []  # the bucket of each csrc decode launch: None = the policy-off binary
+    real = cuda_decode.decode_sm90
 
-    def spy():
-        fn = real()
+    def spy(*a, **k):
+        calls.append(k.get("bucket"))
+        return real(*a, **k)
 
-        def wrapped(*a, **k):
-            calls.append(a[0].shape[0])
-            return fn(*a, **k)
-        return wrapped
-
-    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_DECODE, spy)
+    monkeypatch.setattr(cuda_decode, "decode_sm90", spy)
     rng = random.Random(11)
     gen = torch.Generator(device="cuda").manual_seed(11)
     # No padding tokens: 2 on 6 requests would make it a "mixed" step by the
@@ -210,17 +205,18 @@ def test_paged_attention_routes_off_decode_steps_with_triton_bits(monkeypatch):
     step = reserved_step(reqs, "strict", block_size=16, width=-(-max(r.seq_len for r in reqs) // 16) + 1, gen=gen)
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, causal=True, device_capability=(9, 0))
-    assert step_kernel(spec, "off", step.num_tokens, 6) == attn.CUDA_DECODE
-    assert step_kernel(spec, "strict", step.num_tokens, 6) == attn.CUDA_DECODE_CT  # constant-time: the CT binary
+    assert step_kernel(spec, "off", step.num_tokens, 6) == plan.CUDA_DECODE
+    assert step_kernel(spec, "strict", step.num_tokens, 6) == plan.CUDA_DECODE_CT  # constant-time: the CT binary
     out = torch.full_like(step.query, float("nan"))
     paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="off", num_tokens=step.num_tokens)
-    assert calls, "a policy-off decode step did not run on the csrc decode kernel"
+    assert calls == [None], f"a policy-off decode step did not run on the csrc policy-off binary: {calls}"
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step)[: step.num_tokens]))
     calls.clear()
     strict = torch.full_like(step.query, float("nan"))
     paged_attention(*step.args(), strict, scale=SCALE, causal=True, policy="strict",
                     bucket=step.bucket("strict"), num_tokens=step.num_tokens)
-    assert not calls, "a strict step was routed to the csrc policy-off binary (not constant-time)"
+    assert calls == [step.bucket("strict")], \
+        f"a strict step did not run on the csrc CT binary (policy off's is not constant-time): {calls}"
     assert torch.equal(bits(strict[: step.num_tokens]), bits(out[: step.num_tokens]))
 
 
@@ -406,41 +402,29 @@ def test_ct_refuses_what_it_cannot_run():
         run_ct(step, 129)
 
 
-def test_paged_attention_routes_ct_decode_steps_unless_disabled(monkeypatch):
-    """By default (and with DHP_CUDA_DECODE_CT=1) strict decode steps run on the CT
-    binary (spied) with the Triton kernels' strict bits; with =0 they stay on Triton."""
-    import dhp_backend.ops.attention as attn
+def test_paged_attention_routes_ct_decode_steps_unless_path_triton(monkeypatch):
+    """Path auto runs strict decode steps on the CT binary (spied) with the Triton
+    kernels' strict bits; path 'triton' keeps them on the Triton kernels."""
+    from dhp_backend.ops import cuda_decode
 
     calls = []
-    real = attn._CSRC_RUNNERS[attn.CUDA_DECODE_CT]
+    real = cuda_decode.decode_sm90
 
-    def spy():
-        run_real = real()
+    def spy(*a, **k):
+        calls.append(k.get("bucket"))
+        return real(*a, **k)
 
-        def wrapped(*a, **k):
-            calls.append(k["bucket"])
-            return run_real(*a, **k)
-        return wrapped
-
-    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_DECODE_CT, spy)
+    monkeypatch.setattr(cuda_decode, "decode_sm90", spy)
     gen = torch.Generator(device="cuda").manual_seed(29)
     # No padding tokens: they would make a step of 6 requests "mixed" (request tiles).
     reqs = [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
             for s in (900, 17, 2048, 1, 513, 64)]
     step = reserved_step(reqs, "strict", block_size=16, width=128, gen=gen)  # max_model_len 2048
     want = bits(run_triton_policy(step, "strict", 2048)[: step.num_tokens])
-    for enabled in ("", "1", "0"):
-        if enabled:
-            monkeypatch.setenv("DHP_CUDA_DECODE_CT", enabled)
-        else:
-            monkeypatch.delenv("DHP_CUDA_DECODE_CT", raising=False)
-        attn._cuda_routes.cache_clear()
-        try:
-            calls.clear()
-            out = torch.full_like(step.query, float("nan"))
-            paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="strict", bucket=2048,
-                            num_tokens=step.num_tokens)
-            assert calls == ([2048] if enabled != "0" else []), f"DHP_CUDA_DECODE_CT={enabled!r}: {calls}"
-            assert torch.equal(bits(out[: step.num_tokens]), want)
-        finally:
-            attn._cuda_routes.cache_clear()
+    for path, expected in (("auto", [2048]), ("triton", [])):
+        calls.clear()
+        out = torch.full_like(step.query, float("nan"))
+        paged_attention(*step.args(), out, scale=SCALE, causal=True, policy="strict", bucket=2048,
+                        num_tokens=step.num_tokens, path=path)
+        assert calls == expected, f"path {path!r}: {calls}"
+        assert torch.equal(bits(out[: step.num_tokens]), want)

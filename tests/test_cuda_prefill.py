@@ -101,36 +101,34 @@ def test_ct_bucket_refused(monkeypatch, kw, pattern):
         prefill_sm90(*cpu_step(), scale=0.1, check=False, **kw)
 
 
-def test_constant_time_prefill_steps_route_to_ct_only_when_enabled(monkeypatch):
-    """ops.step_kernel: prefill steps of strict/request go to the csrc CT
-    binary on an sm_90 GPU unless DHP_CUDA_PREFILL_CT=0, else stay on Triton; decode
-    steps of those policies do not go to it (with their own CT route turned off here,
-    test_cuda_decode covers it, they stay on Triton); policy off is unchanged."""
-    import dhp_backend.ops.attention as attn
-    from dhp_backend.ops import dispatch, step_kernel
-    from dhp_backend.ops.cuda_prefill import routes_prefill_ct
+def test_prefill_steps_route_to_the_compat_binaries(monkeypatch):
+    """ops.step_kernel: prefill steps of strict/request go to the csrc CT binary on
+    an sm_90 GPU, policy off's to the compat binary; decode steps do not go to
+    them; an older GPU keeps every step on Triton. The plan names the binary."""
+    from dhp_backend.ops import dispatch, plan, step_kernel
+    from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, routes_prefill_ct
 
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, device_capability=(9, 0))
-    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "0")
-    monkeypatch.setenv("DHP_CUDA_DECODE_CT", "0")
-    attn._cuda_routes.cache_clear()
-    ok, why = routes_prefill_ct(spec)
-    assert not ok and "DHP_CUDA_PREFILL_CT=0" in why
-    assert step_kernel(spec, "strict", 4096, 2) == dispatch.TRITON
-    monkeypatch.delenv("DHP_CUDA_PREFILL_CT")  # the default
-    attn._cuda_routes.cache_clear()
+    plan.clear_caches()
     try:
         assert routes_prefill_ct(spec)[0]
         for policy in ("strict", "request"):
-            assert step_kernel(spec, policy, 4096, 2) == attn.CUDA_PREFILL_CT
-            assert step_kernel(spec, policy, 16, 16) == dispatch.TRITON  # a decode step
-        assert step_kernel(spec, "off", 4096, 2) == attn.CUDA_PREFILL
+            assert step_kernel(spec, policy, 4096, 2) == plan.CUDA_PREFILL_CT
+            assert step_kernel(spec, policy, 16, 16) != plan.CUDA_PREFILL_CT  # a decode step
+        assert step_kernel(spec, "off", 4096, 2) == plan.CUDA_PREFILL
+        strict = plan.plan_step(spec, "strict", num_tokens=4096, num_reqs=2, max_blocks=512, bucket_l=8192,
+                                num_sms=132)
+        assert (strict.kernel, strict.prefill_variant) == (plan.CUDA_PREFILL_CT, COMPAT_CT)
+        off = plan.plan_step(spec, "off", num_tokens=4096, num_reqs=2, max_blocks=512, num_sms=132)
+        assert (off.kernel, off.prefill_variant) == (plan.CUDA_PREFILL, COMPAT)
+        assert "csrc/prefill_sm90.cu, compat_ct binary" in strict.describe()
         hopperless = dataclasses.replace(spec, device_capability=(8, 0))
         assert not routes_prefill_ct(hopperless)[0]
         assert step_kernel(hopperless, "strict", 4096, 2) == dispatch.TRITON
     finally:
-        attn._cuda_routes.cache_clear()
+        plan.clear_caches()
 
 
 def test_entry_argtypes_follow_the_c_signature(monkeypatch):

@@ -103,26 +103,22 @@ def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
     """ops.paged_attention (path auto, policy off) on a prefill step runs the csrc
     compat binary, and the rows have the Triton kernel's bits; a decode step stays
     on Triton."""
-    import dhp_backend.ops.attention as attn
+    from dhp_backend.ops import cuda_prefill
 
-    calls = []
-    real = attn._CSRC_RUNNERS[attn.CUDA_PREFILL]
+    calls = []  # the variant of each csrc prefill launch
+    real = cuda_prefill.prefill_sm90
 
-    def spy():
-        run = real()
+    def spy(*a, **k):
+        calls.append(k.get("variant"))
+        return real(*a, **k)
 
-        def wrapped(*a, **k):
-            calls.append(a[0].shape[0])
-            return run(*a, **k)
-        return wrapped
-
-    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_PREFILL, spy)
+    monkeypatch.setattr(cuda_prefill, "prefill_sm90", spy)
     gen = torch.Generator(device="cuda").manual_seed(11)
     reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((700, 900), (300, 300))]
     step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4)
     out = torch.full_like(step.query, float("nan"))
     paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="off", num_tokens=step.num_tokens)
-    assert calls, "a policy-off prefill step did not run on the csrc kernel"
+    assert calls == [cuda_prefill.COMPAT], f"a policy-off prefill step did not run on the compat binary: {calls}"
     assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
     calls.clear()
     decode = assemble([make_request(1, 500, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for _ in range(4)],
@@ -216,33 +212,24 @@ def test_ct_many_requests_and_surplus_tiles():
     assert (got[n: step.num_tokens] == 0).all()
 
 
-def test_paged_attention_routes_strict_prefill_steps_to_ct_when_enabled(monkeypatch):
-    import dhp_backend.ops.attention as attn
+def test_paged_attention_routes_strict_prefill_steps_to_ct(monkeypatch):
+    from dhp_backend.ops import cuda_prefill
 
     calls = []
-    real = attn._CSRC_RUNNERS[attn.CUDA_PREFILL_CT]
+    real = cuda_prefill.prefill_sm90
 
-    def spy():
-        run = real()
+    def spy(*a, **k):
+        calls.append(k.get("bucket"))
+        return real(*a, **k)
 
-        def wrapped(*a, **k):
-            calls.append(k["bucket"])
-            return run(*a, **k)
-        return wrapped
-
-    monkeypatch.setitem(attn._CSRC_RUNNERS, attn.CUDA_PREFILL_CT, spy)
-    monkeypatch.setenv("DHP_CUDA_PREFILL_CT", "1")
-    attn._cuda_routes.cache_clear()
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(12)
-        reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
-                for q, s in ((700, 900), (300, 300))]
-        step = reserved_step(reqs, "strict", block_size=16, width=128, gen=gen, pad_tokens=4)  # max_model_len 2048
-        out = torch.full_like(step.query, float("nan"))
-        paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="strict", bucket=2048,
-                        num_tokens=step.num_tokens)
-        assert calls == [2048], "a strict prefill step did not run on the csrc CT binary"
-        assert torch.equal(bits(out[: step.num_tokens]),
-                           bits(run_triton_policy(step, True, "strict", 2048)[: step.num_tokens]))
-    finally:
-        attn._cuda_routes.cache_clear()
+    monkeypatch.setattr(cuda_prefill, "prefill_sm90", spy)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+            for q, s in ((700, 900), (300, 300))]
+    step = reserved_step(reqs, "strict", block_size=16, width=128, gen=gen, pad_tokens=4)  # max_model_len 2048
+    out = torch.full_like(step.query, float("nan"))
+    paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="strict", bucket=2048,
+                    num_tokens=step.num_tokens)
+    assert calls == [2048], "a strict prefill step did not run on the csrc CT binary"
+    assert torch.equal(bits(out[: step.num_tokens]),
+                       bits(run_triton_policy(step, True, "strict", 2048)[: step.num_tokens]))

@@ -167,7 +167,7 @@ def test_hash_groups():
 def test_parse_configs():
     assert et.parse_config("dhp-strict-bi", "cuda") == {"config": "dhp-strict-bi", "backend": "DHP",
                                                          "policy": "strict", "batch_invariant": True, "env": {}}
-    assert et.parse_config("dhp-strict-triton-bi", "cuda")["env"] == {"DHP_CUDA_DECODE_CT": "0"}
+    assert et.parse_config("dhp-strict-triton-bi", "cuda")["env"] == {"DHP_PATH": "triton"}
     assert et.parse_config("flashinfer", "cuda")["backend"] == "FLASHINFER"
     assert et.parse_config("cpu-attn", "cpu")["backend"] == "CPU_ATTN"
     with pytest.raises(et.ConfigError, match="accepted: cpu-attn"):
@@ -203,7 +203,7 @@ def test_child_env(monkeypatch, tmp_path):
     assert dhp_cpu["DHP_OVERRIDE_CPU_ATTN"] == "1" and dhp_cpu["DHP_TRACE_FILE"] == "/tmp/t"
     assert "DHP_OVERRIDE_CPU_ATTN" not in et.child_env(et.parse_config("cpu-attn", "cpu"), "cpu", "/tmp/t")
     tri = et.child_env(et.parse_config("dhp-strict-triton-bi", "cuda"), "cuda", "/tmp/t")
-    assert tri["DHP_CUDA_DECODE_CT"] == "0" and tri["VLLM_BATCH_INVARIANT"] == "1"  # strict decode on Triton
+    assert tri["DHP_PATH"] == "triton" and tri["VLLM_BATCH_INVARIANT"] == "1"  # strict on the Triton kernels
 
 
 def test_root_cause_skips_vllm_wrappers():

@@ -8,7 +8,7 @@ follow the step geometry. The GPU tests check the bits themselves.
 import pytest
 
 from dhp_backend.ops.triton import config as kcfg
-from dhp_backend.ops.triton.launch import plan, step_kind
+from dhp_backend.ops.geometry import plan, step_kind
 
 
 @pytest.mark.parametrize("head,group,dtype", [(128, 4, "bfloat16"), (64, 8, "float16"), (128, 1, "float16"),

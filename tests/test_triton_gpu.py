@@ -207,7 +207,7 @@ def test_split_states_bits_equal_across_tile_configs(shape):
     (acc, m, l) to the workspace; those must be bit-identical across tile configs
     (wgmma 64/128-row tiles, mma.sync 16-row tiles on 1, 2 or 4 warps), i.e.
     the same products, the same k16 accumulation order and the same row sums."""
-    from dhp_backend.ops.triton import workspace as wsp
+    from dhp_backend.ops import workspace as wsp
 
     H, Hkv, D, dtype = shape
     g = _gen(21)
@@ -295,7 +295,7 @@ def test_cuda_graph_replay_matches_eager(policy):
     with the per-request bucket refilled in place under `request`.
     """
     from dhp_backend.ops import bucket_for_step, paged_attention
-    from dhp_backend.ops.triton import reserve_workspace
+    from dhp_backend.ops.workspace import reserve_workspace
 
     reserve_workspace(torch.device("cuda", torch.cuda.current_device()))
     step = _llama_mixed_step(21)

@@ -239,3 +239,24 @@ def test_meta_tensors_are_refused_up_front():
     with pytest.raises(ValueError, match=r"query is on the meta device.*accepted: tensors on a CPU or CUDA device"):
         paged_attention(*[meta.pop(k) for k in ("query", "key_cache", "value_cache", "block_table",
                                                  "query_start_loc", "seq_lens", "out")], **meta)
+
+
+def test_run_refuses_tensors_of_another_geometry_than_the_plan():
+    """ops.run checks the tensors against the step geometry its plan was made for."""
+    from dhp_backend.ops import ProblemSpec, plan_step, run
+
+    spec = ProblemSpec("cpu", "float32", 64, 4, 2, 16)
+    plan = plan_step(spec, "off", num_tokens=3, num_reqs=2, max_blocks=4)
+    q = torch.zeros(3, 4, 64)
+    cache = torch.zeros(8, 2, 16, 64)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"plan.run: the number of requests \(seq_lens\) is 3; accepted: 2"):
+        run(plan, q, cache, cache, table, qsl, torch.ones(3, dtype=torch.int32), q.clone(), scale=0.1, causal=True,
+            bucket=None)
+    with pytest.raises(ValueError, match=r"plan.run: bucket is 64; accepted: true lengths"):
+        run(plan, q, cache, cache, table[:2], qsl[:3], torch.ones(2, dtype=torch.int32), q.clone(), scale=0.1,
+            causal=True, bucket=64)
+    out = run(plan, q, cache, cache, table[:2], qsl[:3], torch.ones(2, dtype=torch.int32), q.clone(), scale=0.1,
+              causal=True, bucket=None)
+    assert out.shape == q.shape and bool((out[2] == 0).all())  # the padding row past the requests is zero

@@ -346,3 +346,36 @@ def test_request_buckets_reuse_one_buffer(model_dir):
     b = builder.build(0, Step([Request(200, 1), Request(3, 2)], 16, seed=2).common).bucket
     assert values_a == [64, 16] and b.tolist() == [256, 8]
     assert b.data_ptr() == ptr  # refilled in place: what a captured graph reads on replay
+
+
+def test_builder_plans_once_and_every_layer_runs_the_plan(model_dir, monkeypatch):
+    """The metadata builder plans the step once (public geometry, no tensors in the
+    plan: a captured graph replays it); each layer's forward runs that plan without
+    planning again, with the oracle's result."""
+    import dataclasses
+
+    from dhp_backend.vllm import backend
+
+    cfg = make_vllm_config(model_dir, 16, policy="off")
+    step = Step(STEPS["mixed_small"], 16, seed=3)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    builder = DHPAttentionBackend.get_builder_cls()(spec, ["l0", "l1"], cfg, torch.device("cpu"))
+    md = builder.build(0, step.common)
+    plan = md.plan
+    assert (plan.num_tokens, plan.num_reqs, plan.kernel) == (step.query.shape[0], 4, "reference")
+    assert plan.capacity == step.common.block_table_tensor.shape[1] * 16
+    assert not any(isinstance(getattr(plan, f.name), torch.Tensor) for f in dataclasses.fields(plan))
+    impl = make_impl(DHPAttentionBackend, cfg)
+    planned, ran = [], []
+    monkeypatch.setattr(backend, "plan_step", lambda *a, **k: planned.append(a))
+    real_run = backend.run
+    monkeypatch.setattr(backend, "run", lambda p, *a, **k: (ran.append(p), real_run(p, *a, **k))[1])
+    kv_cache = step.kv_cache.clone()
+    layer = MockLayer()
+    impl.do_kv_cache_update(layer, *step.context_kv[:2], kv_cache, step.context_kv[2])
+    impl.do_kv_cache_update(layer, step.key, step.value, kv_cache, step.common.slot_mapping)
+    for _ in range(2):  # two layers of the step
+        out = torch.full_like(step.query, float("nan"))
+        impl.forward(layer, step.query, step.key, step.value, kv_cache, md, output=out)
+        assert_close_to_oracle(out, step.oracle(), torch.float32, "a layer of the step")
+    assert planned == [] and ran == [plan, plan]

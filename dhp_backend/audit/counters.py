@@ -77,8 +77,7 @@ DRAM_METRIC = "dram__bytes_read.sum"
 COUNT_METRICS = tuple(m for m in METRICS if m != DRAM_METRIC)
 DRAM_TOLERANCE = 0.01
 # The Triton kernels and the csrc prefill kernel (its CT binary runs constant-time
-# prefill steps unless DHP_CUDA_PREFILL_CT=0) and decode kernel (its CT binaries run
-# constant-time decode steps unless DHP_CUDA_DECODE_CT=0).
+# prefill steps) and decode kernel (its CT binaries run constant-time decode steps).
 KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel|decode_kernel"
 DEFAULT_SHAPES = ("B16-L4096-q1", "B64-L4096-q1", "B16-L32768-q1", "B4-L4096-q64")
 SHORT_NAMES = {

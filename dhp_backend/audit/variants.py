@@ -107,8 +107,8 @@ CI_SUBSET = (
 
 def compile_inputs(v: Variant):
     """(jit function, signature, constexprs, attrs, options) for `triton.compile`."""
+    from dhp_backend.ops import workspace as wsp
     from dhp_backend.ops.triton import kernels
-    from dhp_backend.ops.triton import workspace as wsp
 
     cfg = kcfg.kernel_config(v.head, v.group, v.dtype, kind=v.kind if v.kernel == "attention_kernel" else "mixed",
                              const_time=bool(v.const_time) if v.kernel == "attention_kernel" else True)

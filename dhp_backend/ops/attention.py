@@ -2,9 +2,10 @@
 
 Torch tensors in, the result written into a caller-provided tensor. It
 validates everything it is given (cheap shape/dtype/device checks always;
-value checks that need the host unless ``check_values=False``), picks a path
-(`dispatch.choose_path`) and runs it. The reference path implements exactly
-this function; every kernel path must compute the same thing.
+value checks that need the host unless ``check_values=False``), plans the step
+(`plan.plan_step`: the path, the kernel and binary, the launch geometry; cached
+per step geometry) and runs the plan (`plan.run`). The reference path implements
+exactly this function; every kernel path must compute the same thing.
 
 Semantics, per request ``r`` with query rows ``query_start_loc[r]:query_start_loc[r+1]``
 (``q_len`` rows) and total length ``seq_len = seq_lens[r]`` (cached context plus
@@ -37,8 +38,6 @@ value check (``check_values=True``) rejects a table that does not, with a
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import numbers
 import operator
@@ -47,15 +46,13 @@ import torch
 
 from dhp_backend.config import Policy
 from dhp_backend.ops import dispatch
-
-logger = logging.getLogger("dhp_backend")
+from dhp_backend.ops.plan import plan_step, run
+from dhp_backend.ops.plan import step_kernel  # noqa: F401  (the audit's and benchmarks' import of it)
+from dhp_backend.ops.validation import check_values as check_values_of
+from dhp_backend.ops.validation import fail as _fail
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-
-def _fail(arg: str, got: object, accepted: str) -> None:
-    raise ValueError(f"paged_attention: {arg} is {got}; accepted: {accepted}")
 
 
 def _check_tensor(arg: str, t: object, *, ndim: int, dtypes, device: torch.device | None) -> torch.Tensor:
@@ -190,7 +187,7 @@ def paged_attention(
                                block_table.shape[1] * block_size)
 
     if check_values:
-        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size)
+        check_values_of(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size)
 
     spec = dispatch.ProblemSpec(
         device_type=device.type,
@@ -202,15 +199,11 @@ def paged_attention(
         causal=causal,
         device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
     )
-    choice = _choose_path_logged(spec, policy, path, allow_fallback)
-    run = _PATH_RUNNERS[choice.name]()
-    if path == "auto" and choice.name == dispatch.TRITON:
-        kernel = step_kernel(spec, policy, num_tokens, num_reqs)
-        if kernel != dispatch.TRITON:
-            run = _CSRC_RUNNERS[kernel]()
-    run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
-        scale=float(scale), causal=causal, policy=policy, bucket=bucket, num_tokens=num_tokens)
-    return out
+    step = plan_step(spec, policy, num_tokens=num_tokens, num_reqs=num_reqs, max_blocks=block_table.shape[1],
+                     bucket_l=bucket if isinstance(bucket, int) else None, path=path,
+                     allow_fallback=allow_fallback, device=device)
+    return run(step, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
+               scale=float(scale), causal=causal, bucket=bucket)
 
 
 def _as_int(arg: str, value, accepted: str) -> int:
@@ -256,191 +249,3 @@ def _normalize_bucket(policy, bucket, max_model_len, num_reqs, device, table_cap
               f"at most block_table.shape[1] * block_size = {table_capacity} (the kernels read the "
               "block table up to the bucket)")
     return int(bucket)
-
-
-def _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size):
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    if qsl[0] != 0:
-        _fail("query_start_loc[0]", str(qsl[0]), "0")
-    for r, s in enumerate(lens):
-        q_len = qsl[r + 1] - qsl[r]
-        if q_len < 0:
-            _fail(f"query_start_loc[{r + 1}]", f"{qsl[r + 1]} < query_start_loc[{r}] = {qsl[r]}",
-                  "a non-decreasing sequence")
-        if s < 0:
-            _fail(f"seq_lens[{r}]", str(s), "a length >= 0")
-        if q_len > s:
-            _fail(f"seq_lens[{r}]", f"{s}, shorter than its query ({q_len} tokens)",
-                  "seq_len >= query length (seq_len counts the cached context plus the new tokens)")
-    if qsl[-1] > num_tokens:
-        _fail("query_start_loc[-1]", str(qsl[-1]), f"at most num_tokens = {num_tokens}")
-    # One host copy of the buckets serves both the length checks and the address rule's.
-    buckets = None
-    if bucket is not None:
-        buckets = bucket.tolist() if isinstance(bucket, torch.Tensor) else [bucket] * len(lens)
-        table_capacity = block_table.shape[1] * block_size
-        for r, (s, b) in enumerate(zip(lens, buckets)):
-            if s > b:
-                _fail(f"seq_lens[{r}]", f"{s}, above its bucket {b}",
-                      "lengths at most the policy's bucket (raise max_model_len or use another policy)")
-            if b > table_capacity:
-                _fail(f"bucket[{r}]", str(b), f"at most block_table.shape[1] * block_size = {table_capacity}")
-    table = block_table.cpu()
-    for r, s in enumerate(lens):
-        n = -(-s // block_size)
-        if n > table.shape[1]:
-            _fail(f"seq_lens[{r}]", f"{s}, which needs {n} blocks",
-                  f"at most block_table.shape[1] = {table.shape[1]} blocks of {block_size}")
-        if buckets is not None:
-            # The address rule: a constant-time kernel reads every page up to the bucket.
-            n = max(n, -(-int(buckets[r]) // block_size))
-        if not n:
-            continue
-        row = table[r, :n]
-        bad = ((row < 0) | (row >= num_blocks)).nonzero()
-        if bad.numel():
-            j = int(bad[0, 0])
-            why = ("" if j * block_size < s else
-                   f" (column {j} lies past the request's true length but below its bucket "
-                   f"{buckets[r]}: under a constant-time policy the kernels read the request's pages "
-                   "up to its bucket, so the caller must reserve them)")
-            _fail(f"block_table[{r}, {j}]", str(int(row[j])),
-                  f"a block id in [0, {num_blocks}) (the cache has {num_blocks} blocks){why}")
-        if buckets is not None:
-            uniq, counts = torch.unique(row, return_counts=True)
-            if bool((counts > 1).any()):
-                page = int(uniq[counts > 1][0])
-                cols = (row == page).nonzero().flatten().tolist()
-                _fail(f"block_table[{r}, :{n}]", f"page {page} at columns {cols}",
-                      f"distinct pages up to the bucket ({n} pages of {block_size} for bucket {buckets[r]}): "
-                      "under a constant-time policy every position up to the bucket reads its own page of "
-                      "the request (the address rule); reserve real pages for the request up to its bucket")
-
-
-@functools.lru_cache(maxsize=None)
-def _choose_path_logged(spec, policy, requested, allow_fallback) -> dispatch.PathChoice:
-    choice = dispatch.choose_path(spec, policy, requested=requested, allow_fallback=allow_fallback)
-    level = logging.WARNING if (policy.is_constant_time and not choice.constant_time) else logging.INFO
-    logger.log(level, "DHP paged_attention: policy=%s path=%s", policy.value, choice.describe())
-    return choice
-
-
-def _reference_runner():
-    from dhp_backend.ops.reference import paged_attention_reference
-
-    return paged_attention_reference
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_routes(spec, kind: str) -> bool:
-    if kind == "prefill":
-        from dhp_backend.ops.cuda_prefill import routes_prefill as routes
-    elif kind == "prefill_ct":
-        from dhp_backend.ops.cuda_prefill import routes_prefill_ct as routes
-    elif kind == "decode_ct":
-        from dhp_backend.ops.cuda_decode import routes_decode_ct as routes
-    else:
-        from dhp_backend.ops.cuda_decode import routes_decode as routes
-    ok, reason = routes(spec)
-    policies = "strict/request" if kind.endswith("_ct") else "off"
-    logger.info("DHP paged_attention: policy=%s %s steps on %s", policies, kind.split("_")[0],
-                reason if ok else f"Triton ({reason})")
-    return ok
-
-
-CUDA_PREFILL = "cuda_prefill"
-CUDA_PREFILL_CT = "cuda_prefill_ct"
-CUDA_DECODE = "cuda_decode"
-CUDA_DECODE_CT = "cuda_decode_ct"
-
-
-def step_kernel(spec, policy, num_tokens: int, num_reqs: int) -> str:
-    """Which kernel the Triton path (path ``auto``) runs a step on, from the
-    public step geometry by the Triton launcher's own rules: policy-``off``
-    prefill steps on ``cuda_prefill`` (csrc/prefill_sm90.cu, compat binary),
-    policy-``off`` decode steps (token tiles) on ``cuda_decode``
-    (csrc/decode_sm90.cu), where the problem allows them; prefill steps of the
-    constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
-    constant-time walk) where enabled (`cuda_prefill.routes_prefill_ct`), and
-    their decode steps on ``cuda_decode_ct`` where enabled
-    (`cuda_decode.routes_decode_ct`); else ``triton``. The csrc kernels
-    give the Triton kernels' bits (GPU tests), so which kernel ran never shows in
-    a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
-    if spec.device_type != "cuda":
-        return dispatch.TRITON
-    from dhp_backend.ops.triton import launch
-
-    prefill = launch.step_kind(num_tokens, num_reqs) == "prefill"
-    group = spec.num_heads // max(1, spec.num_kv_heads)
-    decode = not prefill and launch.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group,
-                                                dtype_name=spec.dtype)
-    if Policy.parse(policy) is not Policy.OFF:
-        # Which kernel runs follows the public step geometry only, as the Triton launcher's own choices do.
-        if prefill:
-            return CUDA_PREFILL_CT if _cuda_routes(spec, "prefill_ct") else dispatch.TRITON
-        return CUDA_DECODE_CT if decode and _cuda_routes(spec, "decode_ct") else dispatch.TRITON
-    if prefill:
-        return CUDA_PREFILL if _cuda_routes(spec, "prefill") else dispatch.TRITON
-    if decode:
-        return CUDA_DECODE if _cuda_routes(spec, "decode") else dispatch.TRITON
-    return dispatch.TRITON
-
-
-def _cuda_prefill_runner():
-    from dhp_backend.ops.cuda_prefill import COMPAT, prefill_sm90
-
-    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
-            bucket, num_tokens):
-        del policy, bucket  # policy off: true lengths
-        return prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
-                            causal=causal, num_tokens=num_tokens, variant=COMPAT, check=False)
-
-    return run
-
-
-def _cuda_prefill_ct_runner():
-    from dhp_backend.ops.cuda_prefill import COMPAT_CT, prefill_sm90
-
-    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
-            bucket, num_tokens):
-        del policy  # a constant-time policy: its public bucket is the walk's extent
-        return prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
-                            causal=causal, num_tokens=num_tokens, variant=COMPAT_CT, bucket=bucket, check=False)
-
-    return run
-
-
-def _cuda_decode_runner():
-    from dhp_backend.ops.cuda_decode import decode_sm90
-
-    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
-            bucket, num_tokens):
-        del policy, bucket  # policy off: true lengths
-        return decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
-                           causal=causal, num_tokens=num_tokens, check=False)
-
-    return run
-
-
-def _cuda_decode_ct_runner():
-    from dhp_backend.ops.cuda_decode import decode_sm90
-
-    def run(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale, causal, policy,
-            bucket, num_tokens):
-        del policy  # a constant-time policy: its public bucket is the walk's extent
-        return decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
-                           causal=causal, num_tokens=num_tokens, bucket=bucket, check=False)
-
-    return run
-
-
-def _triton_runner():
-    from dhp_backend.ops.triton import paged_attention_triton
-
-    return paged_attention_triton
-
-
-_PATH_RUNNERS = {dispatch.REFERENCE: _reference_runner, dispatch.TRITON: _triton_runner}
-_CSRC_RUNNERS = {CUDA_PREFILL: _cuda_prefill_runner, CUDA_PREFILL_CT: _cuda_prefill_ct_runner,
-                 CUDA_DECODE: _cuda_decode_runner, CUDA_DECODE_CT: _cuda_decode_ct_runner}

@@ -22,6 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from dhp_backend import config
+
 SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
@@ -31,12 +33,13 @@ class CudaBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """Where the CUDA sources are: ``$DHP_CSRC`` if set; else the package data
+    """Where the CUDA sources are: the setting ``csrc`` (DHP_CSRC) if set; else the package data
     ``dhp_backend/csrc`` of an installed wheel (pyproject maps the repository's
     ``csrc/`` there); else, in a checkout (an editable install, or the repository on
     ``sys.path``), the repository's ``csrc/`` beside the package."""
-    if "DHP_CSRC" in os.environ:
-        d = Path(os.environ["DHP_CSRC"])
+    override = config.from_env("csrc")
+    if override:
+        d = Path(override)
         if not d.is_dir():
             raise CudaBuildError(f"DHP_CSRC={d} is not a directory; accepted: the csrc/ directory of dhp_backend")
         return d
@@ -58,7 +61,8 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DHP_CUDA_CACHE", Path.home() / ".cache" / "dhp_backend" / "cuda"))
+    """The build cache: the setting ``cuda_cache`` (DHP_CUDA_CACHE), else ~/.cache/dhp_backend/cuda."""
+    return Path(config.from_env("cuda_cache") or Path.home() / ".cache" / "dhp_backend" / "cuda")
 
 
 # What a build depends on in csrc/: every source and header (tma_maps.h included:

@@ -11,7 +11,7 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
 - Semantics of `ops.paged_attention` under policy ``off``: true lengths, causal
   with cached context (a request may have several query tokens, e.g. drafts),
   GQA/MQA with 1..64 query heads per KV head.
-- Split-KV like the Triton launcher: the same `launch.plan` (splits of 512
+- Split-KV like the Triton launcher: the same `geometry.plan` (splits of 512
   positions at absolute multiples of 512; "split" mode writes each split's
   state to the shared workspace and a merge kernel folds them left to right,
   "fold" mode folds inside each CTA) — both give the same bits.
@@ -25,8 +25,7 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
   those pages), masks and V zeroing by selection, no longest-first order (csrc:
   kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
   constant-time kernels (GPU test). `ops.paged_attention` runs decode steps of
-  those policies on it (`routes_decode_ct`; ``DHP_CUDA_DECODE_CT=0`` keeps them on
-  the Triton kernels).
+  those policies on it (`routes_decode_ct`).
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
@@ -40,13 +39,16 @@ import ctypes
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 
+from dhp_backend.ops import geometry
+from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import load
 from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch_error, unavailable_reason,
                                          validate_common)
+from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops.validation import check_values
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
 # The binaries (csrc: launch_variant), the ones `pick_variant` and the CT walk route
@@ -83,24 +85,19 @@ def _fail(what: str, got: str, accepted: str) -> None:
 
 
 def routes_decode_ct(spec) -> tuple[bool, str]:
-    """Whether `ops.paged_attention` runs decode steps of the constant-time policies
-    (strict / request) of ``spec`` on the CT binaries, and why not. On by
-    default where the csrc decode kernel runs and the group fits its tile: the
-    Triton kernels' bits at 1.1-1.4x their speed on those steps (docs/perf-notes.md
-    change 34). ``DHP_CUDA_DECODE_CT=0`` keeps those steps on the Triton kernels
-    (same bits)."""
-    if os.environ.get("DHP_CUDA_DECODE_CT", "1") == "0":
-        return False, "disabled (DHP_CUDA_DECODE_CT=0)"
+    """Whether `ops.plan` runs decode steps of the constant-time policies
+    (strict / request) of ``spec`` on the CT binaries, and why not: where the
+    csrc decode kernel runs and the group fits its tile (the Triton kernels' bits
+    at 1.1-1.4x their speed on those steps, docs/perf-notes.md change 34). The
+    setting ``path: triton`` keeps every step on the Triton kernels (same bits)."""
     why = _refusal(spec, MAX_CT_GROUP, "the constant-time walk")
     return (False, why) if why else (True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)")
 
 
 def routes_decode(spec) -> tuple[bool, str]:
-    """Whether `ops.paged_attention` runs policy-``off`` decode steps of ``spec``
-    (a `dispatch.ProblemSpec`) here, and why not. ``DHP_CUDA_DECODE=0`` turns it
-    off (the Triton kernels then run those steps, with the same bits)."""
-    if os.environ.get("DHP_CUDA_DECODE", "1") == "0":
-        return False, "disabled by DHP_CUDA_DECODE=0"
+    """Whether `ops.plan` runs policy-``off`` decode steps of ``spec`` (a
+    `dispatch.ProblemSpec`) here, and why not. The setting ``path: triton`` keeps
+    every step on the Triton kernels (same bits)."""
     why = _refusal(spec, MAX_GROUP, "the kernel")
     return (False, why) if why else (True, "policy off, decode steps: csrc/decode_sm90.cu")
 
@@ -142,18 +139,15 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 
 def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
          variant: str, mode: str | None) -> dict:
-    """Split mode and chunks by the Triton launcher's `launch.plan` (token tiles,
+    """Split mode and chunks by the Triton launcher's `geometry.plan` (token tiles,
     the variant's residency), from public values only; plus ``slots``, the CTAs one wave holds."""
-    from dhp_backend.ops.triton import config as kcfg
-    from dhp_backend.ops.triton import launch
-
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
     code, resident = VARIANTS[variant]
     if num_heads // num_kv_heads > 8:
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
-    num_sms = launch.num_sms_of(torch.device("cuda", torch.cuda.current_device()))
-    p = launch.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
+    num_sms = geometry.num_sms_of(torch.device("cuda", torch.cuda.current_device()))
+    p = geometry.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
                     head_size=128, cfg=cfg, ext_grid=capacity, num_sms=num_sms, mode=mode, tiling="token")
     return dict(p, slots=cfg.programs_per_sm * num_sms)
 
@@ -242,9 +236,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     if reason:
         raise RuntimeError(f"cuda_decode: cannot run here: {reason}")
     if check:
-        from dhp_backend.ops.attention import _check_values
-
-        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
+        check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
                       key_cache.shape[2])
     if num_tokens == 0:
         return out
@@ -265,13 +257,9 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         null = ctypes.c_void_p(0)
         ws_acc = ws_m = ws_l = order_ws = null
         spp_arg = 0  # fold mode
-        from dhp_backend.ops.triton import workspace as wsp
-
         if p["split"]:
-            from dhp_backend.ops.triton import launch
-
             ws, _, _ = wsp.reserve_workspace(query.device)
-            acc, m, l = launch.split_states(ws, p["n_split_grid"], num_tokens, H, D)
+            acc, m, l = geometry.split_states(ws, p["n_split_grid"], num_tokens, H, D)
             ws_acc, ws_m, ws_l = acc.data_ptr(), m.data_ptr(), l.data_ptr()
             spp_arg = p["spp"] if spp is None else min(spp, p["n_split_grid"])
         elif not ct and (order or (order is None and longest_first(p, num_tokens, Hkv))):

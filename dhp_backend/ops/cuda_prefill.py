@@ -31,13 +31,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 
 import torch
 
+from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import load
 from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, ct_bucket,  # noqa: F401
                                          launch_error, unavailable_reason, validate_common)
+from dhp_backend.ops.validation import check_values
 
 
 def _fail(what: str, got: str, accepted: str) -> None:
@@ -72,12 +73,10 @@ _ALL_CODES = {**_CODES, **_CT_CODES}
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
-    """Whether `ops.paged_attention` runs policy-``off`` prefill steps of ``spec``
-    (a `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
-    build): the build happens on the first such step. ``DHP_CUDA_PREFILL=0`` turns
-    it off (the Triton kernels then run those steps, with the same bits)."""
-    if os.environ.get("DHP_CUDA_PREFILL", "1") == "0":
-        return False, "disabled by DHP_CUDA_PREFILL=0"
+    """Whether `ops.plan` runs policy-``off`` prefill steps of ``spec`` (a
+    `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
+    build): the build happens on the first such step. The setting ``path: triton``
+    keeps every step on the Triton kernels (same bits)."""
     why = common_route_refusal(spec, "prefill_sm90.cu")
     if why:
         return False, why
@@ -88,12 +87,9 @@ def routes_prefill(spec) -> tuple[bool, str]:
 
 
 def routes_prefill_ct(spec) -> tuple[bool, str]:
-    """Whether `ops.paged_attention` runs prefill steps of the constant-time
-    policies on the ``compat_ct`` binary, and why not. On by default where the
-    csrc prefill kernel runs (its G1 and G2 gates pass: docs/audit);
-    ``DHP_CUDA_PREFILL_CT=0`` keeps those steps on the Triton kernels (same bits)."""
-    if os.environ.get("DHP_CUDA_PREFILL_CT", "1") == "0":
-        return False, "disabled (DHP_CUDA_PREFILL_CT=0)"
+    """Whether `ops.plan` runs prefill steps of the constant-time policies on the
+    ``compat_ct`` binary, and why not: wherever the csrc prefill kernel runs (its
+    G1 and G2 gates pass: docs/audit)."""
     ok, why = routes_prefill(spec)
     if not ok:
         return False, why
@@ -159,9 +155,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     if reason:
         raise RuntimeError(f"cuda_prefill: cannot run here: {reason}")
     if check:
-        from dhp_backend.ops.attention import _check_values
-
-        _check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
+        check_values(query_start_loc, seq_lens, block_table, bucket, num_tokens, key_cache.shape[0],
                       key_cache.shape[2])
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
@@ -172,8 +166,6 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
         if seq_lens.shape[0] == 0:  # public geometry: a step without requests is all padding
             out[:num_tokens].zero_()
             return out
-        from dhp_backend.ops.triton import workspace as wsp
-
         sink = wsp.reserve_workspace(query.device)[1]
         ct_args = (l_mode, l_scalar, None if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1],
                    T, (2**32 - 1) // T, sink.data_ptr())

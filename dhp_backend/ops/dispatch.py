@@ -4,7 +4,8 @@ A *path* is one implementation of `ops.paged_attention`. Each declares whether
 it is constant-time; under a constant-time policy a path that is not is refused
 unless the user explicitly allowed the fallback. The choice depends only on the
 problem's static shape (dtype, head size, block size, heads, device), so it is
-made once per layer at start-up and logged, not per step.
+made once per layer at start-up and logged; the per-step part of the choice
+(which kernel and binary run the step) is `dhp_backend.ops.plan`'s.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def prepare_path(choice: PathChoice, device) -> int:
     nothing is allocated per step and the engine sizes its KV cache around it.
     """
     if choice.name == TRITON and getattr(device, "type", str(device)) == "cuda":
-        from dhp_backend.ops import triton as triton_pkg
+        from dhp_backend.ops import workspace
 
-        triton_pkg.reserve_workspace(device)
-        return triton_pkg.workspace_bytes()
+        workspace.reserve_workspace(device)
+        return workspace.WORKSPACE_BYTES
     return 0

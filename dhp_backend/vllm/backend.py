@@ -1,8 +1,10 @@
 """The vLLM adapter: backend class, metadata, builder and per-layer impl.
 
-It translates vLLM's per-step metadata into one call of
-`dhp_backend.ops.paged_attention` and knows nothing of kernel internals.
-Version differences live in `dhp_backend.vllm.compat`.
+It translates vLLM's per-step metadata into a plan of the step
+(`dhp_backend.ops.plan_step`, once per step in the metadata builder, from the
+step's public geometry) that every layer's ``forward`` runs (`dhp_backend.ops.run`),
+and knows nothing of kernel internals. Version differences live in
+`dhp_backend.vllm.compat`.
 
 KV cache convention (both versions, see compat.kv_cache_layouts): each layer's
 cache is a contiguous ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
@@ -37,13 +39,15 @@ from dhp_backend import __version__
 from dhp_backend.config import KV_CACHE_DTYPES, DHPConfig, Policy
 from dhp_backend.ops import (
     ProblemSpec,
+    StepPlan,
     bucket_for_step,
     choose_path,
     graph_capturable,
-    paged_attention,
+    plan_step,
     prepare_path,
-    step_kernel,
+    run,
 )
+from dhp_backend.ops.validation import check_values
 from dhp_backend.vllm import compat
 
 logger = logging.getLogger("dhp_backend")
@@ -151,7 +155,11 @@ class DHPAttentionBackend(AttentionBackend):
 
 @dataclasses.dataclass
 class DHPMetadata:
-    """What one step's attention needs; tensors are the runner's own buffers."""
+    """What one step's attention needs; tensors are the runner's own buffers.
+
+    ``plan`` is the step's plan for the group's layer shape: public values only,
+    no tensors, so a CUDA graph captured with it replays correctly for every step
+    of the same geometry (whose tensors are refilled in place)."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -164,6 +172,7 @@ class DHPMetadata:
     policy: Policy
     bucket: int | torch.Tensor | None
     max_model_len: int
+    plan: StepPlan
 
 
 def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -181,6 +190,14 @@ def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_si
                        block_size=block_size, causal=True, device_capability=cap)
 
 
+def _group_spec(vllm_config: VllmConfig, kv_cache_spec) -> ProblemSpec:
+    """The problem of the layers of one KV-cache group (their shared cache spec and the model's query heads)."""
+    return _problem_spec(
+        num_heads=vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+        num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
+        block_size=kv_cache_spec.block_size, dtype=kv_cache_spec.dtype)
+
+
 class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
     # The real level depends on policy and path: see get_cudagraph_support.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -193,10 +210,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
         captured pieces). See `dhp_backend.ops.graph_capturable`."""
         try:
             cfg = DHPConfig.from_sources(vllm_config.additional_config)
-            spec = _problem_spec(
-                num_heads=vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
-                num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
-                block_size=kv_cache_spec.block_size, dtype=kv_cache_spec.dtype)
+            spec = _group_spec(vllm_config, kv_cache_spec)
             # what would run (a refused fallback is reported by the impl at start-up)
             choice = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
         except Exception as exc:  # never fail graph planning over a question we can't answer
@@ -211,6 +225,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.spec = _group_spec(vllm_config, kv_cache_spec)
         # Per-request buckets live in one persistent buffer, refilled in place each
         # step: a CUDA graph replays the addresses it captured.
         self._request_buckets = None
@@ -230,6 +245,12 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
                                                       device=cm.seq_lens.device)
         bucket = bucket_for_step(policy, max_model_len=self.max_model_len,
                                  seq_lens=cm.seq_lens, max_seq_len=cm.max_seq_len, out=out)
+        # One plan for every layer of the step, from its public geometry (a refused
+        # fallback already stopped the engine in the impl's constructor).
+        plan = plan_step(self.spec, policy, num_tokens=cm.num_actual_tokens, num_reqs=cm.seq_lens.shape[0],
+                         max_blocks=cm.block_table_tensor.shape[1],
+                         bucket_l=bucket if isinstance(bucket, int) else None, path=self.dhp_config.path,
+                         allow_fallback=self.dhp_config.allow_fallback, device=self.device)
         return DHPMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -242,6 +263,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
             policy=policy,
             bucket=bucket,
             max_model_len=self.max_model_len,
+            plan=plan,
         )
 
 
@@ -259,9 +281,8 @@ def _once(key: tuple, fn) -> None:
     fn()
 
 
-def _trace(event: dict) -> None:
-    """Append one JSON line to $DHP_TRACE_FILE (tests use it to prove DHP ran)."""
-    path = os.environ.get("DHP_TRACE_FILE")
+def _trace(path: str | None, event: dict) -> None:
+    """Append one JSON line to the setting ``trace_file`` (tests use it to prove DHP ran)."""
     if not path:
         return
     event = {"pid": os.getpid(), "dhp_version": __version__, **event}
@@ -327,7 +348,6 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                   else torch.device(self.spec.device_type))
         self.reserved_bytes = prepare_path(self.path_choice, device)
         self._cache_update_op = compat.kv_cache_update_op(self.spec.device_type)
-        self._check_values = os.environ.get("DHP_CHECK_VALUES", "0") == "1"
         max_model_len = model_config.max_model_len if model_config is not None else None
         _once(("init", self.spec, self.dhp_config), lambda: logger.warning(
             "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s; device memory held: %.1f MiB",
@@ -351,32 +371,27 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         out3 = output.view(output.shape[0], self.num_heads, self.head_size)
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
-        check = self._check_values
-        if check:
-            # DHP_CHECK_VALUES=1 (a debugging aid that syncs every step): vLLM's dummy
-            # runs (memory profiling, kernel warm-up, CUDA-graph capture) hand in tables
-            # of nothing but block 0, its null block, which no request is ever given;
-            # only real steps are checked against the address rule.
-            n = md.seq_lens.shape[0]
-            check = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()) and bool(
-                (md.block_table[:n] != 0).any())
-        paged_attention(
-            q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
-            scale=self.scale, causal=md.causal, policy=md.policy, bucket=md.bucket,
-            num_tokens=md.num_actual_tokens, path=self.dhp_config.path,
-            allow_fallback=self.dhp_config.allow_fallback, check_values=check,
-        )
-        _once(("forward", self.path_choice.name, md.policy), lambda: _trace({
+        plan = md.plan
+        if plan.spec != self.spec:
+            # A layer whose shape differs from its KV-cache group's (query heads, dtype): its own plan.
+            plan = plan_step(self.spec, md.policy, num_tokens=plan.num_tokens, num_reqs=plan.num_reqs,
+                             max_blocks=md.block_table.shape[1], bucket_l=plan.l_scalar or None,
+                             path=self.dhp_config.path, allow_fallback=self.dhp_config.allow_fallback,
+                             device=query.device)
+        if self.dhp_config.check_values:
+            _check_step(md, key_cache)
+        run(plan, q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
+            scale=self.scale, causal=md.causal, bucket=md.bucket)
+        _once(("forward", self.path_choice.name, md.policy), lambda: _trace(self.dhp_config.trace_file, {
             "event": "forward", "backend": "DHP", "path": self.path_choice.name,
             "policy": md.policy.value, "device": str(query.device),
             "dtype": str(query.dtype), "head_size": self.head_size,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
             "block_size": key_cache.shape[2]}))
-        if self.dhp_config.path == "auto" and self.path_choice.name == "triton" and os.environ.get("DHP_TRACE_FILE"):
-            # Which kernel ran the step (policy off: prefill steps on the csrc kernel), once per kind.
-            kernel = step_kernel(self.spec, md.policy, md.num_actual_tokens, md.seq_lens.shape[0])
-            _once(("kernel", kernel, md.policy), lambda: _trace({
-                "event": "kernel", "backend": "DHP", "path": self.path_choice.name, "kernel": kernel,
+        if plan.path.name == "triton":
+            # Which kernel ran the step (the csrc kernels where they apply), once per kind.
+            _once(("kernel", plan.kernel, md.policy), lambda: _trace(self.dhp_config.trace_file, {
+                "event": "kernel", "backend": "DHP", "path": plan.path.name, "kernel": plan.kernel,
                 "policy": md.policy.value}))
         return output
 
@@ -398,6 +413,19 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         blocks, offsets = slots // block_size, slots % block_size
         key_cache[blocks, :, offsets] = key[:n][valid].to(key_cache.dtype)
         value_cache[blocks, :, offsets] = value[:n][valid].to(value_cache.dtype)
+
+
+def _check_step(md: DHPMetadata, key_cache: torch.Tensor) -> None:
+    """The setting check_values (a debugging aid that syncs every step). vLLM's dummy
+    runs (memory profiling, kernel warm-up, CUDA-graph capture) hand in tables of
+    nothing but block 0, its null block, which no request is ever given; only real
+    steps are checked against the address rule."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    n = md.seq_lens.shape[0]
+    if bool((md.block_table[:n] != 0).any()):
+        check_values(md.query_start_loc, md.seq_lens, md.block_table, md.bucket, md.num_actual_tokens,
+                     key_cache.shape[0], key_cache.shape[2])
 
 
 def _describe_bucket(policy: Policy, max_model_len: int | None) -> str:

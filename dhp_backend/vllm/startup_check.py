@@ -21,6 +21,7 @@ import functools
 import logging
 import sys
 
+from dhp_backend import config
 from dhp_backend.config import KV_CACHE_DTYPES, DHPConfig
 
 logger = logging.getLogger("dhp_backend")
@@ -36,7 +37,6 @@ def check(vllm_config) -> DHPConfig | None:
     """Parse and check DHP's settings for an engine about to start; None when the
     engine does not run DHP. Raises `DHPConfigError` naming the bad value and the
     accepted ones."""
-    from dhp_backend import plugin
     from dhp_backend.vllm import compat
 
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
@@ -54,11 +54,11 @@ def check(vllm_config) -> DHPConfig | None:
     if asked_for_dhp:
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and not plugin.cpu_override_requested():
+        if current_platform.is_cpu() and not cfg.override_cpu_attn:
             logger.warning(
                 "DHP: --attention-backend DHP is ignored on vLLM's CPU platform, which always runs its own "
                 "CPU_ATTN backend: this engine will NOT run DHP. To run DHP on a CPU (testing), set %s=1.",
-                plugin.CPU_OVERRIDE_ENV)
+                config.setting("override_cpu_attn").env)
     return cfg
 
 

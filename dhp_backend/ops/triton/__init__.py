@@ -59,17 +59,3 @@ def paged_attention_triton(query, key_cache, value_cache, block_table, query_sta
     return _launch(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                    scale=scale, causal=causal, num_tokens=num_tokens, policy=policy, bucket=bucket,
                    **test_hooks)
-
-
-def reserve_workspace(device):
-    """Allocate the split-KV workspace for ``device`` now (start-up, before graph capture)."""
-    from dhp_backend.ops.triton.workspace import reserve_workspace as _reserve
-
-    return _reserve(device)
-
-
-def workspace_bytes() -> int:
-    """Device bytes the Triton path holds per GPU once its workspace is reserved."""
-    from dhp_backend.ops.triton.workspace import WORKSPACE_BYTES
-
-    return WORKSPACE_BYTES

@@ -2,12 +2,14 @@
 
 design.md section 2: backend memory beyond the KV cache is allocated once (never
 per step), stays small, and should exist before vLLM's memory-profiling run. The
-launcher only uses the cross-program split path when its partial states fit in
-this buffer; otherwise it folds splits inside each program (same bits, see
-kernels.py), so the buffer's size never changes a result, only the speed.
+Triton kernels and the csrc kernels share it (split states, the store sink, the
+zero row, the csrc decode kernel's longest-first schedule). A launch only uses
+the cross-program split path when its partial states fit in this buffer
+(`geometry.plan`); otherwise it folds splits inside each program (same bits, see
+triton/kernels.py), so the buffer's size never changes a result, only the speed.
 
 The buffer is used in stream order by one launch at a time; two streams running
-Triton attention concurrently on one device would need one buffer each.
+attention concurrently on one device would need one buffer each.
 """
 
 from __future__ import annotations

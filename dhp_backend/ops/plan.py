@@ -1,0 +1,323 @@
+"""Plan once, run many: one step's implementation, kernel, binary and launch geometry.
+
+`plan_step` decides, from the public step geometry only, everything a step of
+`ops.paged_attention` runs on: the path (`dispatch.choose_path`: the constant-time
+Triton kernels or the reference, with the policy's refusal of a fallback), the
+kernel the Triton path runs the step on (the Triton kernels or a csrc Hopper
+kernel, `step_kernel`), its binary, and its grid and split geometry
+(`geometry.triton_geometry`; the csrc decode kernel's variant, split mode,
+schedule). `run` executes a `StepPlan` on the step's tensors.
+
+The inputs are public (design.md section 2): the layer's `ProblemSpec`, the
+policy, ``num_tokens`` and the number of requests, the block table's width, the
+bucket's mode (one L, per-request buckets, true lengths) and under one L its
+value, and the device's SM count. So a plan is the same for every step of the same
+geometry, and every layer of a step shares it: the vLLM adapter plans once per
+step in its metadata builder and each layer's ``forward`` runs the plan. A plan
+holds no tensors: under CUDA-graph capture the plan of the captured step is the
+plan of every replay of that graph (same geometry), while the tensors it reads
+are the runner's persistent buffers, refilled in place.
+
+`ops.paged_attention` (the seam for callers outside vLLM) validates its
+arguments, plans (cached per geometry) and runs, on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from dhp_backend.config import Policy
+from dhp_backend.ops import dispatch, geometry
+from dhp_backend.ops.dispatch import PathChoice, ProblemSpec
+
+logger = logging.getLogger("dhp_backend")
+
+REFERENCE = dispatch.REFERENCE
+TRITON = dispatch.TRITON
+CUDA_PREFILL = "cuda_prefill"        # policy off, prefill steps: csrc/prefill_sm90.cu, compat binary
+CUDA_PREFILL_CT = "cuda_prefill_ct"  # strict/request, prefill steps: compat_ct binary
+CUDA_DECODE = "cuda_decode"          # policy off, decode steps: csrc/decode_sm90.cu
+CUDA_DECODE_CT = "cuda_decode_ct"    # strict/request, decode steps: its constant-time binaries
+KERNELS = (REFERENCE, TRITON, CUDA_PREFILL, CUDA_PREFILL_CT, CUDA_DECODE, CUDA_DECODE_CT)
+
+_BUCKET_MODES = {geometry.SCALAR_BUCKET: "one bucket L", geometry.PER_REQUEST_BUCKETS: "per-request buckets",
+                 geometry.TRUE_LENGTHS: "true lengths"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """The csrc decode kernel's launch (`cuda_decode.decode_sm90`'s choices, made here once)."""
+
+    variant: str
+    split: bool        # split states to the workspace and a merge, else fold mode
+    n_split_grid: int
+    spp: int           # split mode's splits per CTA
+    longest_first: bool  # fold mode's longest-first schedule (policy off only)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """How one step of one layer shape runs; public values only, no tensors."""
+
+    spec: ProblemSpec
+    policy: Policy
+    path: PathChoice           # reference or triton, and why
+    kernel: str                # one of KERNELS
+    num_tokens: int
+    num_reqs: int
+    capacity: int              # block_table.shape[1] * block_size: the table's reach
+    bucket_mode: int           # geometry.SCALAR_BUCKET | PER_REQUEST_BUCKETS | TRUE_LENGTHS
+    l_scalar: int              # the bucket L under SCALAR_BUCKET, else 0
+    triton: geometry.TritonGeometry | None = None  # kernel == triton, a step with tokens and requests
+    decode: DecodeLaunch | None = None             # kernel cuda_decode[_ct], planned on the GPU
+    prefill_variant: str | None = None             # kernel cuda_prefill[_ct]
+
+    @property
+    def constant_time(self) -> bool:
+        return self.path.constant_time and self.policy.is_constant_time
+
+    def binary(self) -> str:
+        """The binary the step runs, in words."""
+        if self.kernel == REFERENCE:
+            return "PyTorch reference (ops/reference.py)"
+        if self.kernel == TRITON:
+            ct = "CONST_TIME" if self.policy.is_constant_time else "policy-off"
+            if self.triton is None:
+                return f"Triton attention_kernel, {ct} (no launch: the step has no tokens or requests)"
+            c = self.triton.cfg
+            return (f"Triton attention_kernel, {ct}, {self.triton.kind} tile (BLOCK_M {c.block_m}, BLOCK_Q "
+                    f"{c.block_q}, BLOCK_N {c.block_n}, {c.num_warps} warps, {c.num_stages} stages)"
+                    + (" + merge_kernel" if self.triton.split else ""))
+        if self.kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
+            return f"csrc/prefill_sm90.cu, {self.prefill_variant} binary"
+        ct = " (constant-time walk)" if self.kernel == CUDA_DECODE_CT else ""
+        variant = self.decode.variant if self.decode else "variant chosen on the GPU"
+        return f"csrc/decode_sm90.cu, {variant}{ct}"
+
+    def launch(self) -> dict:
+        """The grid and split geometry the plan fixed (empty where the kernel decides inside)."""
+        if self.triton is not None:
+            g = self.triton
+            return {"grid": list(g.grid(self.spec.num_kv_heads)), "tiling": "token" if g.token_tiles else "request",
+                    "splits": g.n_split_grid, "split_mode": "split" if g.split else "fold",
+                    "splits_per_program": g.spp, "extent": g.ext_grid}
+        if self.decode is not None:
+            d = self.decode
+            return {"ctas": [self.num_tokens, self.spec.num_kv_heads], "splits": d.n_split_grid,
+                    "split_mode": "split" if d.split else "fold", "splits_per_cta": d.spp,
+                    "longest_first": d.longest_first}
+        return {}
+
+    def describe(self) -> str:
+        launch = ", ".join(f"{k} {v}" for k, v in self.launch().items())
+        bucket = _BUCKET_MODES[self.bucket_mode] + (f" = {self.l_scalar}" if self.l_scalar else "")
+        return (f"{self.kernel}: {self.binary()}; {self.num_tokens} tokens, {self.num_reqs} requests, {bucket}"
+                + (f"; {launch}" if launch else ""))
+
+
+def plan_step(spec: ProblemSpec, policy: Policy | str, *, num_tokens: int, num_reqs: int, max_blocks: int,
+              bucket_l: int | None = None, path: str = "auto", allow_fallback: bool = False,
+              device: torch.device | None = None, num_sms: int | None = None) -> StepPlan:
+    """The plan of a step of ``spec`` under ``policy`` (raises `dispatch.FallbackRefused`
+    or ValueError as `dispatch.choose_path` does).
+
+    ``max_blocks``: the block table's width (``block_table.shape[1]``). ``bucket_l``:
+    the step's one bucket L when the bucket is an int (strict; request given one
+    int), None for per-request buckets and under ``off``. ``num_sms``: the device's
+    SM count (default: of ``device``, or of the current device of ``spec``'s type).
+    """
+    policy = Policy.parse(policy)
+    if num_sms is None:
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if spec.device_type == "cuda"
+                      else torch.device(spec.device_type))
+        num_sms = geometry.num_sms_of(device)
+    index = device.index if device is not None and device.type == "cuda" else None
+    return _plan(spec, policy, int(num_tokens), int(num_reqs), int(max_blocks),
+                 None if bucket_l is None else int(bucket_l), path, allow_fallback, int(num_sms), index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(spec, policy, num_tokens, num_reqs, max_blocks, bucket_l, path, allow_fallback, num_sms,
+          device_index) -> StepPlan:
+    if policy is Policy.OFF:
+        if bucket_l is not None:
+            raise ValueError(f"plan_step: bucket_l is {bucket_l}; accepted: None under policy 'off' "
+                             "(true lengths are used)")
+        mode = geometry.TRUE_LENGTHS
+    else:
+        mode = geometry.PER_REQUEST_BUCKETS if bucket_l is None else geometry.SCALAR_BUCKET
+    choice = _choose_path_logged(spec, policy, path, allow_fallback)
+    kernel = choice.name
+    if path == "auto" and choice.name == TRITON:
+        kernel = step_kernel(spec, policy, num_tokens, num_reqs)
+    capacity = max_blocks * spec.block_size
+    plan = StepPlan(spec=spec, policy=policy, path=choice, kernel=kernel, num_tokens=num_tokens, num_reqs=num_reqs,
+                    capacity=capacity, bucket_mode=mode, l_scalar=bucket_l or 0)
+    if kernel == TRITON and num_tokens and num_reqs:
+        return dataclasses.replace(plan, triton=geometry.triton_geometry(
+            num_tokens=num_tokens, num_reqs=num_reqs, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size, dtype_name=spec.dtype, const_time=policy.is_constant_time, l_mode=mode,
+            l_scalar=bucket_l or 0, capacity=capacity, num_sms=num_sms))
+    if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
+        from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT
+
+        return dataclasses.replace(plan, prefill_variant=COMPAT_CT if kernel == CUDA_PREFILL_CT else COMPAT)
+    if kernel in (CUDA_DECODE, CUDA_DECODE_CT) and torch.cuda.is_available():
+        return dataclasses.replace(plan, decode=_decode_launch(plan, device_index))
+    return plan
+
+
+def _decode_launch(plan: StepPlan, device_index: int | None) -> DecodeLaunch:
+    """What `cuda_decode.decode_sm90` picks by itself for this step (same functions,
+    same inputs, on the step's device), fixed once per step."""
+    from dhp_backend.ops import cuda_decode
+
+    spec, n, reqs = plan.spec, plan.num_tokens, plan.num_reqs
+    ct = plan.kernel == CUDA_DECODE_CT
+    with torch.cuda.device(torch.cuda.current_device() if device_index is None else device_index):
+        if ct:
+            variant = cuda_decode.CT_DEFAULT_VARIANT
+        else:
+            variant = cuda_decode.pick_variant(n, reqs, spec.num_heads, spec.num_kv_heads, plan.capacity, spec.dtype,
+                                               None)
+        ext_grid = plan.l_scalar if ct and plan.bucket_mode == geometry.SCALAR_BUCKET else plan.capacity
+        p = cuda_decode.plan(n, reqs, spec.num_heads, spec.num_kv_heads, ext_grid, spec.dtype, variant, None)
+    longest = not ct and cuda_decode.longest_first(p, n, spec.num_kv_heads)
+    return DecodeLaunch(variant=variant, split=p["split"], n_split_grid=p["n_split_grid"], spp=p["spp"],
+                        longest_first=bool(longest))
+
+
+@functools.lru_cache(maxsize=None)
+def _choose_path_logged(spec, policy, requested, allow_fallback) -> PathChoice:
+    choice = dispatch.choose_path(spec, policy, requested=requested, allow_fallback=allow_fallback)
+    level = logging.WARNING if (policy.is_constant_time and not choice.constant_time) else logging.INFO
+    logger.log(level, "DHP paged_attention: policy=%s path=%s", policy.value, choice.describe())
+    return choice
+
+
+def clear_caches() -> None:
+    """Forget the cached plans, path choices and csrc routes (tests that change
+    what a plan depends on: TRITON_INTERPRET, nvcc on the PATH)."""
+    _plan.cache_clear()
+    _choose_path_logged.cache_clear()
+    _cuda_routes.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_routes(spec, kind: str) -> bool:
+    if kind == CUDA_PREFILL:
+        from dhp_backend.ops.cuda_prefill import routes_prefill as routes
+    elif kind == CUDA_PREFILL_CT:
+        from dhp_backend.ops.cuda_prefill import routes_prefill_ct as routes
+    elif kind == CUDA_DECODE_CT:
+        from dhp_backend.ops.cuda_decode import routes_decode_ct as routes
+    else:
+        from dhp_backend.ops.cuda_decode import routes_decode as routes
+    ok, reason = routes(spec)
+    policies = "strict/request" if kind.endswith("_ct") else "off"
+    logger.info("DHP paged_attention: policy=%s %s steps on %s", policies, kind.split("_")[1],
+                reason if ok else f"Triton ({reason})")
+    return ok
+
+
+def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_reqs: int) -> str:
+    """Which kernel the Triton path (path ``auto``) runs a step on, from the
+    public step geometry by the Triton launcher's own rules: policy-``off``
+    prefill steps on ``cuda_prefill`` (csrc/prefill_sm90.cu, compat binary),
+    policy-``off`` decode steps (token tiles) on ``cuda_decode``
+    (csrc/decode_sm90.cu), where the problem allows them; prefill steps of the
+    constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
+    constant-time walk, `cuda_prefill.routes_prefill_ct`), and their decode steps
+    on ``cuda_decode_ct`` (`cuda_decode.routes_decode_ct`); else ``triton``. The
+    csrc kernels give the Triton kernels' bits (GPU tests), so which kernel ran
+    never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
+    if spec.device_type != "cuda":
+        return TRITON
+    prefill = geometry.step_kind(num_tokens, num_reqs) == "prefill"
+    group = spec.num_heads // max(1, spec.num_kv_heads)
+    decode = not prefill and geometry.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group,
+                                                  dtype_name=spec.dtype)
+    if Policy.parse(policy) is not Policy.OFF:
+        if prefill:
+            return CUDA_PREFILL_CT if _cuda_routes(spec, CUDA_PREFILL_CT) else TRITON
+        return CUDA_DECODE_CT if decode and _cuda_routes(spec, CUDA_DECODE_CT) else TRITON
+    if prefill:
+        return CUDA_PREFILL if _cuda_routes(spec, CUDA_PREFILL) else TRITON
+    if decode:
+        return CUDA_DECODE if _cuda_routes(spec, CUDA_DECODE) else TRITON
+    return TRITON
+
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
+        scale: float, causal: bool, bucket: int | torch.Tensor | None) -> torch.Tensor:
+    """Run ``plan`` on one step's tensors (the layouts of `ops.paged_attention`);
+    writes ``out[:plan.num_tokens]`` and returns ``out``.
+
+    Checks that the tensors have the geometry the plan was made for (cheap: shapes,
+    dtype, device type, the bucket's kind; no device values are read) and raises
+    ValueError naming the difference otherwise. The values themselves are the
+    caller's to check (`validation.check_values`, or ``ops.paged_attention``'s
+    ``check_values``).
+    """
+    _check_plan_fits(plan, query, key_cache, block_table, seq_lens, out, bucket)
+    args = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out)
+    n, kernel = plan.num_tokens, plan.kernel
+    if kernel == REFERENCE:
+        from dhp_backend.ops.reference import paged_attention_reference
+
+        return paged_attention_reference(*args, scale=scale, causal=causal, policy=plan.policy, bucket=bucket,
+                                         num_tokens=n)
+    if kernel == TRITON:
+        from dhp_backend.ops.triton.launch import launch
+
+        return launch(plan.triton, *args, scale=scale, causal=causal, num_tokens=n, policy=plan.policy,
+                      bucket=bucket)
+    if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
+        from dhp_backend.ops.cuda_prefill import prefill_sm90
+
+        # policy off walks the true lengths; a constant-time policy's public bucket is the walk's extent
+        return prefill_sm90(*args, scale=scale, causal=causal, num_tokens=n, variant=plan.prefill_variant,
+                            bucket=bucket if kernel == CUDA_PREFILL_CT else None, check=False)
+    from dhp_backend.ops.cuda_decode import decode_sm90
+
+    launch_args = {}
+    if plan.decode is not None:
+        d = plan.decode
+        launch_args = dict(variant=d.variant, mode="split" if d.split else "fold", order=d.longest_first,
+                           spp=d.spp if d.split else None)
+    return decode_sm90(*args, scale=scale, causal=causal, num_tokens=n,
+                       bucket=bucket if kernel == CUDA_DECODE_CT else None, check=False, **launch_args)
+
+
+def _check_plan_fits(plan: StepPlan, query, key_cache, block_table, seq_lens, out, bucket) -> None:
+    spec = plan.spec
+    facts = (
+        ("query's device type", query.device.type, spec.device_type),
+        ("query's dtype", query.dtype, _DTYPES.get(spec.dtype)),
+        ("query's heads and head size", tuple(query.shape[1:]), (spec.num_heads, spec.head_size)),
+        ("key_cache's KV heads and block size", tuple(key_cache.shape[1:3]), (spec.num_kv_heads, spec.block_size)),
+        ("the number of requests (seq_lens)", seq_lens.shape[0], plan.num_reqs),
+        ("block_table.shape[1] * block_size", block_table.shape[1] * key_cache.shape[2], plan.capacity),
+    )
+    for what, got, planned in facts:
+        if got != planned:
+            raise ValueError(f"plan.run: {what} is {got}; accepted: {planned}, the step geometry the plan was "
+                             "made for (plan the step with ops.plan.plan_step)")
+    if query.shape[0] < plan.num_tokens or out.shape[0] < plan.num_tokens:
+        raise ValueError(f"plan.run: query/out of {query.shape[0]}/{out.shape[0]} rows; accepted: at least the "
+                         f"plan's num_tokens = {plan.num_tokens}")
+    mode = (geometry.TRUE_LENGTHS if bucket is None else
+            geometry.PER_REQUEST_BUCKETS if isinstance(bucket, torch.Tensor) else geometry.SCALAR_BUCKET)
+    if mode != plan.bucket_mode or (mode == geometry.SCALAR_BUCKET and int(bucket) != plan.l_scalar):
+        got = "a per-request tensor" if mode == geometry.PER_REQUEST_BUCKETS else repr(bucket)
+        want = _BUCKET_MODES[plan.bucket_mode] + (f" = {plan.l_scalar}" if plan.l_scalar else "")
+        raise ValueError(f"plan.run: bucket is {got}; accepted: {want}, as the plan was made for")
