@@ -8,8 +8,8 @@
 // the true lengths. That is the contract of policy `off` only (design.md:
 // "lengths" may leak). The CT binary (code 34, "constant-time walk" below) walks
 // the public bucket instead, over each request's reserved block-table line, with
-// the Triton CONST_TIME kernels' selects; ops.step_kernel routes constant-time
-// prefill steps to it unless DHP_CUDA_PREFILL_CT=0 (gates: `dhp-backend audit
+// the Triton CONST_TIME kernels' selects; ops.plan routes constant-time prefill
+// steps to it unless the setting path is triton (gates: `dhp-backend audit
 // sass-cuda` and G1 per instruction, docs/perf-notes.md change 22). It is the
 // route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
 // cannot express on this chip -- a producer warpgroup that loads 16-token pages

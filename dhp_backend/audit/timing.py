@@ -353,12 +353,12 @@ def launch_us(shape) -> float:
 
 def pair_estimate_s(spec: PairSpec, modes) -> float:
     """Estimated seconds of one pair in ``modes`` (`launch_us`, `ROUND_OVERHEAD_US`; classes with their own
-    data add their untimed data copy, read and written at an H100's ~3.3 TB/s)."""
+    data add their untimed data copy, read and written at an H100's ~3.3 TB/s, and the L2 flush after it)."""
     from dhp_backend.audit import classes
 
     k = launch_us(spec.shape) * (0.56 if spec.role == "control" else 1.0)  # short under off: almost free
     if classes.data_key(spec.a) != classes.data_key(spec.b):
-        k += 2 * classes.data_copy_bytes(spec.shape) / 3.3e6
+        k += 2 * classes.data_copy_bytes(spec.shape) / 3.3e6 + 2 * 50e6 / 3.3e6  # + the L2 flush (2 x 50 MB)
     return sum(spec.rounds * (2 * k + ROUND_OVERHEAD_US[m]) * 1e-6 for m in modes)
 
 
@@ -769,12 +769,19 @@ class Timer:
                 c.append((base["query"], x["query"]))
                 for k in ("key_cache", "value_cache"):
                     c.append((base[k], pages, x[k].index_select(0, pages)))
+                # The copy reads the class's own staging tensors: what of them stays in L2 differs by class
+                # in *where* it sits (run 2026-11-26, H200: random vs random2 t -52 on the consecutive
+                # layout without this). Reading one fixed buffer of twice the L2 afterwards leaves both
+                # classes' launches the same L2 contents.
+                c.append(("flush", self._l2_flush_buffer()))
         out = classes.empty_out(base)
 
         def prep_for(i):
             def prep():
                 for c in copies[i]:
-                    if len(c) == 2:
+                    if isinstance(c[0], str):  # ("flush", buffer)
+                        c[1].sum()  # a read of every byte: the L2 then holds this buffer's lines only
+                    elif len(c) == 2:
                         c[0].copy_(c[1], non_blocking=True)
                     else:
                         c[0].index_copy_(0, c[1], c[2])
@@ -819,6 +826,16 @@ class Timer:
                     raise RuntimeError(f"class {cls!r} ({mode}): the shared buffers after its data copy give other "
                                        "bits than its own inputs; the copy is incomplete")
         return fns, [out], graphs
+
+    def _l2_flush_buffer(self):
+        """One buffer of twice the device's L2 (kept for the process): reading it evicts whatever a data copy
+        left in L2."""
+        buf = getattr(self, "_flush", None)
+        if buf is None:
+            torch = self.torch
+            l2 = int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 << 20)
+            buf = self._flush = torch.ones(2 * l2 // 4, dtype=torch.float32, device=self.device)
+        return buf
 
     def _host_ms_per_round(self, fns, events) -> float:
         """Host enqueue time of one round (two launches, four events), measured behind a GPU spin."""
