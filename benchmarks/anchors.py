@@ -407,7 +407,7 @@ class DHP(Anchor):
         if ok:
             # path auto = what vLLM runs: the Triton kernels, and for policy-off
             # prefill steps the csrc kernel's Triton-bit-compatible binary.
-            from dhp_backend.ops.attention import step_kernel
+            from dhp_backend.ops.plan import step_kernel
 
             self.path = "auto"
             self.kernel = step_kernel(spec, self.policy, c.num_tokens, len(sets[0].seq_lens))

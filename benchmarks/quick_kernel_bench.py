@@ -226,7 +226,7 @@ def variants():
     """
     import dataclasses
 
-    from dhp_backend.ops.triton import config as kcfg
+    from dhp_backend.ops import tiles as kcfg
 
     g = H // HKV
     kinds = {k: kcfg.kernel_config(D, g, "bfloat16", kind=k) for k in kcfg.STEP_KINDS}
@@ -266,7 +266,7 @@ def sweep_rows(gen, names=None, kinds=None):
     """Each variant on each sweep shape, with FA3 timed alongside (ratio ``fa3_over``
     = FA3 time / variant time, > 1 is faster than FA3). Every variant's output is
     checked against SDPA before it is timed; a wrong or failing variant gets NaN."""
-    from dhp_backend.ops.triton import config as kcfg
+    from dhp_backend.ops import tiles as kcfg
 
     rows = []
     vs = variants()

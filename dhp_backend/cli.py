@@ -341,7 +341,7 @@ def _audit(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
 
     from dhp_backend.audit import report, variants
 
-    from dhp_backend.ops.triton import config as kcfg
+    from dhp_backend.ops import tiles as kcfg
 
     if not args.all:
         # The variant axes choose among every variant; the CI subset is fixed. An axis

@@ -7,7 +7,7 @@ follow the step geometry. The GPU tests check the bits themselves.
 
 import pytest
 
-from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.geometry import plan, step_kind
 
 

@@ -166,7 +166,7 @@ def _tile_configs(H, Hkv, D, dtype_name):
     and 16-row tiles on 2 and 1 warps (the layouts a 16-row mma.sync tile can take)."""
     import dataclasses
 
-    from dhp_backend.ops.triton import config as kcfg
+    from dhp_backend.ops import tiles as kcfg
 
     g = H // Hkv
     cfgs = {k: kcfg.kernel_config(D, g, dtype_name, kind=k) for k in kcfg.STEP_KINDS}

@@ -622,7 +622,7 @@ def gpu_sleep_cycles_per_ms(torch, cycles: int = 2_000_000) -> float | None:
     """GPU clock cycles per millisecond of `torch.cuda._sleep` (None where torch lacks it).
 
     The spin pads a timed chunk so that the host has queued it before it runs
-    (shared with bench/timer.py)."""
+    (shared with benchmarks/timer.py)."""
     if not hasattr(torch.cuda, "_sleep"):
         return None
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -675,7 +675,7 @@ class Timer:
         except Exception as e:  # noqa: BLE001 - informational only
             return f"unknown ({type(e).__name__}: {e})"
         try:
-            from dhp_backend.ops.attention import step_kernel
+            from dhp_backend.ops.plan import step_kernel
 
             kernel = step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
             return f"{path}; kernel {kernel}"

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import re
 
-from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops import tiles as kcfg
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 DEFAULT_GROUPS = (1, 2, 4, 8)

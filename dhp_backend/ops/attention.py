@@ -47,7 +47,6 @@ import torch
 from dhp_backend.config import Policy
 from dhp_backend.ops import dispatch
 from dhp_backend.ops.plan import plan_step, run
-from dhp_backend.ops.plan import step_kernel  # noqa: F401  (the audit's and benchmarks' import of it)
 from dhp_backend.ops.validation import check_values as check_values_of
 from dhp_backend.ops.validation import fail as _fail
 

@@ -47,7 +47,7 @@ from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import load
 from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch_error, unavailable_reason,
                                          validate_common)
-from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.validation import check_values
 
 MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile

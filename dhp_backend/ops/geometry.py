@@ -17,7 +17,7 @@ import functools
 import torch
 
 from dhp_backend.ops import workspace as wsp
-from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops import tiles as kcfg
 
 _CPU_SMS = 4  # interpreter: a small "device" so that tests reach the split path
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from dhp_backend.ops.triton.config import (
+from dhp_backend.ops.tiles import (
     MAX_GROUP,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,

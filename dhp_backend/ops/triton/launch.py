@@ -17,7 +17,7 @@ import torch
 from dhp_backend.config import Policy
 from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
-from dhp_backend.ops.triton import config as kcfg
+from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.triton import kernels
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
