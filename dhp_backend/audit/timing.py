@@ -569,8 +569,21 @@ class PairStats:
                 "diff_pct": 100.0 * (mb - ma) / ma if ma else math.nan, "t": t, "df": self.welch.df,
                 "cropped_t_max": ct, "cropped_quantile": cq, "paired": p, "verdict": verdict,
                 "passed": (verdict == "pass") if role == "gating" else None, "detected": detected,
-                "chunks": self.chunks, "starved_chunks": self.starved, "trace": self.trace, "plots": [],
+                "chunks": self.chunks, "starved_chunks": self.starved, "trace": thin_trace(self.trace), "plots": [],
                 "error": None, "_samples": (a, b)}
+
+
+TRACE_POINTS = 100  # Welch t over samples, kept in the report: enough for its plot, not one point per chunk
+
+
+def thin_trace(trace: dict, points: int = TRACE_POINTS) -> dict:
+    """The trace with at most ``points`` Welch-t points, evenly spaced and always the last (the report keeps
+    one row per pair; a point per 128-round chunk made a 10^5-round row ~20 KB of trace)."""
+    n = len(trace["n"])
+    if n <= points:
+        return dict(trace)
+    keep = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
+    return {**trace, "n": [trace["n"][i] for i in keep], "t": [trace["t"][i] for i in keep]}
 
 
 def analyse_streams(xa, xb, *, pair=("random", "random2"), role="gating", mode="synthetic", shape=None,
