@@ -561,3 +561,13 @@ def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
     assert not calls and "time budget" in capsys.readouterr().out
     assert _settings("--preset", "subset").time_budget == 540 and _settings().time_budget == 0
     assert _settings("--preset", "subset", "--time-budget", "0").time_budget == 0
+
+
+def test_thin_trace_keeps_the_ends_and_at_most_the_limit():
+    trace = {"n": list(range(128, 128 * 782 + 1, 128)), "t": [float(i) for i in range(782)], "z_n": [1, 2], "z": [0.5, 0.7]}
+    thin = timing.thin_trace(trace, points=100)
+    assert len(thin["n"]) == len(thin["t"]) == 100
+    assert (thin["n"][0], thin["n"][-1], thin["t"][-1]) == (128, 128 * 782, 781.0)
+    assert thin["n"] == sorted(thin["n"]) and thin["z"] == trace["z"]
+    short = {"n": [1, 2], "t": [0.1, 0.2], "z_n": [], "z": []}
+    assert timing.thin_trace(short) == short
