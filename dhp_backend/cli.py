@@ -26,6 +26,14 @@ them with nvcc (-lineinfo, no GPU needed), and explains every branch of the
 constant-time binaries by a rule of ``dhp_backend/audit/cuda_rules.py`` checked
 on the PTX ptxas compiled, or fails.
 
+    dhp-backend build [--json]
+
+`build` compiles the csrc Hopper kernels the engine routes to with nvcc into the
+build cache (the setting ``cuda_cache``, ``DHP_CUDA_CACHE``) now, so an engine
+started later (a container built from this image) finds them there instead of
+building at start-up; it needs nvcc, not a GPU. Exit 1 with nvcc's message when
+a build fails or nvcc is missing.
+
 The benchmarks are not part of the installed package: from the repository,
 ``python -m benchmarks.harness`` times DHP under each policy against
 FlashAttention-3, FlashInfer, vLLM's Triton unified_attention and cuDNN SDPA on
@@ -232,6 +240,25 @@ def _print_reservation(p: dict) -> None:
         print("  " + line)
 
 
+def _build(args) -> int:
+    """`dhp-backend build`: every library the engine can route to, built (or found) in the cache."""
+    from dhp_backend.ops import cuda_build
+
+    try:
+        built = cuda_build.prebuild()
+    except cuda_build.CudaBuildError as e:
+        print(f"dhp-backend build: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{"library": b.name, "source": b.source, "path": str(b.path), "state": b.state,
+                           "why": b.why, "seconds": round(b.seconds, 2)} for b in built], indent=1))
+    else:
+        for b in built:
+            print(b.describe())
+        print(f"cache: {cuda_build.cache_dir()} (the setting cuda_cache, DHP_CUDA_CACHE, moves it)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dhp-backend", description="DHP attention backend for vLLM")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -255,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="plan for this device type (default: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    b = sub.add_parser("build", help="build the csrc Hopper kernels into the cache now (no GPU needed)")
+    b.add_argument("--json", action="store_true", help="print JSON instead of text")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
     asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")
@@ -283,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         summary.add_arguments(a)
     args = ap.parse_args(argv)
+    if args.command == "build":
+        return _build(args)
     if args.command == "audit":
         if args.gate is None:
             if summary is None:

@@ -80,8 +80,8 @@ def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="no nvcc on this machine (CI): built on the GPU machine")
 def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path))
-    lib = cuda_build.build("dhp_decode_sm90", "decode_sm90.cu")
-    assert lib.is_file() and lib.stat().st_size > 100_000
+    built = cuda_build.build(*cuda_build.DECODE_LIBRARY)
+    assert built.state == "built" and built.path.is_file() and built.path.stat().st_size > 100_000
 
 
 def test_longest_first_only_in_fold_mode_past_one_wave():

@@ -53,9 +53,10 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch):
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="no nvcc on this machine (CI): built on the GPU machine")
 def test_kernel_builds_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path))
-    lib = cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu")
-    assert lib.is_file() and lib.stat().st_size > 100_000
-    assert cuda_build.build("dhp_prefill_sm90", "prefill_sm90.cu") == lib  # cached, not rebuilt
+    built = cuda_build.build(*cuda_build.PREFILL_LIBRARY)
+    assert built.state == "built" and built.path.is_file() and built.path.stat().st_size > 100_000
+    again = cuda_build.build(*cuda_build.PREFILL_LIBRARY)
+    assert (again.state, again.path) == ("cached", built.path)  # cached, not rebuilt
 
 
 def test_build_key_follows_every_source_and_header(tmp_path):

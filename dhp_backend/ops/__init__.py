@@ -17,7 +17,7 @@ from dhp_backend.ops.dispatch import (
     graph_capturable,
     prepare_path,
 )
-from dhp_backend.ops.plan import StepPlan, plan_step, run, step_kernel
+from dhp_backend.ops.plan import StepPlan, plan_step, prepare_kernels, run, step_kernel
 
 __all__ = [
     "FallbackRefused",
@@ -31,6 +31,7 @@ __all__ = [
     "next_pow2",
     "paged_attention",
     "plan_step",
+    "prepare_kernels",
     "prepare_path",
     "run",
     "step_kernel",

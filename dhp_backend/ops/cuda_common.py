@@ -46,6 +46,14 @@ def _capability_reason(index: int | None) -> str | None:
     return None
 
 
+_BUILD_FAILED: dict[str, str] = {}  # csrc source -> why its library failed to build in this process
+
+
+def mark_build_failed(source: str, why: str) -> None:
+    """Refuse ``csrc/<source>`` to every route of this process (`plan.prepare_kernels`: its build failed)."""
+    _BUILD_FAILED[source] = why
+
+
 def common_route_refusal(spec, source: str) -> str | None:
     """Why a problem (`dispatch.ProblemSpec`) cannot go to a csrc kernel for any
     of the reasons the kernels share (None when nothing shared stands in the way)."""
@@ -60,6 +68,8 @@ def common_route_refusal(spec, source: str) -> str | None:
     from dhp_backend.ops.cuda_build import find_nvcc
     if find_nvcc() is None:
         return f"no nvcc to build csrc/{source}"
+    if source in _BUILD_FAILED:
+        return f"csrc/{source} failed to build ({_BUILD_FAILED[source]})"
     return None
 
 

@@ -44,7 +44,7 @@ import torch
 
 from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
-from dhp_backend.ops.cuda_build import load
+from dhp_backend.ops.cuda_build import DECODE_LIBRARY, load
 from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch_error, unavailable_reason,
                                          validate_common)
 from dhp_backend.ops import tiles as kcfg
@@ -115,7 +115,7 @@ def _refusal(spec, max_group: int, who: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _entry():
     # Loaded and typed once, not per launch.
-    fn = load("dhp_decode_sm90", "decode_sm90.cu").dhp_decode_sm90
+    fn = load(*DECODE_LIBRARY).dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,

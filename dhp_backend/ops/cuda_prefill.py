@@ -35,7 +35,7 @@ import math
 import torch
 
 from dhp_backend.ops import workspace as wsp
-from dhp_backend.ops.cuda_build import load
+from dhp_backend.ops.cuda_build import PREFILL_LIBRARY, load
 from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, ct_bucket,  # noqa: F401
                                          launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops.validation import check_values
@@ -99,7 +99,7 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def _entry():
     # Loaded and typed once, not per launch.
-    fn = load("dhp_prefill_sm90", "prefill_sm90.cu").dhp_prefill_sm90
+    fn = load(*PREFILL_LIBRARY).dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,

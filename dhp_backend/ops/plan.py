@@ -208,6 +208,52 @@ def clear_caches() -> None:
     _cuda_routes.cache_clear()
 
 
+def prepare_kernels(spec: ProblemSpec, requested: str = "auto") -> list:
+    """Build (or find in the cache) the csrc libraries this layer's steps can route to, now: at engine
+    start-up, before vLLM profiles memory and captures CUDA graphs, so the first step never waits for nvcc
+    inside a capture. One log line per library (`cuda_build.Built.describe`). A library that fails to
+    build is refused to every route for this process (`cuda_common.mark_build_failed`): its steps run on
+    the Triton kernels, whose bits are the same, and the log says so once. Returns the builds."""
+    from dhp_backend.ops import cuda_build, cuda_common
+
+    if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE:
+        return []
+    if tuple(spec.device_capability or ()) == (9, 0) and cuda_build.find_nvcc() is None:
+        _warn_once(("no-nvcc",), "DHP: no nvcc on this machine (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, "
+                   "/usr/local/cuda/bin, PATH): every step runs on the Triton kernels (same bits; the csrc "
+                   "Hopper kernels are faster: install the CUDA toolkit >= 12.5 or prebuild them with "
+                   "`dhp-backend build` into DHP_CUDA_CACHE)")
+        return []
+    wanted = []
+    for kinds, library in (((CUDA_DECODE, CUDA_DECODE_CT), cuda_build.DECODE_LIBRARY),
+                           ((CUDA_PREFILL, CUDA_PREFILL_CT), cuda_build.PREFILL_LIBRARY)):
+        if any(_cuda_routes(spec, k) for k in kinds):
+            wanted.append(library)
+    built = []
+    for library in wanted:
+        try:
+            b = cuda_build.build(*library)
+        except cuda_build.CudaBuildError as e:
+            cuda_common.mark_build_failed(library[1], str(e).splitlines()[0])
+            _cuda_routes.cache_clear()
+            _plan.cache_clear()
+            logger.error("DHP: csrc/%s failed to build; its steps run on the Triton kernels (same bits): %s",
+                         library[1], e)
+            continue
+        logger.warning("DHP kernels: %s", b.describe())
+        built.append(b)
+    return built
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_routes(spec, kind: str) -> bool:
     if kind == CUDA_PREFILL:

@@ -44,6 +44,7 @@ from dhp_backend.ops import (
     choose_path,
     graph_capturable,
     plan_step,
+    prepare_kernels,
     prepare_path,
     run,
 )
@@ -347,6 +348,9 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         device = (torch.device("cuda", torch.cuda.current_device()) if self.spec.device_type == "cuda"
                   else torch.device(self.spec.device_type))
         self.reserved_bytes = prepare_path(self.path_choice, device)
+        # The csrc kernels this layer can route to are built (or found in the cache) now, visibly, not
+        # inside the first CUDA-graph capture.
+        prepare_kernels(self.spec, self.dhp_config.path)
         self._cache_update_op = compat.kv_cache_update_op(self.spec.device_type)
         max_model_len = model_config.max_model_len if model_config is not None else None
         _once(("init", self.spec, self.dhp_config), lambda: logger.warning(

@@ -1,0 +1,155 @@
+"""The csrc build cache (`ops/cuda_build.py`) with a stand-in nvcc: built once and then cached, a corrupt or
+half-written entry rebuilt, two processes building at once make one build, failures and a missing nvcc
+reported clearly, `dhp-backend build`, and the engine start-up hook (`ops.plan.prepare_kernels`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dhp_backend.ops import cuda_build, cuda_common, plan
+from dhp_backend.ops.dispatch import ProblemSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_NVCC = textwrap.dedent('''\
+    #!{python}
+    """A stand-in for nvcc: logs each compile, waits, writes a fake library (or fails on request)."""
+    import os, sys, time
+    if "--version" in sys.argv:
+        print("Cuda compilation tools, release 99.9, V99.9.1")
+        sys.exit(0)
+    out = sys.argv[sys.argv.index("-o") + 1]
+    with open(os.environ["FAKE_NVCC_LOG"], "a") as f:
+        f.write(out + "\\n")
+    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+    if os.environ.get("FAKE_NVCC_FAIL"):
+        print("prefill_sm90.cu(1): error: planted failure", file=sys.stderr)
+        sys.exit(2)
+    with open(out, "wb") as f:
+        f.write(b"\\x7fELF fake library " + os.urandom(64))
+''')
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(FAKE_NVCC.format(python=sys.executable))
+    nvcc.chmod(0o755)
+    log = tmp_path / "nvcc.log"
+    log.write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
+    monkeypatch.delenv("FAKE_NVCC_FAIL", raising=False)
+    return lambda: [ln for ln in log.read_text().splitlines() if ln]
+
+
+def test_built_once_then_cached_with_a_log_line(fake_nvcc, caplog):
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        first = cuda_build.build(*cuda_build.PREFILL_LIBRARY)
+    assert first.state == "built" and "not in the cache" in first.why and first.path.is_file()
+    assert first.path.with_name(first.path.name + ".sha256").read_text().strip() == cuda_build._digest(first.path)
+    assert "building csrc/prefill_sm90.cu with nvcc (Cuda compilation tools, release 99.9" in caplog.text
+    assert "built csrc/prefill_sm90.cu in" in caplog.text
+    again = cuda_build.build(*cuda_build.PREFILL_LIBRARY)
+    assert (again.state, again.path) == ("cached", first.path)
+    assert len(fake_nvcc()) == 1
+    assert "in the cache" in again.describe() and "built in" in first.describe()
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda p: p.write_bytes(p.read_bytes()[:10]), "corrupt"),          # truncated
+    (lambda p: p.write_bytes(b"x" + p.read_bytes()[1:]), "corrupt"),     # altered
+    (lambda p: p.with_name(p.name + ".sha256").unlink(), "without its checksum"),  # interrupted build
+    (lambda p: p.unlink(), "not in the cache"),                          # removed
+])
+def test_a_damaged_entry_is_rebuilt(fake_nvcc, damage, why):
+    first = cuda_build.build(*cuda_build.DECODE_LIBRARY)
+    damage(first.path)
+    again = cuda_build.build(*cuda_build.DECODE_LIBRARY)
+    assert why in again.why and again.path == first.path and len(fake_nvcc()) == 2
+    assert cuda_build._entry_state(again.path) is None
+
+
+def test_two_processes_building_at_once_make_one_build(fake_nvcc, monkeypatch):
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "1.5")
+    code = ("import json; from dhp_backend.ops import cuda_build as c; b = c.build(*c.PREFILL_LIBRARY); "
+            "print(json.dumps([b.state, str(b.path), c._entry_state(b.path)]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(r[0] for r in results) == ["built", "cached"]  # the second waited for the first's build
+    assert results[0][1] == results[1][1] and results[0][2] is None is results[1][2]
+    assert len(fake_nvcc()) == 1
+
+
+def test_a_failing_build_says_why(fake_nvcc, monkeypatch):
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    with pytest.raises(cuda_build.CudaBuildError, match=r"(?s)nvcc failed building prefill_sm90.cu \(exit 2\).*planted"):
+        cuda_build.build(*cuda_build.PREFILL_LIBRARY)
+
+
+def test_cli_build_prebuilds_every_library(fake_nvcc, capsys, monkeypatch):
+    from dhp_backend import cli
+
+    assert cli.main(["build", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["library"], r["state"]) for r in rows] == [(n, "built") for n, _ in cuda_build.LIBRARIES]
+    assert cli.main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("in the cache") == len(cuda_build.LIBRARIES) and "DHP_CUDA_CACHE" in out
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    assert cli.main(["build"]) == 1
+    assert "nvcc not found" in capsys.readouterr().err
+
+
+def _sm90_spec():
+    return ProblemSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype="bfloat16",
+                       device_type="cuda", device_capability=(9, 0))
+
+
+def test_engine_start_up_builds_what_the_routes_use(fake_nvcc, caplog):
+    plan.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        built = plan.prepare_kernels(_sm90_spec())
+    assert sorted(b.source for b in built) == ["decode_sm90.cu", "prefill_sm90.cu"]
+    assert caplog.text.count("DHP kernels: csrc/") == 2
+    assert plan.prepare_kernels(_sm90_spec(), "triton") == []  # path triton: nothing to build
+    cpu = ProblemSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype="bfloat16",
+                      device_type="cpu", device_capability=None)
+    assert plan.prepare_kernels(cpu) == []
+    plan.clear_caches()
+
+
+def test_a_failed_build_sends_its_steps_to_triton(fake_nvcc, monkeypatch, caplog):
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    monkeypatch.setattr(cuda_common, "_BUILD_FAILED", {})
+    plan.clear_caches()
+    with caplog.at_level(logging.ERROR, logger="dhp_backend"):
+        assert plan.prepare_kernels(_sm90_spec()) == []
+    assert "csrc/decode_sm90.cu failed to build; its steps run on the Triton kernels (same bits)" in caplog.text
+    spec = _sm90_spec()
+    assert plan.step_kernel(spec, "strict", 16, 16) == plan.TRITON  # decode
+    assert plan.step_kernel(spec, "off", 256, 2) == plan.TRITON      # prefill
+    plan.clear_caches()
+
+
+def test_no_nvcc_is_said_once_and_builds_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    monkeypatch.setattr(plan, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        assert plan.prepare_kernels(_sm90_spec()) == []
+        assert plan.prepare_kernels(_sm90_spec()) == []
+    assert caplog.text.count("no nvcc on this machine") == 1
