@@ -1,18 +1,23 @@
-"""Helpers for the tests that run vLLM in child processes (test_e2e_cpu_engine, test_e2e_throughput).
+"""Helpers for the tests that run vLLM in child processes (test_e2e_cpu_engine, test_e2e_throughput,
+test_server_gpu).
 
 vLLM reads settings at import and backend overrides are per process, so each
 generation is its own process. These give it a clean environment and run it in
 a session of its own whose leftovers (an engine core, its workers) are ended
 afterwards, with output to a file: no pipe that a stray child could hold open.
+`serve` does the same for an HTTP server (vLLM's OpenAI-compatible one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +66,57 @@ def end_session(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             continue
         time.sleep(0.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server started by `serve`: its process, base URL, log file and start-up time."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+        self.startup_s: float | None = None
+
+    def tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of the server's log, for failure messages."""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
+        return f"--- last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Until ``GET /health`` answers 200; fails with the log's tail if the server exits or
+        ``timeout`` seconds pass first."""
+        t0 = time.time()
+        while True:
+            assert self.proc.poll() is None, f"server exited with code {self.proc.returncode}:\n" + self.tail()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = time.time() - t0
+                        return
+            except OSError:
+                pass
+            assert time.time() - t0 < timeout, f"server did not come up within {timeout:.0f} s:\n" + self.tail()
+            time.sleep(1)
+
+
+@contextlib.contextmanager
+def serve(cmd: list[str], env: dict, url: str, log_path: str | Path, start_timeout: float):
+    """Start the HTTP server ``cmd`` (listening at ``url``) in its own session, output to
+    ``log_path``; yield a `Server` once it is healthy. Its session is ended on the way out,
+    whatever happened (by PID: `end_session`)."""
+    log_path = Path(log_path)
+    # Append mode: the child's writes always land at the end, even while `Server.tail` reads.
+    with open(log_path, "a") as log:
+        proc = start_in_session(cmd, env, log)
+        try:
+            server = Server(proc, url, log_path)
+            server.wait_healthy(start_timeout)
+            yield server
+        finally:
+            end_session(proc)

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import tempfile
-import time
 import urllib.request
 
 import pytest
-from engine_process import end_session, engine_env, run_in_session, start_in_session
+from engine_process import engine_env, free_port, run_in_session, serve
 
 pytest.importorskip("vllm")
 
@@ -117,39 +114,20 @@ def test_strict_without_permission_refuses_to_start(model_dir):
     assert "FallbackRefused" in text and "allow_fallback" in text, text[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_openai_server_smoke(model_dir):
+def test_openai_server_smoke(model_dir, tmp_path):
     """`--attention-backend DHP` on the OpenAI server: one completion, then stop it by PID."""
-    port = _free_port()
-    trace = tempfile.mktemp(prefix="dhp-serve-", suffix=".jsonl")
-    env = {**ENV, "DHP_OVERRIDE_CPU_ATTN": "1", "DHP_TRACE_FILE": trace}
+    port = free_port()
+    trace = tmp_path / "dhp-trace.jsonl"
+    env = {**ENV, "DHP_OVERRIDE_CPU_ATTN": "1", "DHP_TRACE_FILE": str(trace)}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--attention-backend", "DHP",
            "--additional-config", json.dumps({"dhp": {"policy": "strict", "allow_fallback": True}}),
            "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"]
-    log = open(tempfile.mktemp(prefix="dhp-serve-", suffix=".log"), "w+")
-    proc = start_in_session(cmd, env, log)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, "server exited:\n" + _tail(log)
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server did not come up:\n" + _tail(log)
-            time.sleep(1)
+    # stopped (with its engine core) by PID / session when the block ends
+    with serve(cmd, env, f"http://127.0.0.1:{port}", tmp_path / "server.log", start_timeout=300) as server:
         body = json.dumps({"model": str(model_dir), "prompt": "w1 w2 w3 w4 w5 w6", "max_tokens": 5,
                            "temperature": 0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body,
+        req = urllib.request.Request(server.url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             reply = json.loads(r.read())
@@ -158,12 +136,3 @@ def test_openai_server_smoke(model_dir):
         with open(trace) as f:
             events = [json.loads(line) for line in f if line.strip()]
         assert events and all(e["backend"] == "DHP" and e["path"] == "reference" for e in events), events
-    finally:
-        end_session(proc)  # stop the server (and its engine core) by PID / session
-        log.close()
-
-
-def _tail(f, n=60):
-    f.flush()
-    f.seek(0)
-    return "\n".join(f.read().splitlines()[-n:])
