@@ -12,6 +12,8 @@
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
+#   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py;
+#             SERVE_TEST_S, default 300; each server's log and answers in $OUT/serve-<policy>.{log,json})
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
@@ -83,6 +85,11 @@ for step in "$@"; do
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
                --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
     sustain) python3 -m benchmarks.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
+    serve)   # SIGINT, not TERM, at the time limit: pytest then tears its fixtures down, which ends the
+             # servers' sessions (they run in sessions of their own, out of timeout's reach).
+             DHP_REPORT_DIR=$OUT timeout -s INT -k 60 ${SERVE_TEST_S:-300} \
+               python3 -m pytest -q -m gpu tests/test_server_gpu.py -x -p no:cacheprovider 2>&1 \
+               | tee "$OUT/serve.log" | grep -v "^\s*$" | tail -25 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
