@@ -123,14 +123,16 @@ def compile_inputs(v: Variant):
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
                      SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
-                     CONST_TIME=bool(v.const_time))
+                     CONST_TIME=bool(v.const_time),
+                     # the plain binaries: no soft-cap, no attention sinks (launch.launch)
+                     SOFTCAP=0.0, HAS_SINKS=False, attn_sinks_ptr=None)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         floats = {"qk_scale"}
     else:
         fn = kernels.merge_kernel
         elem = {"ws_acc_ptr": "fp32", "ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "out_ptr": dt}
         const = dict(GROUP=v.group, GROUP_PAD=kcfg.next_pow2(v.group), HEAD=v.head, HEAD_PAD=cfg.head_pad,
-                     UNROLL=MERGE_UNROLL)
+                     UNROLL=MERGE_UNROLL, HAS_SINKS=False, sinks_ptr=None)
         opts = dict(num_warps=MERGE_WARPS)
         floats = set()
     dns = set(fn.do_not_specialize) if all(isinstance(x, str) for x in fn.do_not_specialize) else {
