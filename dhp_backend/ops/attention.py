@@ -197,8 +197,8 @@ def paged_attention(
     if not isinstance(causal, bool):
         _fail("causal", repr(causal), "True or False")
 
-    logits_soft_cap = _check_soft_cap(logits_soft_cap)
-    _check_sinks(sinks, num_heads, query.dtype, device)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    check_sinks(sinks, num_heads, query.dtype, device)
 
     policy = Policy.parse(policy, source="paged_attention: policy")
     bucket = _normalize_bucket(policy, bucket, max_model_len, num_reqs, device,
@@ -231,7 +231,7 @@ def paged_attention(
                scale=float(scale), causal=causal, bucket=bucket, sinks=sinks)
 
 
-def _check_soft_cap(cap) -> float | None:
+def check_soft_cap(cap) -> float | None:
     """None for no cap (``None`` or 0, vLLM's two spellings), else the cap as a float."""
     if cap is None:
         return None
@@ -242,7 +242,7 @@ def _check_soft_cap(cap) -> float | None:
     return float(cap) if cap > 0 else None
 
 
-def _check_sinks(sinks, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
+def check_sinks(sinks, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
     if sinks is None:
         return
     dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
