@@ -8,6 +8,7 @@ interpreter) and tests/test_triton_gpu.py (CUDA).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -154,7 +155,7 @@ def test_run_refuses_sinks_the_plan_was_not_made_for():
                   path="reference", device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"plan.run: sinks is a tensor; accepted: None, as the plan was made for"):
         plan.run(p, *batch.args(), out, scale=0.1, causal=True, bucket=None, sinks=torch.zeros(4))
-    p2 = plan_step(ProblemSpec(**{**spec.__dict__, "sinks": True}), "off", num_tokens=batch.num_tokens, num_reqs=1,
+    p2 = plan_step(dataclasses.replace(spec, sinks=True), "off", num_tokens=batch.num_tokens, num_reqs=1,
                    max_blocks=batch.block_table.shape[1], path="reference", device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"plan.run: sinks is None; accepted: a \[num_heads\] tensor"):
         plan.run(p2, *batch.args(), out, scale=0.1, causal=True, bucket=None)
