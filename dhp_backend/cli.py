@@ -110,7 +110,8 @@ def info(args: argparse.Namespace) -> dict:
         cap = (9, 0)  # planning for a Hopper GPU from a machine without one
     spec = ProblemSpec(device_type=device_type, dtype=args.dtype, head_size=args.head_size,
                        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, block_size=args.block_size,
-                       causal=True, device_capability=cap)
+                       causal=True, device_capability=cap, logits_soft_cap=args.logits_soft_cap or None,
+                       sinks=args.sinks)
     max_blocks = -(-args.max_model_len // args.block_size)  # vLLM's block table covers max_model_len
     cases = {}
     refusal = None
@@ -154,12 +155,24 @@ def info(args: argparse.Namespace) -> dict:
                   "block_size": args.block_size, "dtype": args.dtype, "max_model_len": args.max_model_len},
         "cases": cases,
         "device_memory": memory,
+        "features": MODEL_FEATURES,
         "refusal": refusal,
         "reservation": _reservation(cfg.policy, args),
         "note": "The path is chosen per layer shape at start-up; the plan (kernel, binary, launch geometry) "
                 "once per step for all layers, from the step's public geometry (dhp_backend/ops/plan.py); the "
                 "bucket is what timing may depend on under the policy.",
     }
+
+
+# What each implementation covers beyond plain causal GQA attention (issue 31),
+# for `info`: the model's features, as vLLM hands them to the backend.
+MODEL_FEATURES = {
+    "logits_soft_cap": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not "
+                       "implement it, so such layers run every step on Triton",
+    "sinks": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not implement "
+             "them, so such layers run every step on Triton",
+    "sliding_window": "not supported (the engine refuses such models at start-up)",
+}
 
 
 def _cpu():
@@ -204,6 +217,8 @@ def _print_info(r: dict) -> None:
     print(f"shape: {s['num_heads']} query heads / {s['num_kv_heads']} KV heads, head size {s['head_size']}, "
           f"block size {s['block_size']}, {s['dtype']}, max_model_len {s['max_model_len']}")
     print(f"device memory beyond the KV cache: {r['device_memory']}")
+    for feature, support in r["features"].items():
+        print(f"feature {feature}: {support}")
     print()
     print(f"{'case':8} {'reqs':>4} {'tokens':>6}  {'bucket L':>12}  path")
     for name, k in r["cases"].items():
@@ -259,6 +274,18 @@ def _build(args) -> int:
     return 0
 
 
+def _positive_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite positive number")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dhp-backend", description="DHP attention backend for vLLM")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -270,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per KV block (default 16, vLLM's default on CUDA; its CPU engine uses 128)")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--logits-soft-cap", type=_positive_float, default=None,
+                   help="plan for a layer with this logits soft-cap (Gemma-2: 50)")
+    p.add_argument("--sinks", action="store_true", help="plan for a layer with attention sinks (gpt-oss)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=int, default=None,
                     help="blocks in vLLM's KV cache, null block included (the engine's DHP start-up line gives "

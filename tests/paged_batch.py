@@ -153,8 +153,12 @@ def make_batch(
     )
 
 
-def oracle(batch: PagedBatch) -> torch.Tensor:
-    """float64 dense attention from the logical K/V; padding rows are zero."""
+def oracle(batch: PagedBatch, *, logits_soft_cap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 dense attention from the logical K/V; padding rows are zero.
+
+    ``logits_soft_cap``: scores ``cap * tanh(s / cap)`` before the mask. ``sinks``
+    ([num_heads]): one more logit per head in the denominator, no value row."""
     num_heads, head_size = batch.query.shape[1:]
     out = torch.zeros(batch.num_tokens, num_heads, head_size, dtype=torch.float64)
     q_all = batch.query.detach().cpu().double()
@@ -167,11 +171,19 @@ def oracle(batch: PagedBatch) -> torch.Tensor:
         vv = v.double().repeat_interleave(group, dim=1)
         q = q_all[start:start + req.q_len]
         s = torch.einsum("qhd,khd->hqk", q, kk) * batch.scale
+        if logits_soft_cap:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
         if batch.causal:
             i = torch.arange(req.q_len).unsqueeze(1)
             j = torch.arange(req.seq_len).unsqueeze(0)
             s = s.masked_fill(j > req.context + i, float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            sink = sinks.detach().cpu().double().view(-1, 1, 1)  # [Hq, 1, 1]
+            m = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+            w = torch.exp(s - m)
+            p = w / (w.sum(dim=-1, keepdim=True) + torch.exp(sink - m))
         out[start:start + req.q_len] = torch.einsum("hqk,khd->qhd", p, vv)
         start += req.q_len
     return out

@@ -156,6 +156,22 @@ def test_real_kernels_pass_on_ci_subset(tmp_path):
     assert os.path.getsize(md) > 1000 and os.path.getsize(js) > 1000
 
 
+def test_model_feature_binaries_pass(tmp_path):
+    """G2 on the soft-cap and sinks binaries (issue 31): the same public loops as the
+    plain binaries, nothing else, no slow path (tanh's division is div.full)."""
+    from dhp_backend.audit import report, variants
+
+    results = report.run(list(variants.FEATURE_SUBSET), jobs=os.cpu_count(), progress=None)
+    s = report.summarize(results, 0.0, "model features")
+    assert s["passed"], report.print_summary(s, results) or s["failures"]
+    assert sorted(r["variant"]["key"] for r in results) == sorted(v.key for v in variants.FEATURE_SUBSET)
+    for r in results:
+        rules_ = {b["rule"] for b in r["branches"]}
+        if r["kernel"] == "attention_kernel":
+            assert {"locate-loop", "split-loop", "kv-loop"} <= rules_, r["variant"]
+        assert not r["slow_paths"], r["slow_paths"]
+
+
 def test_cli_audit_sass_exit_code(monkeypatch, capsys):
     from dhp_backend import cli
     from dhp_backend.audit import variants

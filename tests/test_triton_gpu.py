@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from triton_steps import (
-    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, reference, rel_err,
+    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, random_sinks, reference, rel_err,
 )
 
 pytestmark = [
@@ -57,14 +57,14 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def _run(step, *, policy, causal=True, mode=None, bucket="auto", tiling=None, config=None):
+def _run(step, *, policy, causal=True, mode=None, bucket="auto", tiling=None, config=None, **features):
     from dhp_backend.ops.triton import paged_attention_triton
 
     D = step.query.shape[2]
     out = poisoned_out(step)
     b = step.bucket(policy) if bucket == "auto" else bucket
     paged_attention_triton(*step.args(), out, scale=D ** -0.5, causal=causal, num_tokens=step.num_tokens,
-                           policy=policy, bucket=b, _mode=mode, _tiling=tiling, _config=config)
+                           policy=policy, bucket=b, _mode=mode, _tiling=tiling, _config=config, **features)
     return out
 
 
@@ -286,8 +286,9 @@ def _report(name, header, rows):
             f.write("\t".join(f"{x:.3e}" if isinstance(x, float) else str(x) for x in r) + "\n")
 
 
+@pytest.mark.parametrize("features", ["plain", "cap+sinks"])
 @pytest.mark.parametrize("policy", ["strict", "request", "off"])
-def test_cuda_graph_replay_matches_eager(policy):
+def test_cuda_graph_replay_matches_eager(policy, features):
     """A step captured once replays correctly on new lengths and data (the CUDA-graph
     contract the adapter declares): replay bits == eager bits on the same inputs.
 
@@ -303,6 +304,7 @@ def test_cuda_graph_replay_matches_eager(policy):
     D = q.shape[2]
     cap = step.capacity
     req_buf = torch.empty(sl.shape[0], dtype=torch.int32, device="cuda")
+    feats = {} if features == "plain" else dict(logits_soft_cap=30.0, sinks=random_sinks(q.shape[1], gen=_gen(23)))
 
     def bucket():
         if policy == "strict":
@@ -315,7 +317,7 @@ def test_cuda_graph_replay_matches_eager(policy):
 
     def launch(b):
         paged_attention(q, kc, vc, bt, qsl, sl, out, scale=D ** -0.5, causal=True, policy=policy, bucket=b,
-                        num_tokens=step.num_tokens, path="triton", check_values=False)
+                        num_tokens=step.num_tokens, path="triton", check_values=False, **feats)
 
     b = bucket()
     side = torch.cuda.Stream()
@@ -345,3 +347,145 @@ def test_cuda_graph_replay_matches_eager(policy):
     check_written(step, replayed)
     assert torch.equal(bits(replayed), bits(out)), "graph replay differs from eager"
     assert not torch.equal(bits(replayed), bits(first)), "replay did not see the new inputs"
+
+
+# --- model features: logits soft-cap and attention sinks (issue 31) ---------------------------
+# Caps: 1.5 bites on every row of these random steps (scaled scores are O(1)), 30 and
+# 50 (Gemma-2's) only on the largest scores.
+FEATURE_CAPS = (None, 1.5, 30.0, 50.0)
+
+
+def _feature_specs():
+    rng = random.Random(4321)
+    out = []
+    for sp in _specs()[:64]:
+        cap = FEATURE_CAPS[sp["i"] % len(FEATURE_CAPS)]
+        sinks = cap is None or rng.random() < 0.5
+        sink_dtype = rng.choice((torch.float32, sp["dtype"]))
+        out.append(dict(sp, cap=cap, sinks=sinks, sink_dtype=sink_dtype))
+    return out
+
+
+def test_features_random_specs_match_reference():
+    """Soft-cap and sinks on the Triton kernels vs the reference, over 64 random
+    steps of every config, policy and step kind (as test_random_specs_match_reference)."""
+    rows, failures = [], []
+    for sp in _feature_specs():
+        g = _gen(1000 + sp["i"])
+        reqs = [make_request(q, s, H=sp["H"], Hkv=sp["Hkv"], D=sp["D"], dtype=sp["dtype"], gen=g)
+                for q, s in sp["lens"]]
+        step = assemble(reqs, block_size=sp["BS"], pad_tokens=sp["pad"], gen=g)
+        feats = dict(logits_soft_cap=sp["cap"],
+                     sinks=random_sinks(sp["H"], gen=g, dtype=sp["sink_dtype"]) if sp["sinks"] else None)
+        out = _run(step, policy=sp["policy"], causal=sp["causal"], **feats)
+        check_written(step, out)
+        ref = reference(step, scale=sp["D"] ** -0.5, causal=sp["causal"], **feats)
+        n = int(step.query_start_loc[-1])
+        err = rel_err(out, ref, n) if n else 0.0
+        rows.append((sp["i"], sp["name"], str(sp["dtype"]).split(".")[-1], sp["policy"], sp["cap"], sp["sinks"],
+                     n, err))
+        if not err < TOL[sp["dtype"]]:
+            failures.append(rows[-1])
+    _report("accuracy_features.tsv", "i\tconfig\tdtype\tpolicy\tcap\tsinks\ttokens\trel_err", rows)
+    assert len(rows) == 64 and not failures, failures[:5]
+
+
+FEATURES = {"cap": dict(logits_soft_cap=30.0), "sinks": dict(sinks="random"),
+            "cap+sinks": dict(logits_soft_cap=50.0, sinks="random")}
+
+
+def _features(name, H, seed):
+    f = dict(FEATURES[name])
+    if f.get("sinks") == "random":
+        f["sinks"] = random_sinks(H, gen=_gen(seed))
+    return f
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_features_bits_equal_across_policies_modes_tilings_and_tile_configs(name):
+    """The invariances of the plain kernels hold with the features: the same bits
+    under every policy, split mode, tiling and step-kind tile config."""
+    step = _llama_mixed_step(31)
+    feats = _features(name, 32, 31)
+    outs = [((p, t, m), _run(step, policy=p, mode=m, tiling=t, **feats)) for p in POLICIES
+            for t in ("request", "token") for m in ("fold", "split", None)]
+    for kind, cfg in _tile_configs(32, 8, 128, "bfloat16").items():
+        for mode in ("fold", "split"):
+            outs.append(((kind, mode), _run(step, policy="strict", mode=mode, config=cfg, **feats)))
+    check_written(step, outs[0][1])
+    ref = reference(step, scale=128 ** -0.5, causal=True, **feats)
+    assert rel_err(outs[0][1], ref, int(step.query_start_loc[-1])) < TOL[torch.bfloat16]
+    for key, o in outs[1:]:
+        assert torch.equal(bits(outs[0][1]), bits(o)), f"{key} differs from {outs[0][0]}"
+
+
+def test_sinks_of_minus_infinity_give_the_plain_bits():
+    """The sink fold is exact for a head without a sink (-inf): the sinks binaries
+    give the plain binaries' bits, in both split modes."""
+    step = _llama_mixed_step(32)
+    none = torch.full((32,), float("-inf"), device="cuda")
+    for mode in ("fold", "split"):
+        assert torch.equal(bits(_run(step, policy="strict", mode=mode)),
+                           bits(_run(step, policy="strict", mode=mode, sinks=none))), mode
+
+
+@pytest.mark.parametrize("target_lens", [(7, 1800), (1, 1333)], ids=["chunk", "decode"])
+def test_features_batch_invariance(target_lens):
+    rng = random.Random(33)
+    g = _gen(33)
+    H, Hkv, D, BS = 32, 8, 128, 16
+    dtype = torch.bfloat16
+    feats = _features("cap+sinks", H, 33)
+    pool = [make_request(*ql, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=g) for ql in _random_lens(rng, 300, 2048)]
+    target = make_request(*target_lens, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=g)
+    max_blocks = cdiv(2048, BS) + 1
+
+    def target_rows(others, pos, pad):
+        reqs = others[:pos] + [target] + others[pos:]
+        step = assemble(reqs, block_size=BS, pad_tokens=pad, gen=g, max_blocks=max_blocks)
+        out = _run(step, policy="strict", **feats)
+        check_written(step, out)
+        start = sum(r.q_len for r in reqs[:pos])
+        return bits(out[start: start + target.q_len]).clone()
+
+    alone = target_rows([], 0, 0)
+    sizes = rng.sample(range(2, 257), 40)
+    for B in sizes:
+        got = target_rows(rng.sample(pool, B - 1), rng.randint(0, B - 1), rng.choice([0, 1, 5]))
+        assert torch.equal(alone, got), f"batch size {B}"
+
+
+def test_features_prefill_row_equals_decode_row():
+    g = _gen(34)
+    feats = _features("cap+sinks", 32, 34)
+    req = make_request(300, 1000, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=g)
+    mb = cdiv(1000, 16) + 1
+    out_pre = _run(assemble([req], block_size=16, gen=g, max_blocks=mb), policy="strict", **feats)
+    ctx = 1000 - 300
+    for i in (0, 1, 77, 299):
+        dec = Request(q=req.q[i: i + 1], k=req.k[: ctx + i + 1], v=req.v[: ctx + i + 1])
+        out_dec = _run(assemble([dec], block_size=16, gen=g, max_blocks=mb), policy="strict", **feats)
+        assert torch.equal(bits(out_pre[i]), bits(out_dec[0])), f"row {i}"
+
+
+def test_features_route_to_triton_through_the_seam():
+    """Through ops.paged_attention on the GPU (path auto): a layer with a cap and
+    sinks is planned on the Triton kernels for every step kind and policy, and
+    gives the Triton kernels' bits."""
+    from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
+
+    step = _llama_mixed_step(35)
+    feats = _features("cap+sinks", 32, 35)
+    for policy in POLICIES:
+        out = poisoned_out(step)
+        paged_attention(*step.args(), out, scale=128 ** -0.5, causal=True, policy=policy,
+                        bucket=step.bucket(policy), num_tokens=step.num_tokens, **feats)
+        assert torch.equal(bits(out), bits(_run(step, policy=policy, **feats))), policy
+    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                       block_size=16, device_capability=torch.cuda.get_device_capability(),
+                       logits_soft_cap=50.0, sinks=True)
+    for n, r in ((64, 64), (4096, 1), (300, 5)):
+        for policy in POLICIES:
+            p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
+                          bucket_l=8192 if policy == "strict" else None)
+            assert p.kernel == "triton", (n, r, policy, p.describe())

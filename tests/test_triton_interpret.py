@@ -59,7 +59,7 @@ def test_interpreter_suite_in_fresh_process():
 from dhp_backend.ops import ProblemSpec, paged_attention  # noqa: E402
 from dhp_backend.ops.triton import paged_attention_triton, supports  # noqa: E402
 from triton_steps import (  # noqa: E402
-    assemble, bits, check_written, make_request, poisoned_out, reference, rel_err,
+    assemble, bits, check_written, make_request, poisoned_out, random_sinks, reference, rel_err,
 )
 
 # Stale NaN/inf in the cache flows through the score dot product before it is
@@ -74,13 +74,14 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _run(step, *, policy, causal=True, scale=None, mode=None, split_kv=SPLIT, bucket="auto", tiling=None):
+def _run(step, *, policy, causal=True, scale=None, mode=None, split_kv=SPLIT, bucket="auto", tiling=None,
+         **features):
     D = step.query.shape[2]
     scale = D ** -0.5 if scale is None else scale
     out = poisoned_out(step)
     b = step.bucket(policy) if bucket == "auto" else bucket
     paged_attention_triton(*step.args(), out, scale=scale, causal=causal, num_tokens=step.num_tokens,
-                           policy=policy, bucket=b, _mode=mode, _split_kv=split_kv, _tiling=tiling)
+                           policy=policy, bucket=b, _mode=mode, _split_kv=split_kv, _tiling=tiling, **features)
     check_written(step, out)
     return out
 
@@ -242,3 +243,80 @@ def test_supports_cpu_needs_interpreter(monkeypatch):
     ok, why = supports(ProblemSpec(device_type="cpu", dtype="float16", head_size=64, num_heads=4,
                                    num_kv_heads=2, block_size=16))
     assert not ok and "TRITON_INTERPRET" in why
+
+
+# --- model features: logits soft-cap and attention sinks (issue 31) ---------------------------
+# Caps that bite: scaled scores of these random steps are O(1), so a cap of 1-2
+# changes every row; 50 is Gemma-2's (nearly the identity here).
+FEATURE_CASES = [
+    # (id, case of CASES, logits_soft_cap, sinks)
+    ("decode-gqa4-bs32-cap-sinks", "decode-gqa4-bs32", 1.5, True),
+    ("prefill-ctx-mqa-cap", "prefill-ctx-mqa", 2.0, False),
+    ("mixed-gqa4-sinks", "mixed-gqa4", None, True),
+    ("mixed-bs32-fp32-cap50-sinks", "mixed-bs32-fp32", 50.0, True),
+    ("noncausal-gqa2-cap-sinks", "noncausal-gqa2", 1.0, True),
+]
+
+
+@pytest.mark.parametrize("fcase", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_features_match_reference(fcase):
+    name, base, cap, with_sinks = fcase
+    _, q_lens, seq_lens, H, Hkv, BS, dtype, causal, policy, pad = next(c for c in CASES if c[0] == base)
+    step = _build(q_lens, seq_lens, H=H, Hkv=Hkv, BS=BS, dtype=dtype, pad_tokens=pad, seed=sum(map(ord, name)))
+    sinks = random_sinks(H, gen=_gen(len(name))) if with_sinks else None
+    ref = reference(step, scale=64 ** -0.5, causal=causal, logits_soft_cap=cap, sinks=sinks)
+    plain = reference(step, scale=64 ** -0.5, causal=causal)
+    out = _run(step, policy=policy, causal=causal, logits_soft_cap=cap, sinks=sinks)
+    n = int(step.query_start_loc[-1])
+    assert rel_err(out, ref, n) < TOL[dtype]
+    # the features change the result (a kernel that ignored them would fail above)
+    assert rel_err(plain, ref, n) > 3 * TOL[dtype] or cap == 50.0 and not with_sinks
+    assert torch.equal(out[n: step.num_tokens], torch.zeros_like(out[n: step.num_tokens]))  # padding rows
+
+
+def test_features_bits_equal_across_policies_and_modes():
+    """Soft-cap and sinks keep the plain kernels' invariance: the same bits under
+    every policy and both split modes (the sink is folded once, after the last
+    split, by the same function in the attention kernel and the merge kernel)."""
+    step = _build([1, 11, 1, 2], [260, 30, 7, 140], H=4, Hkv=2, seed=17)
+    feats = dict(logits_soft_cap=2.0, sinks=random_sinks(4, gen=_gen(17), dtype=torch.float16))
+    outs = [_run(step, policy=p, mode=m, **feats) for p in ("strict", "request", "off") for m in ("fold", "split")]
+    for o in outs[1:]:
+        assert torch.equal(bits(outs[0]), bits(o))
+
+
+def test_features_batch_invariance_and_prefill_row_equals_decode_row():
+    g = _gen(18)
+    H, Hkv, D, BS = 4, 2, 64, 16
+    feats = dict(logits_soft_cap=1.5, sinks=random_sinks(H, gen=g))
+    req = make_request(10, 75, H=H, Hkv=Hkv, D=D, dtype=torch.float16, gen=g)
+    others = [make_request(q, s, H=H, Hkv=Hkv, D=D, dtype=torch.float16, gen=g) for q, s in [(1, 70), (9, 40)]]
+    alone = _run(assemble([req], block_size=BS, gen=g, max_blocks=8), policy="strict", **feats)
+    batch = _run(assemble([others[0], req, others[1]], block_size=BS, gen=g, max_blocks=8, pad_tokens=2),
+                 policy="strict", **feats)
+    assert torch.equal(bits(alone[:10]), bits(batch[1:11]))
+    for i in (0, 9):
+        dec_req = type(req)(q=req.q[i: i + 1], k=req.k[: 75 - 9 + i], v=req.v[: 75 - 9 + i])
+        out_dec = _run(assemble([dec_req], block_size=BS, gen=g, max_blocks=8), policy="strict", **feats)
+        assert torch.equal(bits(alone[i]), bits(out_dec[0])), f"row {i}"
+
+
+def test_sinks_of_minus_infinity_are_an_exact_no_op():
+    """A head without a sink (-inf) gets the plain kernel's bits: the sink fold is
+    exact for a neutral state (fold's docstring)."""
+    step = _build([1, 7], [90, 40], H=4, Hkv=2, seed=19, pad_tokens=1)
+    none = torch.full((4,), float("-inf"))
+    for mode in ("fold", "split"):
+        plain = _run(step, policy="strict", mode=mode)
+        assert torch.equal(bits(plain), bits(_run(step, policy="strict", mode=mode, sinks=none))), mode
+
+
+def test_features_through_the_seam():
+    step = _build([2, 1], [50, 33], H=4, Hkv=2, seed=20, pad_tokens=2)
+    sinks = random_sinks(4, gen=_gen(20))
+    out = poisoned_out(step)
+    paged_attention(*step.args(), out, scale=0.125, causal=True, policy="strict", max_model_len=step.capacity,
+                    num_tokens=step.num_tokens, path="triton", logits_soft_cap=1.0, sinks=sinks)
+    check_written(step, out)
+    ref = reference(step, scale=0.125, causal=True, logits_soft_cap=1.0, sinks=sinks)
+    assert rel_err(out, ref, 3) < TOL[torch.float16]

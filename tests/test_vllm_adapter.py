@@ -132,23 +132,23 @@ class Step:
             causal=True, seq_lens_cpu_upper_bound=seq_lens.clone(),
         )
 
-    def oracle(self):
+    def oracle(self, **features):
         from paged_batch import PagedBatch
 
         pb = PagedBatch(requests=self.requests, query=self.query, key_cache=None, value_cache=None,
                         block_table=None, query_start_loc=None, seq_lens=None, keys=self.keys,
                         values=self.values, num_tokens=self.query.shape[0], scale=HEAD_SIZE ** -0.5,
                         causal=True)
-        return oracle(pb)
+        return oracle(pb, **features)
 
 
-def run_backend(backend_cls, vllm_config, step: Step, block_size: int, kv_cache: torch.Tensor):
+def run_backend(backend_cls, vllm_config, step: Step, block_size: int, kv_cache: torch.Tensor, **impl_kw):
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
                              dtype=torch.float32)
     builder = backend_cls.get_builder_cls()(spec, ["model.layers.0.self_attn.attn"], vllm_config,
                                             torch.device("cpu"))
     md = builder.build(0, step.common)
-    impl = make_impl(backend_cls, vllm_config)
+    impl = make_impl(backend_cls, vllm_config, **impl_kw)
     layer = MockLayer()
     layer.isa = getattr(builder, "isa", None)  # CPU_ATTN reads it from the layer
     assert not backend_cls.forward_includes_kv_cache_update
@@ -204,6 +204,45 @@ def test_dhp_matches_oracle_and_cpu_attn(model_dir, name, block_size):
     torch.testing.assert_close(out_dhp, out_cpu, rtol=1e-5, atol=1e-5)
 
 
+def test_bad_soft_cap_rejected_naming_it(model_dir):
+    with pytest.raises(ValueError, match=r"logits_soft_cap is -30.0; accepted: None \(or 0\) for no cap"):
+        make_impl(DHPAttentionBackend, make_vllm_config(model_dir, 16), logits_soft_cap=-30.0)
+
+
+@pytest.mark.parametrize("features", [dict(logits_soft_cap=1.0), dict(sinks=True),
+                                      dict(logits_soft_cap=0.7, sinks=True)], ids=["cap", "sinks", "cap+sinks"])
+def test_soft_cap_and_sinks_match_oracle_and_cpu_attn(model_dir, features):
+    """vLLM hands the cap positionally and the sinks as ``sinks=`` (gpt-oss); DHP
+    gives what the float64 oracle and vLLM's own CPU_ATTN give."""
+    block_size = 16
+    step = Step(STEPS["long_mixed"], block_size, seed=31, pad_tokens=2)
+    kw = {}
+    if features.get("logits_soft_cap"):
+        kw["logits_soft_cap"] = features["logits_soft_cap"]
+    if features.get("sinks"):
+        kw["sinks"] = torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(3)) * 2
+    cfg = make_vllm_config(model_dir, block_size, policy="off")
+    out_dhp, _ = run_backend(DHPAttentionBackend, cfg, step, block_size, step.kv_cache.clone(), **kw)
+    ref = step.oracle(**kw)
+    assert (ref - step.oracle()).abs().max() > 1e-2  # the features matter on this step
+    n = int(step.common.query_start_loc[-1])
+    assert_close_to_oracle(out_dhp[:n], ref[:n], torch.float32, what=f"DHP {features}")
+    assert (out_dhp[n:] == 0).all()
+    cpu_attn = AttentionBackendEnum.CPU_ATTN.get_class()
+    if cpu_attn is DHPAttentionBackend:
+        pytest.skip("CPU_ATTN is overridden in this process")
+    out_cpu, _ = run_backend(cpu_attn, cfg, step, block_size, step.kv_cache.clone(), **kw)
+    torch.testing.assert_close(out_dhp[:n], out_cpu[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_of_another_dtype_are_refused_at_the_first_forward(model_dir):
+    step = Step(STEPS["small_decode"], 16, seed=4)
+    cfg = make_vllm_config(model_dir, 16, policy="off")
+    with pytest.raises(NotImplementedError, match=r"DHP: paged_attention: sinks is of dtype torch.float64"):
+        run_backend(DHPAttentionBackend, cfg, step, 16, step.kv_cache.clone(),
+                    sinks=torch.zeros(NUM_HEADS, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("policy", ["strict", "request", "off"])
 def test_each_policy_same_bits(model_dir, policy):
     step = Step(STEPS["long_mixed"], 16, seed=5, pad_tokens=3)
@@ -239,11 +278,11 @@ def test_profile_and_dummy_runs(model_dir):
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"alibi_slopes": [1.0, 2.0, 3.0, 4.0]}, "ALiBi"),
-    ({"sliding_window": 128}, "sliding window"),
-    ({"logits_soft_cap": 30.0}, "soft-cap"),
+    ({"sliding_window": 128}, r"sliding window 128 \(sliding-window attention is not implemented yet"),
     ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
     ({"kv_cache_dtype": "fp8"}, "KV-cache dtype"),
-    ({"sinks": torch.zeros(4)}, "sinks"),
+    ({"sinks": torch.zeros(3)}, r"attention sinks of Tensor \(3,\); accepted: a \[num_heads\] = \[4\] tensor"),
+    ({"use_alibi_sqrt": True}, "use_alibi_sqrt=True"),
 ])
 def test_unsupported_features_rejected(model_dir, overrides, needle):
     cfg = make_vllm_config(model_dir, 16)
@@ -273,7 +312,7 @@ def test_backend_declarations():
     assert layouts is not None and [layout.name for layout in layouts] == ["LBHNC"]
     assert b.supports_attn_type(AttentionType.DECODER)
     assert not b.supports_attn_type(AttentionType.ENCODER_ONLY)
-    assert not b.supports_sink() and not b.supports_sliding_window()
+    assert b.supports_sink() and not b.supports_sliding_window()
     assert torch.float32 in b.supported_dtypes
     assert b.supports_dtype(torch.bfloat16) and b.supports_kv_cache_dtype("auto")
     assert not b.supports_kv_cache_dtype("fp8")

@@ -151,12 +151,21 @@ def reserved_step(reqs: list[Request], policy: str, *, block_size: int, width: i
     return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
 
 
-def reference(step: Step, *, scale: float, causal: bool) -> torch.Tensor:
+def reference(step: Step, *, scale: float, causal: bool, logits_soft_cap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference in float32 on the step's own inputs (upcast)."""
     q, kc, vc, bt, qsl, sl = step.args()
     out = torch.full((q.shape[0],) + tuple(q.shape[1:]), float("nan"), dtype=torch.float32, device=q.device)
     return paged_attention_reference(q.float(), kc.float(), vc.float(), bt, qsl, sl, out,
-                                     scale=scale, causal=causal, num_tokens=step.num_tokens)
+                                     scale=scale, causal=causal, num_tokens=step.num_tokens,
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
+
+
+def random_sinks(num_heads: int, *, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """Per-head sink logits as gpt-oss's are spread (a few units around 0), one head at -inf (no sink)."""
+    sinks = torch.randn(num_heads, generator=gen, device=gen.device) * 2.0
+    sinks[num_heads // 2] = float("-inf")
+    return sinks.to(dtype)
 
 
 def poisoned_out(step: Step, extra: int = 3) -> torch.Tensor:

@@ -43,6 +43,8 @@ class Variant:
     split: bool = False  # attention only: WRITE_PARTIALS (split mode) binary
     kind: str = "mixed"  # attention only: the step kind's tile config (config.STEP_KINDS)
     const_time: bool = True  # attention only: False = the policy-off binary (CONST_TIME constexpr)
+    softcap: float = 0.0  # attention only: the SOFTCAP constexpr (a model's logits soft-cap; 0 = none)
+    sinks: bool = False  # HAS_SINKS: the attention-sink binaries (attention fold mode, merge)
 
     @property
     def key(self) -> str:
@@ -50,6 +52,8 @@ class Variant:
         if self.kernel == "attention_kernel":
             k += (f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
                   f":{'split' if self.split else 'fold'}:{self.kind}{'' if self.const_time else ':off'}")
+            k += f":cap{self.softcap:g}" if self.softcap else ""
+        k += ":sinks" if self.sinks else ""
         return k + (":nh16" if self.nh16 else ":nh")
 
     def as_dict(self) -> dict:
@@ -104,6 +108,17 @@ CI_SUBSET = (
     Variant("merge_kernel", "float32", 256, 8, nh16=True),
 )
 
+# The model-feature binaries (issue 31): soft-cap (Gemma-2's 50) and sinks on the
+# production shape, in fold mode (the sink folded by the attention kernel), split mode
+# (by the merge kernel) and the decode tile; and the merge kernel with sinks.
+FEATURE_SUBSET = (
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, softcap=50.0, sinks=True),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", softcap=50.0),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill", False, softcap=30.0,
+            sinks=True),
+    Variant("merge_kernel", "bfloat16", 128, 4, nh16=True, sinks=True),
+)
+
 
 def compile_inputs(v: Variant):
     """(jit function, signature, constexprs, attrs, options) for `triton.compile`."""
@@ -123,14 +138,22 @@ def compile_inputs(v: Variant):
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
                      SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
-                     CONST_TIME=bool(v.const_time))
+                     CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks))
+        if v.sinks:
+            elem["attn_sinks_ptr"] = "fp32"
+        else:
+            const["attn_sinks_ptr"] = None  # the plain binaries: a None constexpr, no parameter (launch.launch)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         floats = {"qk_scale"}
     else:
         fn = kernels.merge_kernel
         elem = {"ws_acc_ptr": "fp32", "ws_m_ptr": "fp32", "ws_l_ptr": "fp32", "out_ptr": dt}
         const = dict(GROUP=v.group, GROUP_PAD=kcfg.next_pow2(v.group), HEAD=v.head, HEAD_PAD=cfg.head_pad,
-                     UNROLL=MERGE_UNROLL)
+                     UNROLL=MERGE_UNROLL, HAS_SINKS=bool(v.sinks))
+        if v.sinks:
+            elem["sinks_ptr"] = "fp32"
+        else:
+            const["sinks_ptr"] = None
         opts = dict(num_warps=MERGE_WARPS)
         floats = set()
     dns = set(fn.do_not_specialize) if all(isinstance(x, str) for x in fn.do_not_specialize) else {

@@ -18,6 +18,11 @@ the new tokens, whose K/V are already in the cache):
 - query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)`` (GQA/MQA);
 - ``out[t] = softmax(scale * q[t] . K^T) V``, accumulated in float32, rounded
   once to ``out.dtype``;
+- with ``logits_soft_cap = c``, each scaled score ``s`` becomes ``c * tanh(s / c)``
+  before the mask and the softmax (vLLM's order: scale, cap, mask);
+- with ``sinks``, query head ``h``'s softmax gets one more logit ``sinks[h]``
+  that has no value row: ``out = sum_p e^{s_p} v_p / (e^{sinks[h]} + sum_p e^{s_p})``
+  (gpt-oss's attention sinks, as vLLM's backends compute them);
 - rows ``query_start_loc[-1]:num_tokens`` (padding beyond the last request) are
   set to zero; rows at and beyond ``num_tokens`` are not touched.
 
@@ -90,6 +95,8 @@ def paged_attention(
     path: str = "auto",
     allow_fallback: bool = False,
     check_values: bool = True,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention over a packed step of decodes, prefills and prefill chunks.
 
@@ -113,9 +120,17 @@ def paged_attention(
         num_tokens: query rows to produce (default ``query.shape[0]``).
         path: ``auto`` | ``reference`` | ``triton``.
         allow_fallback: accept a non-constant-time path under a constant-time policy.
-        check_values: also validate tensor *values* (offsets, lengths, block ids);
-            this reads them on the host (a device sync). Callers that validated
-            the same facts from host-side copies pass False.
+        check_values: also validate tensor *values* (offsets, lengths, block ids,
+            no NaN or +inf in ``sinks``); this reads them on the host (a device
+            sync). Callers that validated the same facts from host-side copies pass False.
+        logits_soft_cap: ``None`` (or 0: vLLM's "no cap") or a finite positive cap
+            ``c``: scores become ``c * tanh(s / c)`` (module docstring). A public
+            model parameter: under a constant-time policy it selects a binary, never a
+            branch, trip count or address.
+        sinks: ``None`` or the per-head sink logits, ``[num_heads]`` float32 (or the
+            query's dtype: vLLM hands gpt-oss's parameter in the model dtype), on the
+            query's device, contiguous. Public model parameters, read at addresses
+            that depend on the head only.
     """
     if not isinstance(query, torch.Tensor):
         _fail("query", f"of type {type(query).__name__}", "a torch.Tensor")
@@ -181,12 +196,20 @@ def paged_attention(
     if not isinstance(causal, bool):
         _fail("causal", repr(causal), "True or False")
 
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    check_sinks(sinks, num_heads, query.dtype, device)
+
     policy = Policy.parse(policy, source="paged_attention: policy")
     bucket = _normalize_bucket(policy, bucket, max_model_len, num_reqs, device,
                                block_table.shape[1] * block_size)
 
     if check_values:
         check_values_of(query_start_loc, seq_lens, block_table, bucket, num_tokens, num_blocks, block_size)
+        if sinks is not None:
+            bad = torch.isnan(sinks) | (sinks == float("inf"))
+            if bool(bad.any()):
+                _fail("sinks", f"NaN or +inf at heads {bad.nonzero().flatten().tolist()}",
+                      "finite per-head logits (-inf: no sink for that head)")
 
     spec = dispatch.ProblemSpec(
         device_type=device.type,
@@ -197,12 +220,36 @@ def paged_attention(
         block_size=block_size,
         causal=causal,
         device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks is not None,
     )
     step = plan_step(spec, policy, num_tokens=num_tokens, num_reqs=num_reqs, max_blocks=block_table.shape[1],
                      bucket_l=bucket if isinstance(bucket, int) else None, path=path,
                      allow_fallback=allow_fallback, device=device)
     return run(step, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
-               scale=float(scale), causal=causal, bucket=bucket)
+               scale=float(scale), causal=causal, bucket=bucket, sinks=sinks)
+
+
+def check_soft_cap(cap) -> float | None:
+    """None for no cap (``None`` or 0, vLLM's two spellings), else the cap as a float."""
+    if cap is None:
+        return None
+    if isinstance(cap, torch.Tensor) and cap.dim() == 0 and cap.dtype.is_floating_point:
+        cap = cap.item()
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not math.isfinite(float(cap)) or cap < 0:
+        _fail("logits_soft_cap", repr(cap), "None (or 0) for no cap, or a finite positive real number")
+    return float(cap) if cap > 0 else None
+
+
+def check_sinks(sinks, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
+    if sinks is None:
+        return
+    dtypes = (torch.float32,) if dtype == torch.float32 else (torch.float32, dtype)
+    _check_tensor("sinks", sinks, ndim=1, dtypes=dtypes, device=device)
+    if sinks.shape[0] != num_heads:
+        _fail("sinks", f"of shape {tuple(sinks.shape)}", f"one logit per query head: [{num_heads}]")
+    if sinks.stride(0) != 1:
+        _fail("sinks", f"strided with stride {sinks.stride(0)}", "a contiguous tensor")
 
 
 def _as_int(arg: str, value, accepted: str) -> int:

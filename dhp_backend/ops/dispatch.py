@@ -34,6 +34,15 @@ class ProblemSpec:
     block_size: int
     causal: bool = True
     device_capability: tuple[int, int] | None = None  # CUDA only
+    # The model's attention features (public model configuration, one value per layer):
+    logits_soft_cap: float | None = None  # cap * tanh(s / cap) on the scaled scores (Gemma-2)
+    sinks: bool = False  # a per-head learned logit in the softmax denominator (gpt-oss)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The attention features beyond plain causal GQA this layer uses, in words."""
+        return ((f"logits soft-cap {self.logits_soft_cap:g}",) if self.logits_soft_cap else ()) + (
+            ("attention sinks",) if self.sinks else ())
 
     @property
     def gqa_ratio(self) -> int:
@@ -98,6 +107,7 @@ def _describe_spec(spec: ProblemSpec) -> str:
     return (
         f"{spec.device_type}, {spec.dtype}, head_size={spec.head_size}, heads={spec.num_heads}/"
         f"{spec.num_kv_heads} kv, block_size={spec.block_size}, causal={spec.causal}"
+        + "".join(f", {f}" for f in spec.features)
     )
 
 

@@ -83,12 +83,14 @@ class StepPlan:
     def binary(self) -> str:
         """The binary the step runs, in words."""
         if self.kernel == REFERENCE:
-            return "PyTorch reference (ops/reference.py)"
+            return "PyTorch reference (ops/reference.py)" + "".join(f", {f}" for f in self.spec.features)
         if self.kernel == TRITON:
             ct = "CONST_TIME" if self.policy.is_constant_time else "policy-off"
             if self.triton is None:
+                ct += "".join(f", {f}" for f in self.spec.features)
                 return f"Triton attention_kernel, {ct} (no launch: the step has no tokens or requests)"
             c = self.triton.cfg
+            ct += "".join(f", {f}" for f in self.spec.features)
             return (f"Triton attention_kernel, {ct}, {self.triton.kind} tile (BLOCK_M {c.block_m}, BLOCK_Q "
                     f"{c.block_q}, BLOCK_N {c.block_n}, {c.num_warps} warps, {c.num_stages} stages)"
                     + (" + merge_kernel" if self.triton.split else ""))
@@ -279,10 +281,16 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     (csrc/decode_sm90.cu), where the problem allows them; prefill steps of the
     constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
     constant-time walk, `cuda_prefill.routes_prefill_ct`), and their decode steps
-    on ``cuda_decode_ct`` (`cuda_decode.routes_decode_ct`); else ``triton``. The
+    on ``cuda_decode_ct`` (`cuda_decode.routes_decode_ct`); else ``triton``.
+    A layer with a logits soft-cap or attention sinks (``spec.features``) runs
+    every step on ``triton``: the csrc kernels do not implement them. The
     csrc kernels give the Triton kernels' bits (GPU tests), so which kernel ran
     never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
     if spec.device_type != "cuda":
+        return TRITON
+    if spec.features:
+        # The csrc kernels implement neither soft-capping nor sinks: such layers run
+        # every step on the Triton kernels. A public decision (the model's config).
         return TRITON
     prefill = geometry.step_kind(num_tokens, num_reqs) == "prefill"
     group = spec.num_heads // max(1, spec.num_kv_heads)
@@ -304,9 +312,12 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 
 def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
-        scale: float, causal: bool, bucket: int | torch.Tensor | None) -> torch.Tensor:
+        scale: float, causal: bool, bucket: int | torch.Tensor | None,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``plan`` on one step's tensors (the layouts of `ops.paged_attention`);
-    writes ``out[:plan.num_tokens]`` and returns ``out``.
+    writes ``out[:plan.num_tokens]`` and returns ``out``. The logits soft-cap is
+    the plan's (``plan.spec.logits_soft_cap``); ``sinks`` (``[num_heads]``) must be
+    given exactly when ``plan.spec.sinks``.
 
     Checks that the tensors have the geometry the plan was made for (cheap: shapes,
     dtype, device type, the bucket's kind; no device values are read) and raises
@@ -315,18 +326,26 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
     ``check_values``).
     """
     _check_plan_fits(plan, query, key_cache, block_table, seq_lens, out, bucket)
+    if (sinks is not None) != plan.spec.sinks:
+        raise ValueError(f"plan.run: sinks is {'a tensor' if sinks is not None else 'None'}; accepted: "
+                         f"{'a [num_heads] tensor' if plan.spec.sinks else 'None'}, as the plan was made for "
+                         f"(ProblemSpec.sinks = {plan.spec.sinks})")
     args = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out)
     n, kernel = plan.num_tokens, plan.kernel
+    features = dict(logits_soft_cap=plan.spec.logits_soft_cap, sinks=sinks)
     if kernel == REFERENCE:
         from dhp_backend.ops.reference import paged_attention_reference
 
         return paged_attention_reference(*args, scale=scale, causal=causal, policy=plan.policy, bucket=bucket,
-                                         num_tokens=n)
+                                         num_tokens=n, **features)
     if kernel == TRITON:
         from dhp_backend.ops.triton.launch import launch
 
         return launch(plan.triton, *args, scale=scale, causal=causal, num_tokens=n, policy=plan.policy,
-                      bucket=bucket)
+                      bucket=bucket, **features)
+    if plan.spec.features:  # step_kernel never plans this; a hand-made plan could
+        raise ValueError(f"plan.run: kernel {kernel!r} does not implement {', '.join(plan.spec.features)}; "
+                         "accepted: the triton or reference kernel for such a layer (ops.plan.step_kernel)")
     if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
         from dhp_backend.ops.cuda_prefill import prefill_sm90
 

