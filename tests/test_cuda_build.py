@@ -153,3 +153,10 @@ def test_no_nvcc_is_said_once_and_builds_nothing(monkeypatch, caplog):
         assert plan.prepare_kernels(_sm90_spec()) == []
         assert plan.prepare_kernels(_sm90_spec()) == []
     assert caplog.text.count("no nvcc on this machine") == 1
+
+
+def test_a_layer_with_features_builds_nothing(fake_nvcc):
+    import dataclasses
+
+    capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0)
+    assert plan.prepare_kernels(capped) == [] and fake_nvcc() == []  # its steps all run on Triton

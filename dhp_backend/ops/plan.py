@@ -218,8 +218,8 @@ def prepare_kernels(spec: ProblemSpec, requested: str = "auto") -> list:
     the Triton kernels, whose bits are the same, and the log says so once. Returns the builds."""
     from dhp_backend.ops import cuda_build, cuda_common
 
-    if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE:
-        return []
+    if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE or spec.features:
+        return []  # (a soft-cap or sinks: every step of the layer runs on Triton, step_kernel)
     if tuple(spec.device_capability or ()) == (9, 0) and cuda_build.find_nvcc() is None:
         _warn_once(("no-nvcc",), "DHP: no nvcc on this machine (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, "
                    "/usr/local/cuda/bin, PATH): every step runs on the Triton kernels (same bits; the csrc "
