@@ -269,9 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     g2.add_argument("--cache-dir", help="Triton cache directory for the compiled binaries")
     g2.add_argument("--on-device", action="store_true",
                     help="GPU machine: launch the variants on this GPU and gate the binaries its Triton compiled")
+    gold = sub.add_parser("golden", help="golden outputs: record once, check bitwise under any batching")
+    auditing = (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]
+    golden_mod = None
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["golden"]:
+        from dhp_backend.testing import golden as golden_mod
+
+        golden_mod.add_arguments(gold)
     # G1 counters, G3 bits, G4 timing: each module declares its own options.
     # Imported only for `audit` invocations: `info` stays cheap and independent of them.
-    auditing = (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]
     gate_modules = {}
     for gate, module, help_text in _GATE_MODULES:
         mod = _optional_module(module) if auditing else None
@@ -283,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         summary.add_arguments(a)
     args = ap.parse_args(argv)
+    if args.command == "golden":
+        return golden_mod.run(args)
     if args.command == "audit":
         if args.gate is None:
             if summary is None:

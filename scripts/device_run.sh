@@ -12,6 +12,7 @@
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
+#   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
@@ -83,6 +84,8 @@ for step in "$@"; do
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
                --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
     sustain) python3 -m benchmarks.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
+    golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
+               | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
