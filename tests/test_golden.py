@@ -5,9 +5,12 @@ One golden is recorded per module (each prompt alone) and shared. What the CPU
 engine shows here (README, "Golden outputs"): the bits do not depend on batch
 size, order, or a small per-step token budget that mixes prefills with decodes
 (``--no-enable-chunked-prefill``: each prompt's prefill stays whole). They DO
-change when a prompt's prefill is split into chunks on the CPU (seen with
-``max_num_batched_tokens`` 16 and chunked prefill: ~5e-6 in a logprob), so the
-round trip keeps prefills whole.
+change when a prompt's prefill is split into chunks: DHP's CPU path, the
+PyTorch reference, reduces each query row over the chunk's whole sequence
+length (masked positions included), and a different length rounds differently
+(a few 1e-6 in a logprob; vLLM's CPU_ATTN holds there, `golden selfcheck`
+shows it). The round trip keeps prefills whole; `test_chunked_prefill_on_cpu`
+is the known failure, marked strict xfail so that a fix shows.
 """
 
 from __future__ import annotations
@@ -111,6 +114,12 @@ def test_round_trip_any_batching(recorded, model_dir, capsys):
                              "--no-enable-chunked-prefill")
     assert code == golden.EXIT_EQUAL, out + err
     assert "bitwise equal (8 prompts, batch size 8, shuffled, max_num_batched_tokens 32)" in out
+
+
+@pytest.mark.xfail(strict=True, reason="DHP's CPU reference path is not chunked-prefill invariant (module doc)")
+def test_chunked_prefill_on_cpu(recorded, model_dir):
+    res = golden.check(golden.load(recorded), model_dir, batch_size=8, max_num_batched_tokens=8)
+    assert res.exit_code == golden.EXIT_EQUAL, res.message
 
 
 def test_one_flipped_logprob_bit_is_the_first_difference(recorded, model_dir, tmp_path, capsys):

@@ -251,20 +251,24 @@ def on_cpu() -> bool:
 
 
 def _engine_env(environ: Mapping[str, str], trace: str, dhp: bool, cpu: bool) -> dict:
+    from dhp_backend.config import setting
+    from dhp_backend.vllm.compat import BATCH_INVARIANT_ENV
+
+    override = setting("override_cpu_attn").env
     env = dict(environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # requests of a batch all reach the scheduler before it steps
-    env["DHP_TRACE_FILE"] = trace
-    env.pop("DHP_OVERRIDE_CPU_ATTN", None)
-    env.pop("VLLM_BATCH_INVARIANT", None)
+    env[setting("trace_file").env] = trace
+    env.pop(override, None)
+    env.pop(BATCH_INVARIANT_ENV, None)
     if cpu:  # vLLM's batch-invariant mode does not run there (dhp_backend.vllm.startup_check)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
         if dhp:
-            env["DHP_OVERRIDE_CPU_ATTN"] = "1"  # vLLM's CPU platform ignores --attention-backend
+            env[override] = "1"  # vLLM's CPU platform ignores --attention-backend
     else:
         # DHP's deterministic mode needs it (read by vLLM at import); the engine's default backend,
         # run side by side by `selfcheck`, gets the same engine.
-        env["VLLM_BATCH_INVARIANT"] = "1"
+        env[BATCH_INVARIANT_ENV] = "1"
     return env
 
 

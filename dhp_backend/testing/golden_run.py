@@ -95,6 +95,9 @@ def kernels_from_trace(path: str) -> list[str]:
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    from dhp_backend import config
+    from dhp_backend.vllm import compat
+
     kwargs = engine_kwargs(spec["model"], spec["engine"], spec.get("engine_cli") or [])
     if spec.get("dhp") is not None:
         kwargs["attention_backend"] = "DHP"
@@ -116,9 +119,9 @@ def run(spec: dict) -> dict:
     dtype = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
     fingerprint = {
         **environment_fingerprint(), "dtype": dtype,
-        "batch_invariant_mode": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+        "batch_invariant_mode": compat.batch_invariant_enabled(),
         "attention": "DHP" if spec.get("dhp") is not None else "engine default",
-        "dhp": spec.get("dhp"), "kernels": kernels_from_trace(os.environ.get("DHP_TRACE_FILE", "")),
+        "dhp": spec.get("dhp"), "kernels": kernels_from_trace(config.from_env("trace_file") or ""),
     }
     return {"fingerprint": fingerprint, "results": results}
 
