@@ -60,23 +60,30 @@ def prompts_file(tmp_path_factory):
     return p
 
 
+def _user_environment(mp: pytest.MonkeyPatch) -> None:
+    """The engine child inherits this process's environment: give it the one a user's CPU engine has
+    (no TRITON_INTERPRET from the kernel test modules: the fingerprint's kernels would show it)."""
+    for k in set(os.environ) - set(ENV):
+        mp.delenv(k)
+    for k, v in ENV.items():
+        mp.setenv(k, v)
+
+
 @pytest.fixture(scope="module")
 def recorded(model_dir, prompts_file, tmp_path_factory):
     """One golden, recorded through the CLI with each prompt alone; its path."""
     out = tmp_path_factory.mktemp("golden") / "golden.json"
-    code = cli_main(["golden", "record", "--model", str(model_dir), "--prompts", str(prompts_file),
-                     "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--quiet", "--", *ENGINE_ARGS])
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: set up before the autouse fixture below
+        _user_environment(mp)
+        code = cli_main(["golden", "record", "--model", str(model_dir), "--prompts", str(prompts_file),
+                         "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--quiet", "--", *ENGINE_ARGS])
     assert code == 0
     return out
 
 
 @pytest.fixture(autouse=True)
 def _clean_engine_env(monkeypatch):
-    """The engine child inherits this process's environment: give it the one a user's CPU engine has."""
-    for k in set(os.environ) - set(ENV):
-        monkeypatch.delenv(k)
-    for k, v in ENV.items():
-        monkeypatch.setenv(k, v)
+    _user_environment(monkeypatch)
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
