@@ -34,6 +34,11 @@ started later (a container built from this image) finds them there instead of
 building at start-up; it needs nvcc, not a GPU. Exit 1 with nvcc's message when
 a build fails or nvcc is missing.
 
+    dhp-backend golden record|check|selfcheck ...
+
+`golden` records a model's tokens and logprob bits once and checks them bitwise
+under any batching (`dhp_backend.testing.golden`; README, "Golden outputs").
+
 The benchmarks are not part of the installed package: from the repository,
 ``python -m benchmarks.harness`` times DHP under each policy against
 FlashAttention-3, FlashInfer, vLLM's Triton unified_attention and cuDNN SDPA on
@@ -328,9 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     g2.add_argument("--cache-dir", help="Triton cache directory for the compiled binaries")
     g2.add_argument("--on-device", action="store_true",
                     help="GPU machine: launch the variants on this GPU and gate the binaries its Triton compiled")
+    command = (sys.argv[1:] if argv is None else list(argv))[:1]
+    gold = sub.add_parser("golden", help="golden outputs: record once, check bitwise under any batching")
+    golden_mod = None
+    if command == ["golden"]:  # its module declares its options (imported only for `golden`)
+        from dhp_backend.testing import golden as golden_mod
+
+        golden_mod.add_arguments(gold)
     # G1 counters, G3 bits, G4 timing: each module declares its own options.
     # Imported only for `audit` invocations: `info` stays cheap and independent of them.
-    auditing = (sys.argv[1:] if argv is None else list(argv))[:1] == ["audit"]
+    auditing = command == ["audit"]
     gate_modules = {}
     for gate, module, help_text in _GATE_MODULES:
         mod = _optional_module(module) if auditing else None
@@ -344,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "build":
         return _build(args)
+    if args.command == "golden":
+        return golden_mod.run(args)
     if args.command == "audit":
         if args.gate is None:
             if summary is None:

@@ -157,6 +157,12 @@ SETTINGS: tuple[Setting, ...] = (
             "a file path",
             "append one JSON line per process the first time DHP's forward runs, and per kernel its "
             "steps ran on (tests use it to prove the worker ran DHP)"),
+    Setting("deterministic", "DHP_DETERMINISTIC", False, _parse_bool,
+            "true/false",
+            "bitwise-reproducible outputs whatever the batch: DHP plus vLLM's batch-invariant mode, which "
+            "vLLM reads from VLLM_BATCH_INVARIANT=1 before plugins load, so on a GPU the engine refuses to "
+            "start without it and prints the command to use; vLLM's CPU platform cannot run that mode, so "
+            "there the engine starts without it and says so (dhp_backend/vllm/startup_check.py)"),
     Setting("override_cpu_attn", "DHP_OVERRIDE_CPU_ATTN", False, _parse_bool,
             "true/false",
             "point vLLM's CPU_ATTN slot at DHP, so that a CPU engine runs it (testing aid: vLLM's CPU "
@@ -239,6 +245,7 @@ class DHPConfig:
     path: str = "auto"
     check_values: bool = False
     trace_file: str | None = None
+    deterministic: bool = False
     override_cpu_attn: bool = False
     cuda_cache: str | None = None
     csrc: str | None = None

@@ -21,7 +21,10 @@ What it does:
   happens in engines that run another backend or policy ``off``;
 - in the process that parses the engine arguments, checks DHP's configuration
   as soon as vLLM has built its config (`dhp_backend.vllm.startup_check`), so a
-  malformed setting stops ``vllm serve`` with one DHP error as its last line.
+  malformed setting stops ``vllm serve`` with one DHP error as its last line;
+- sends the ``dhp_backend`` logger's records to vLLM's own log handler
+  (`_log_through_vllm`), so DHP's start-up lines (configuration, kernel builds,
+  reservation) appear in vLLM's log, in its format, in every process.
 """
 
 from __future__ import annotations
@@ -33,8 +36,27 @@ from dhp_backend import config
 logger = logging.getLogger("dhp_backend")
 
 
+def _log_through_vllm() -> None:
+    """DHP's records go to the handlers vLLM configured for its ``vllm`` logger, at vLLM's level.
+
+    Left to Python's defaults they reach stderr only while no handler exists anywhere in the logging tree:
+    on the GPU machine's vLLM 0.24 server not one DHP start-up line appeared (2026-11-26, H200), so the
+    kernel builds and the policy were invisible there. Idempotent; a no-op where vLLM configured no handler
+    (``VLLM_CONFIGURE_LOGGING=0``: then the user's own logging configuration decides)."""
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers or logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(vllm_logger.getEffectiveLevel())
+    # Records still propagate: a handler the user (or pytest) put on the root logger sees them too.
+
+
 def register() -> None:
     from dhp_backend.vllm import compat
+
+    _log_through_vllm()
 
     previous = compat.custom_override()
     if previous not in (None, compat.BACKEND_CLASS_PATH):

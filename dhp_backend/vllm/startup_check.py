@@ -51,6 +51,8 @@ def check(vllm_config) -> DHPConfig | None:
     if cache_dtype not in KV_CACHE_DTYPES:
         raise DHPConfigError(f"DHP configuration: --kv-cache-dtype {cache_dtype!r} is not supported by the DHP "
                              f"attention backend; accepted: {', '.join(KV_CACHE_DTYPES)}")
+    if cfg.deterministic:
+        _check_deterministic()
     if asked_for_dhp:
         from vllm.platforms import current_platform
 
@@ -60,6 +62,51 @@ def check(vllm_config) -> DHPConfig | None:
                 "CPU_ATTN backend: this engine will NOT run DHP. To run DHP on a CPU (testing), set %s=1.",
                 config.setting("override_cpu_attn").env)
     return cfg
+
+
+def restart_command(argv: list[str] | None = None) -> str:
+    """This process's command line with ``VLLM_BATCH_INVARIANT=1`` in front (what to run instead).
+
+    ``vllm serve ...`` keeps its console script; a Python script (or ``python -m``,
+    whose ``argv[0]`` is the module's file) gets the interpreter in front."""
+    import shlex
+
+    from dhp_backend.vllm import compat
+
+    argv = list(sys.argv if argv is None else argv) or ["python"]
+    if argv[0].endswith(".py") or argv[0] == "-c":
+        argv = [sys.executable, *argv]
+    return f"{compat.BATCH_INVARIANT_ENV}=1 " + shlex.join(argv)
+
+
+def _check_deterministic() -> None:
+    """``deterministic``: DHP (batch-invariant by construction) plus vLLM's batch-invariant
+    mode for everything else (matmuls, norms, sampling). vLLM reads its switch before any
+    plugin can set it (`compat.batch_invariant_enabled`), so it is required, not set."""
+    from vllm.platforms import current_platform
+
+    from dhp_backend.vllm import compat
+
+    env = compat.BATCH_INVARIANT_ENV
+    on = compat.batch_invariant_enabled()
+    if current_platform.is_cpu():
+        if on:
+            raise DHPConfigError(
+                f"DHP configuration: deterministic=true with {env}=1 on vLLM's CPU platform: vLLM's "
+                f"batch-invariant kernels are Triton GPU kernels and its CPU engine fails on its first step "
+                f"with them; accepted: unset {env} (the CPU engine then runs without vLLM's mode)")
+        logger.warning(
+            "DHP: deterministic mode on vLLM's CPU platform: DHP's attention is batch-invariant, but vLLM's "
+            "batch-invariant mode (%s) does not run on CPUs, so the engine's own matmuls are not made "
+            "batch-invariant by vLLM (README, 'Golden outputs' says which invariances the tests show on CPU)",
+            env)
+        return
+    if not on:
+        raise DHPConfigError(
+            f"DHP configuration: deterministic=true needs vLLM's batch-invariant mode, which vLLM reads "
+            f"from {env} before plugins load, so DHP cannot turn it on for this engine. Start it as: "
+            f"{restart_command()}   (Python API: set os.environ['{env}'] = '1' before importing vllm)")
+    logger.info("DHP: deterministic mode: DHP attention + vLLM's batch-invariant mode (%s=1)", env)
 
 
 def _wrap(cls) -> None:
