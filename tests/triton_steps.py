@@ -17,25 +17,11 @@ import torch
 
 from dhp_backend.ops.buckets import bucket_for_step
 from dhp_backend.ops.reference import paged_attention_reference
+from dhp_backend.testing.requests import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclasses.dataclass
-class Request:
-    q: torch.Tensor  # [q_len, H, D]
-    k: torch.Tensor  # [seq_len, Hkv, D]
-    v: torch.Tensor
-
-    @property
-    def q_len(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.k.shape[0]
 
 
 def make_request(q_len: int, seq_len: int, *, H: int, Hkv: int, D: int, dtype, gen: torch.Generator,

@@ -54,6 +54,7 @@ import sys
 import time
 
 from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
+from dhp_backend.testing.requests import Request
 
 MARK = "DHP_BITS_RESULT "
 PARTS = ("gpu", "interpret", "reference")
@@ -90,21 +91,6 @@ def _dtype(name: str):
 
 # ---------------------------------------------------------------------------------------------
 # batch builder
-
-
-@dataclasses.dataclass
-class Request:
-    q: object  # [q_len, H, D]
-    k: object  # [seq_len, Hkv, D]
-    v: object
-
-    @property
-    def q_len(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.k.shape[0]
 
 
 @dataclasses.dataclass

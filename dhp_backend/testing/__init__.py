@@ -1,5 +1,6 @@
 """Helpers for users' tests and for our own tests, audit and benchmarks.
 
+`requests`: one request's content for the test-step builders.
 `pages`: block tables that obey the address rule (design.md section 2): every
 request owns distinct real pages up to its bucket, in one of several physical
 layouts.
