@@ -149,10 +149,21 @@ def test_a_failed_build_sends_its_steps_to_triton(fake_nvcc, monkeypatch, caplog
 def test_no_nvcc_is_said_once_and_builds_nothing(monkeypatch, caplog):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     monkeypatch.setattr(plan, "_WARNED", set())
+    plan.clear_caches()
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
         assert plan.prepare_kernels(_sm90_spec()) == []
         assert plan.prepare_kernels(_sm90_spec()) == []
     assert caplog.text.count("no nvcc on this machine") == 1
+    plan.clear_caches()
+
+
+def test_every_layer_shares_one_preparation(fake_nvcc, caplog):
+    plan.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        first = [plan.prepare_kernels(_sm90_spec()) for _ in range(32)]  # 32 layers of one model
+    assert all(f is first[0] for f in first) and len(fake_nvcc()) == 2  # two libraries, built once each
+    assert caplog.text.count("DHP kernels: csrc/") == 2
+    plan.clear_caches()
 
 
 def test_a_layer_with_features_builds_nothing(fake_nvcc):

@@ -208,9 +208,21 @@ def clear_caches() -> None:
     _plan.cache_clear()
     _choose_path_logged.cache_clear()
     _cuda_routes.cache_clear()
+    _PREPARED.clear()
+
+
+_PREPARED: dict = {}
 
 
 def prepare_kernels(spec: ProblemSpec, requested: str = "auto") -> list:
+    """Once per (layer geometry, requested path) and process: every layer of a model shares the answer."""
+    key = (spec, requested)
+    if key not in _PREPARED:
+        _PREPARED[key] = _prepare_kernels(spec, requested)
+    return _PREPARED[key]
+
+
+def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     """Build (or find in the cache) the csrc libraries this layer's steps can route to, now: at engine
     start-up, before vLLM profiles memory and captures CUDA graphs, so the first step never waits for nvcc
     inside a capture. One log line per library (`cuda_build.Built.describe`). A library that fails to
