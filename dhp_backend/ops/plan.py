@@ -235,8 +235,8 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     if tuple(spec.device_capability or ()) == (9, 0) and cuda_build.find_nvcc() is None:
         _warn_once(("no-nvcc",), "DHP: no nvcc on this machine (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, "
                    "/usr/local/cuda/bin, PATH): every step runs on the Triton kernels (same bits; the csrc "
-                   "Hopper kernels are faster: install the CUDA toolkit >= 12.5 or prebuild them with "
-                   "`dhp-backend build` into DHP_CUDA_CACHE)")
+                   "Hopper kernels are faster: install the CUDA toolkit >= 12.5, whose nvcc also keys "
+                   "their build cache)")
         return []
     wanted = []
     for kinds, library in (((CUDA_DECODE, CUDA_DECODE_CT), cuda_build.DECODE_LIBRARY),
