@@ -47,3 +47,15 @@ def _scope_triton_interpreter(request, monkeypatch):
     plan.clear_caches()
     yield
     plan.clear_caches()
+
+
+@pytest.fixture
+def with_nvcc(monkeypatch):
+    """As if the csrc kernels could be built here (an nvcc on the path), so that plain layers route to them;
+    the plans and routes cached before and after are forgotten."""
+    from dhp_backend.ops import cuda_build, plan
+
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
+    plan.clear_caches()
+    yield
+    plan.clear_caches()

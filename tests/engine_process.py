@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from dhp_backend.testing.golden import end_session  # SIGTERM, then SIGKILL, a child's whole session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,18 +55,6 @@ def start_in_session(cmd: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def end_session(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, the whole session of ``proc`` (by its PID)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(0.5)
 
 
 def free_port() -> int:

@@ -55,14 +55,6 @@ SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128,
                             block_size=16, causal=True, device_capability=(9, 0))
 
 
-@pytest.fixture
-def with_nvcc(monkeypatch):
-    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
-    plan.clear_caches()
-    yield
-    plan.clear_caches()
-
-
 def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
     assert step_kernel(SPEC, "off", 64, 64) == plan.CUDA_DECODE  # 64 requests x 1 token
     assert step_kernel(SPEC, "off", 65, 64) == plan.CUDA_DECODE  # one request with 2 tokens: still token tiles

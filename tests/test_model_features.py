@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from dhp_backend.ops import ProblemSpec, paged_attention, plan, plan_step, step_kernel
-from dhp_backend.ops import cuda_build
 from paged_batch import KINDS, Request, assert_close_to_oracle, make_batch, oracle, random_requests
 
 CAPS = (None, 0.5, 2.0, 50.0)  # scaled scores here are O(1): 0.5 and 2 bite, 50 (Gemma-2's) barely
@@ -119,15 +118,6 @@ def test_sinks_in_the_query_dtype_are_accepted():
 
 CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8, block_size=16,
                  causal=True, device_capability=(9, 0))
-
-
-@pytest.fixture
-def with_nvcc(monkeypatch):
-    """As if the csrc kernels could be built here, so that a plain layer routes to them."""
-    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
-    plan.clear_caches()
-    yield
-    plan.clear_caches()
 
 
 @pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sinks=True),

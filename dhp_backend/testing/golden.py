@@ -292,7 +292,7 @@ def run_engine(spec: dict, *, environ: Mapping[str, str] | None = None, progress
             except subprocess.TimeoutExpired:
                 code = None
             finally:
-                _end_session(proc)
+                end_session(proc)
         if code != 0 or not os.path.exists(out_path):
             tail = "" if progress else "\n".join(Path(log_path).read_text().splitlines()[-25:])
             what = "timed out" if code is None else f"exited with {code}"
@@ -302,7 +302,7 @@ def run_engine(spec: dict, *, environ: Mapping[str, str] | None = None, progress
             return json.load(f)
 
 
-def _end_session(proc: subprocess.Popen) -> None:
+def end_session(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL, what is left of the child's session (an engine core, its workers)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
