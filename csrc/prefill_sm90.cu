@@ -107,7 +107,9 @@ struct Params {
   const int* query_start_loc;
   int num_heads, num_kv_heads, block_size;
   int num_seqs, num_out_rows, num_tiles;         // requests, rows to write (num_tokens), grid tiles
-  int group, group_shift, block_q;               // query heads per KV head (2^group_shift), tokens per tile
+  int group, group_shift, block_q;               // query heads per KV head; 2^group_shift >= group tile
+                                                 // slots per token (GQA 5, 7: 8 slots, the last unused);
+                                                 // tokens per tile = 128 >> group_shift
   float scale_log2;                              // softmax scale * log2(e) (qk_scale)
   int causal;
   uint32_t v_lbo, v_sbo;                         // V descriptor offsets (MN-major, bytes)
@@ -179,7 +181,9 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
                                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                         const Barriers<STAGES>& bar, int kvh, int req) {
   using L = Layout<STAGES>;
-  // Q box: 64 columns x GROUP heads x block_q tokens -> tile row = token * GROUP + head.
+  // Q box: 64 columns x SLOTS heads x block_q tokens -> tile row = token * SLOTS + slot, head
+  // kvh * GROUP + slot (SLOTS = 2^group_shift >= GROUP; slots >= GROUP load the next
+  // group's heads, or zeros past the last head, and are never stored: rows_of).
   mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
   tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
   tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
@@ -295,7 +299,10 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
   const int row = threadIdx.x;
   const uint32_t tok = mod_barrett(static_cast<uint32_t>(w.q0 + w.tok0 + (row >> p.group_shift)),
                                    static_cast<uint32_t>(p.q_rows), p.q_magic);
-  const int head = kvh * p.group + (row & (p.group - 1));
+  // Slots >= GROUP (public: the row and the model's GQA ratio) re-read the group's
+  // first head, so the address stays in range; their rows are never stored.
+  const int slot = row & ((1 << p.group_shift) - 1);
+  const int head = kvh * p.group + select_int(slot < p.group, slot, 0);
   const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.q) +
                                                     2 * (tok * p.q_tok_stride + head * p.q_head_stride));
   // Four 16-byte pieces in flight at a time: the producer warpgroup runs on 40 registers.
@@ -488,9 +495,13 @@ __device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float al
 
 
 // The two query rows of a consumer thread (accumulator rows g and g + 8 of its
-// warp): tile row r is token tok0 + r / GROUP of query head kvh * GROUP + r % GROUP.
+// warp): tile row r is token tok0 + r / SLOTS of query head kvh * GROUP + r % SLOTS
+// (SLOTS = 2^group_shift). A slot >= GROUP (GQA ratios that are not powers of two)
+// holds no head of this group: its row is computed and never stored (ok_*, a
+// function of the row index and the model's GQA ratio only: public).
 struct Rows {
   int qi_lo, qi_hi, head_lo, head_hi, first_qi;  // first_qi: the warpgroup's first token
+  bool ok_lo, ok_hi;                             // the slot holds a head of this group
 };
 
 __device__ __forceinline__ Rows rows_of(const Params& p, const Work& w, int cw, int warp, int lane, int kvh) {
@@ -498,17 +509,20 @@ __device__ __forceinline__ Rows rows_of(const Params& p, const Work& w, int cw, 
   Rows x;
   x.qi_lo = w.tok0 + (r >> p.group_shift);
   x.qi_hi = w.tok0 + ((r + 8) >> p.group_shift);
-  x.head_lo = kvh * p.group + (r & (p.group - 1));
-  x.head_hi = kvh * p.group + ((r + 8) & (p.group - 1));
+  const int slots = (1 << p.group_shift) - 1;
+  x.head_lo = kvh * p.group + (r & slots);
+  x.head_hi = kvh * p.group + ((r + 8) & slots);
+  x.ok_lo = (r & slots) < p.group;
+  x.ok_hi = ((r + 8) & slots) < p.group;
   x.first_qi = w.tok0 + ((64 * cw) >> p.group_shift);
   return x;
 }
 
 // Epilogue store of one accumulator row (16 column pairs) to out[token, head].
 template <bool BF16, int IDX>
-__device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi, int head, int lane,
+__device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi, int head, bool ok, int lane,
                                           const float (&o)[64], float inv) {
-  if (qi >= w.q_len) return;
+  if (qi >= w.q_len || !ok) return;
   char* out = static_cast<char*>(p.out);
   uint32_t* dst = reinterpret_cast<uint32_t*>(
       out + 2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
@@ -522,13 +536,13 @@ __device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi
 // kSinkSlots, 256 elements per row); the address is selected, not the store.
 constexpr int kSinkSlots = 16, kSinkWidth = 256;  // ops/triton/workspace.py SINK_SLOTS, SINK_WIDTH
 template <bool BF16, int IDX>
-__device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int qi, int head, int g, int tile_row,
-                                             int lane, const float (&o)[64], float inv) {
+__device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int qi, int head, bool ok, int g,
+                                             int tile_row, int lane, const float (&o)[64], float inv) {
   const uint64_t real = reinterpret_cast<uint64_t>(static_cast<char*>(p.out) +
       2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
   const uint64_t sink = reinterpret_cast<uint64_t>(static_cast<char*>(p.sink) +
       2 * (static_cast<int64_t>((g % kSinkSlots) * kRows + tile_row) * kSinkWidth));
-  uint32_t* dst = reinterpret_cast<uint32_t*>(select_u64(qi < w.q_len, real, sink));
+  uint32_t* dst = reinterpret_cast<uint32_t*>(select_u64((qi < w.q_len) & ok, real, sink));
   const int c = lane % 4;
 #pragma unroll
   for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
@@ -668,8 +682,8 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t*
 
   // Epilogue: O / l, rows inside the request only.
   const float inv_lo = 1.f / quad_sum(l_lo), inv_hi = 1.f / quad_sum(l_hi);
-  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, o, inv_lo);
-  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, o, inv_hi);
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, o, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, o, inv_hi);
 }
 
 
@@ -830,11 +844,11 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
       acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
     }
     const int r = 64 * cw + 16 * warp + lane / 4;
-    store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, g, r, lane, acc, inv_lo);
-    store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, g, r + 8, lane, acc, inv_hi);
+    store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
+    store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, g, r + 8, lane, acc, inv_hi);
   } else {
-    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, lane, run, inv_lo);
-    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, lane, run, inv_hi);
+    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, run, inv_lo);
+    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, run, inv_hi);
   }
 }
 
@@ -953,7 +967,7 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // a cudaError_t, or -1 (no cuTensorMapEncodeTiled), -2..-4 (tensor map of Q/K/V
 // rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant),
 // -6 (more than 65535 tiles: num_tokens / block_q + num_seqs + 1), -7 (query heads per
-// KV head not a power of two <= 128).
+// KV head not a divisor ratio <= 128).
 // variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
 // 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
 // 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T,
@@ -976,11 +990,12 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (!encode) return -1;
   CUtensorMap tq, tk, tv;
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-  if (group <= 0 || group > kRows || (group & (group - 1)) || group * num_kv_heads != num_heads) return -7;
-  int group_shift = 0;
+  if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
+  int group_shift = 0;  // 2^group_shift tile slots per token: GROUP rounded up to a power of two
   while ((1 << group_shift) < group) ++group_shift;
-  const int block_q = kRows / group;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, group, block_q))
+  const int block_q = kRows >> group_shift;
+  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
+                     block_q))
     return -2;
   if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))

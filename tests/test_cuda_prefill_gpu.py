@@ -59,6 +59,8 @@ def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=700):
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [
     (32, 8, torch.bfloat16, 16), (32, 8, torch.float16, 16), (16, 16, torch.bfloat16, 32),
     (8, 1, torch.float16, 64), (32, 2, torch.bfloat16, 128),
+    # GQA ratios that are not powers of two: Qwen2.5-7B's 7, Qwen3-14B's 5, and 3
+    (28, 4, torch.bfloat16, 16), (40, 8, torch.bfloat16, 32), (6, 2, torch.float16, 64),
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_matches_reference(H, Hkv, dtype, bs, causal):
@@ -163,6 +165,8 @@ def run_triton_policy(step, causal, policy, bucket):
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [
     (32, 8, torch.bfloat16, 16), (32, 8, torch.float16, 16), (16, 16, torch.bfloat16, 32),
     (8, 1, torch.float16, 64), (32, 2, torch.bfloat16, 128),
+    # GQA ratios that are not powers of two: Qwen2.5-7B's 7, Qwen3-14B's 5, and 3
+    (28, 4, torch.bfloat16, 16), (40, 8, torch.bfloat16, 32), (6, 2, torch.float16, 64),
 ])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):

@@ -18,8 +18,10 @@ What it is and is not, today:
   equality that batch invariance rests on (`routes_prefill`). (FA3-like binaries,
   faster but with other bits, were measured and never routed: docs/perf-notes.md;
   the library does not build them.)
-- Head size 128, fp16/bf16, block size 16/32/64/128, query heads per KV head a power
-  of two <= 128, sm_90 only. Anything else
+- Head size 128, fp16/bf16, block size 16/32/64/128, any number of query heads per
+  KV head up to 128 (a ratio that is not a power of two, Qwen2.5's 7 or Qwen3-14B's
+  5, fills its tile's token rows with the next power of two of head slots, the
+  surplus slots computed and never stored), sm_90 only. Anything else
   is refused with a message saying what is accepted.
 
 Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
@@ -72,6 +74,12 @@ COMPAT_CT_VARIANTS = tuple(_CT_CODES)
 _ALL_CODES = {**_CODES, **_CT_CODES}
 
 
+def tile_tokens(group: int) -> int:
+    """Query tokens per 128-row tile: 128 / (``group`` rounded up to a power of two),
+    csrc ``Params::block_q``."""
+    return 128 >> (max(1, group) - 1).bit_length()
+
+
 def routes_prefill(spec) -> tuple[bool, str]:
     """Whether `ops.plan` runs policy-``off`` prefill steps of ``spec`` (a
     `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
@@ -81,8 +89,8 @@ def routes_prefill(spec) -> tuple[bool, str]:
     if why:
         return False, why
     g = spec.num_heads // max(1, spec.num_kv_heads)
-    if g & (g - 1) or g > 128:
-        return False, f"{g} query heads per KV head (not a power of two <= 128)"
+    if g > 128:
+        return False, f"{g} query heads per KV head (more than 128)"
     return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
 
 
@@ -115,12 +123,12 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     validate_common("cuda_prefill", query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                     num_tokens)
     H, Hkv = query.shape[1], key_cache.shape[1]
-    if (H // Hkv) & (H // Hkv - 1) or H // Hkv > 128:
+    if H // Hkv > 128:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads",
-              "a divisor of the number of query heads with a power-of-two ratio <= 128 (a tile packs 128 / ratio "
-              "tokens x the ratio's heads)")
+              "a divisor of the number of query heads with a ratio <= 128 (a tile packs 128 / slots tokens x "
+              "slots heads, slots = the ratio's next power of two)")
     n = seq_lens.shape[0]
-    block_q = 128 // (H // Hkv)
+    block_q = tile_tokens(H // Hkv)
     if num_tokens // block_q + n + 1 > 65535:
         _fail("the step", f"{num_tokens} tokens and {n} requests",
               f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")
