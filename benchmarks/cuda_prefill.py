@@ -53,12 +53,25 @@ SHAPES = {
     "full-8k": ([(8192, 8192)], False),
     "chunk-2k-on-4k": ([(2048, 4096)], True),
     "batch4-4000": ([(4000, 4000)] * 4, True),
+    "batch2-8k": ([(8192, 8192)] * 2, True),  # issue 30's Qwen2.5-7B row (with --heads 28,4)
     # The mixed chunked-prefill step of design.md (a 2048-token chunk on 4K context
     # plus 63 decodes at 4K): a "prefill" step by the launcher's rule, so policy
     # off routes it to the compat binary.
     "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
 DEFAULT_VARIANTS = f"fa3,triton_off,cuda_{COMPAT}"
+
+
+def set_heads(ap, spec: str) -> None:
+    """--heads "H,HKV": the module's head counts for this run (every helper reads them)."""
+    global H, HKV
+    try:
+        h, hkv = (int(x) for x in spec.split(","))
+    except ValueError:
+        ap.error(f"--heads {spec!r}; accepted: two integers 'H,HKV' with HKV dividing H")
+    if h < 1 or hkv < 1 or h % hkv:
+        ap.error(f"--heads {spec!r}; accepted: two positive integers 'H,HKV' with HKV dividing H")
+    H, HKV = h, hkv
 
 
 def useful_flop(reqs, causal: bool) -> float:
@@ -187,9 +200,12 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true", help="only check the kernel on small shapes (exit 1 if wrong)")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--heads", default=f"{H},{HKV}",
+                    help="query heads,KV heads (default Llama-3-8B's 32,8; Qwen2.5-7B: 28,4)")
     ap.add_argument("--bucket", type=int, default=0,
                     help="add triton_strict and cuda_compat_ct rows at this bucket L (>= every shape's length)")
     args = ap.parse_args(argv)
+    set_heads(ap, args.heads)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
