@@ -12,8 +12,9 @@
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
-#   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py;
-#             SERVE_TEST_S, default 300; each server's log and answers in $OUT/serve-<policy>.{log,json})
+#   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py),
+#             and in deterministic mode against the offline engine's golden, bit for bit
+#             (tests/test_server_golden_gpu.py); SERVE_TEST_S, default 420; logs and answers in $OUT/serve-*
 #   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
@@ -88,8 +89,8 @@ for step in "$@"; do
     sustain) python3 -m benchmarks.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
     serve)   # SIGINT, not TERM, at the time limit: pytest then tears its fixtures down, which ends the
              # servers' sessions (they run in sessions of their own, out of timeout's reach).
-             DHP_REPORT_DIR=$OUT timeout -s INT -k 60 ${SERVE_TEST_S:-300} \
-               python3 -m pytest -q -m gpu tests/test_server_gpu.py -x -p no:cacheprovider 2>&1 \
+             DHP_REPORT_DIR=$OUT timeout -s INT -k 60 ${SERVE_TEST_S:-420} \
+               python3 -m pytest -q -m gpu tests/test_server_gpu.py tests/test_server_golden_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/serve.log" | grep -v "^\s*$" | tail -25 ;;
     golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
