@@ -15,6 +15,7 @@
 #   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py),
 #             and in deterministic mode against the offline engine's golden, bit for bit
 #             (tests/test_server_golden_gpu.py); SERVE_TEST_S, default 420; logs and answers in $OUT/serve-*
+#   startup   engine start-up time, cold caches then warm, per configuration (STARTUP_CONFIGS: fa3 dhp-strict)
 #   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
@@ -92,6 +93,20 @@ for step in "$@"; do
              DHP_REPORT_DIR=$OUT timeout -s INT -k 60 ${SERVE_TEST_S:-420} \
                python3 -m pytest -q -m gpu tests/test_server_gpu.py tests/test_server_golden_gpu.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/serve.log" | grep -v "^\s*$" | tail -25 ;;
+    startup) # engine start-up (LLM() until ready: load, profile, kernel builds, graph capture), Llama-3-8B
+             # shape, max_model_len 8192: each configuration on empty caches (vLLM's compile cache,
+             # Triton's, DHP's csrc builds), then again on the caches the first start filled
+             for cfg in ${STARTUP_CONFIGS:-fa3 dhp-strict}; do
+               C=$(mktemp -d)
+               for run in cold warm; do
+                 VLLM_CACHE_ROOT=$C/vllm TRITON_CACHE_DIR=$C/triton DHP_CUDA_CACHE=$C/dhp timeout 280 \
+                   python3 -m integration.e2e_throughput --configs $cfg --num-requests 8 --output-len 8 \
+                     --warmup-requests 2 --max-cudagraph-capture-size 256 --out "$OUT/startup-$cfg-$run.json" \
+                     > "$OUT/startup-$cfg-$run.log" 2>&1
+                 python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(f'{sys.argv[2]:12s} {sys.argv[3]:5s} init {r.get(\"init_s\")} s  status {r.get(\"status\")}')" \
+                   "$OUT/startup-$cfg-$run.json" $cfg $run 2>&1 | tail -1
+               done
+             done ;;
     golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
