@@ -218,7 +218,8 @@ def _child_run(args, spec) -> dict:
     dtype = args.dtype
     model_cfg = MODEL_CONFIGS[args.model_config]
     kwargs = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
-                  max_model_len=args.max_model_len, seed=0, enforce_eager=bool(args.eager))
+                  max_model_len=args.max_model_len, seed=0, enforce_eager=bool(args.eager),
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.device == "cuda":
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
         if spec["backend"] != "DHP":
@@ -355,6 +356,7 @@ def _engine_facts(llm) -> dict:
         return facts
     for key, get in [
         ("max_model_len", lambda: cfg.model_config.max_model_len),
+        ("tensor_parallel_size", lambda: cfg.parallel_config.tensor_parallel_size),
         ("dtype", lambda: str(cfg.model_config.dtype).replace("torch.", "")),
         ("block_size", lambda: cfg.cache_config.block_size),
         ("enable_prefix_caching", lambda: cfg.cache_config.enable_prefix_caching),
@@ -644,6 +646,7 @@ def header(args, rows: list[dict]) -> dict:
                      "load_format": "dummy", "dtype": args.dtype, "num_requests": args.num_requests,
                      "prompt_len": [args.min_prompt, args.max_prompt], "output_len": args.output_len,
                      "seed": args.seed, "max_model_len": args.max_model_len,
+                     "tensor_parallel_size": args.tensor_parallel_size,
                      "warmup_requests": args.warmup_requests, "warmup_output_len": args.warmup_output_len,
                      "eager": bool(args.eager), "multiprocessing": args.multiprocessing,
                      "cudagraph": "none (eager)" if args.eager else args.cudagraph,
@@ -698,7 +701,7 @@ def markdown(report: dict) -> str:
         f"{h['date']}, commit {h['git_commit']}. Model {w['model_config']} ({w['dtype']}, load_format=dummy), "
         f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}..{w['prompt_len'][1]} tokens, "
         f"{w['output_len']} output tokens, max_model_len {w['max_model_len']} (= DHP strict bucket), "
-        f"graphs: {w['cudagraph']}.",
+        f"graphs: {w['cudagraph']}, tensor parallel size {w.get('tensor_parallel_size', 1)}.",
         "",
         "| config | backend | policy | BI | status | output tok/s | total tok/s | ratio | vs | elapsed s "
         "| init s | DHP path (kernels) | tokens hash |",
@@ -748,7 +751,10 @@ def write_report(args, rows) -> dict:
 
 
 # What must match for rows of another run to be compared with this one's.
-_WORKLOAD_KEYS = ("model_config", "dtype", "num_requests", "prompt_len", "output_len", "seed", "max_model_len")
+_WORKLOAD_KEYS = ("model_config", "dtype", "num_requests", "prompt_len", "output_len", "seed", "max_model_len",
+                  "tensor_parallel_size")
+# A key that reports written before it existed lack: the value they ran with.
+_WORKLOAD_DEFAULTS = {"tensor_parallel_size": 1}
 
 
 def load_merged(paths: list[str], args, running: set[str]) -> list[dict]:
@@ -759,13 +765,13 @@ def load_merged(paths: list[str], args, running: set[str]) -> list[dict]:
     rows = []
     mine = {"model_config": args.model_config, "dtype": args.dtype, "num_requests": args.num_requests,
             "prompt_len": [args.min_prompt, args.max_prompt], "output_len": args.output_len, "seed": args.seed,
-            "max_model_len": args.max_model_len}
+            "max_model_len": args.max_model_len, "tensor_parallel_size": args.tensor_parallel_size}
     for path in paths:
         try:
             prev = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--merge {path}: cannot read a report: {exc}") from None
-        theirs = prev.get("header", {}).get("workload", {})
+        theirs = {**_WORKLOAD_DEFAULTS, **prev.get("header", {}).get("workload", {})}
         diff = [f"{k}: {theirs.get(k)!r} there, {mine[k]!r} here" for k in _WORKLOAD_KEYS if theirs.get(k) != mine[k]]
         if diff:
             raise ConfigError(f"--merge {path}: another workload ({'; '.join(diff)})")
@@ -825,7 +831,7 @@ def parent_main(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- CLI
 
 CHILD_FORWARDED = ("model_config", "device", "dtype", "num_requests", "min_prompt", "max_prompt", "output_len",
-                   "seed", "max_model_len", "gpu_memory_utilization", "eager", "cudagraph",
+                   "seed", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization", "eager", "cudagraph",
                    "max_cudagraph_capture_size", "warmup_requests", "warmup_output_len", "max_num_seqs",
                    "max_num_batched_tokens", "block_size", "no_prefix_caching", "dhp_allow_fallback",
                    "profile_kernels")
@@ -849,6 +855,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's context, max_position_embeddings (the DHP strict bucket; "
                          "cpu: 256)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per engine (vLLM's tensor_parallel_size; integration.tp_run runs 2)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, no CUDA graphs)")
     ap.add_argument("--cudagraph", default="default",
@@ -921,6 +929,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.multiprocessing = 0
     if args.num_requests < 1 or args.output_len < 1:
         raise ConfigError("--num-requests and --output-len must be >= 1")
+    if args.tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size}; accepted: an integer >= 1")
     args.child_argv = []
     for key in CHILD_FORWARDED:
         value = getattr(args, key)

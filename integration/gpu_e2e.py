@@ -68,18 +68,35 @@ def runs_dhp(name: str) -> bool:
     return args[args.index("--backend") + 1] == "DHP"
 
 
-def run_one(name, model, common, log_dir):
-    extra, env_extra = CONFIGS[name]
+def log_file(log_dir, name) -> Path:
+    """Where `run_one` writes the output of configuration ``name`` (vLLM's and its workers' logs)."""
+    return Path(log_dir) / f"e2e-{name}.log"
+
+
+def run_one(name, model, common, log_dir, config=None, timeout=900):
+    """One `integration.run_generation` process; its parsed result, or None if it failed.
+
+    ``config``: (extra arguments, extra environment), default ``CONFIGS[name]``. The
+    process runs in a session of its own, ended afterwards: vLLM's engine core and
+    workers must not outlive a run that timed out (they hold the GPUs' memory)."""
+    from dhp_backend.testing.golden import end_session
+
+    extra, env_extra = CONFIGS[name] if config is None else config
     env = {**os.environ, **env_extra, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "integration.run_generation", "--model", str(model), *common, *extra]
-    log = Path(log_dir) / f"e2e-{name}.log"
+    log = log_file(log_dir, name)
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900)
-    text = log.read_text()
-    if proc.returncode != 0 or "DHP_RESULT_JSON " not in text:
-        print(f"[{name}] FAILED (exit {proc.returncode}); last lines:\n" + "\n".join(text.splitlines()[-25:]),
-              flush=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = f"timed out after {timeout:.0f} s"
+        finally:
+            end_session(proc)
+    text = log.read_text(errors="replace")
+    if code != 0 or "DHP_RESULT_JSON " not in text:
+        print(f"[{name}] FAILED (exit {code}); last lines:\n" + "\n".join(text.splitlines()[-25:]), flush=True)
         return None
     res = json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
     print(f"[{name}] ok in {time.time() - t0:.0f} s; DHP trace: "

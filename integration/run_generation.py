@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=True, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=8, seed=0, enforce_eager=args.eager,
+        max_num_seqs=8, seed=0, enforce_eager=args.eager, tensor_parallel_size=args.tensor_parallel_size,
     )
     if not cpu:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "policy": args.policy if args.backend == "DHP" else None,
             "platform": "cpu" if cpu else "cuda", "vllm_version": vllm.__version__,
             "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype, "batching": args.batching,
-            "eager": bool(args.eager), "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+            "eager": bool(args.eager), "tensor_parallel_size": args.tensor_parallel_size,
+            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
             "elapsed_s": round(elapsed, 1), "dhp_trace": trace, "outputs": outputs}
 
 
@@ -186,6 +187,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--eager", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per engine (vLLM's tensor_parallel_size)")
     ap.add_argument("--batching", default="together", choices=["together", "reversed", "solo"])
     ap.add_argument("--trace-file", default=None)
     ap.add_argument("--out", default=None, help="write the JSON here too")

@@ -17,6 +17,9 @@
 #             (tests/test_server_golden_gpu.py); SERVE_TEST_S, default 420; logs and answers in $OUT/serve-*
 #   startup   engine start-up time, cold caches then warm, per configuration (STARTUP_CONFIGS: fa3 dhp-strict)
 #   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
+#   tp2       integration/tp_run.py on 2 GPUs (kind nvidia-h100-x2): every policy at tensor_parallel_size 2, each
+#             rank's log, deterministic bits across batchings, FLASH_ATTN tokens and throughput (TP2_ARGS;
+#             TP2_S, default 540; report in $OUT/tp2/tp_run.{json,md}, one log per engine in $OUT/tp2/logs)
 #   ncu       G1 counters, true length 1 vs L (NCU_SHAPES="B,L ...")
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
@@ -109,6 +112,8 @@ for step in "$@"; do
              done ;;
     golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
+    tp2)     timeout -k 30 ${TP2_S:-540} python3 -m integration.tp_run --out "$OUT/tp2" ${TP2_ARGS:-} 2>&1 \
+               | tee "$OUT/tp2.log" | tail -60 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;

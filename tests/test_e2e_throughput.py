@@ -254,6 +254,23 @@ def test_merge_takes_rows_of_the_same_workload_only(tmp_path):
         et.load_merged([str(path)], other, set())
 
 
+def test_tensor_parallel_size_reaches_the_child_and_keys_the_merge(tmp_path):
+    a = _args("--tensor-parallel-size", "2")
+    i = a.child_argv.index("--tensor-parallel-size")
+    assert a.child_argv[i + 1] == "2"
+    assert et.header(a, [])["workload"]["tensor_parallel_size"] == 2
+    # an earlier report without the key ran at TP 1: its rows are not this run's workload
+    earlier = et.header(_args(), [])
+    del earlier["workload"]["tensor_parallel_size"]
+    path = tmp_path / "tp1.json"
+    path.write_text(json.dumps({"header": earlier, "results": [_row("fa3", 100.0)]}))
+    with pytest.raises(et.ConfigError, match="tensor_parallel_size: 1 there, 2 here"):
+        et.load_merged([str(path)], a, set())
+    assert [r["config"] for r in et.load_merged([str(path)], _args(), set())] == ["fa3"]
+    with pytest.raises(et.ConfigError, match="--tensor-parallel-size 0"):
+        _args("--tensor-parallel-size", "0")
+
+
 def test_defaults_fit_the_workload():
     a = _args()
     assert (a.num_requests, a.min_prompt, a.max_prompt, a.output_len, a.dtype) == (256, 256, 2048, 256, "bfloat16")

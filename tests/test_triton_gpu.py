@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from triton_steps import (
-    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, random_sinks, reference, rel_err,
+    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, random_sinks, rank_step, reference,
+    rel_err,
 )
 
 pytestmark = [
@@ -489,3 +490,35 @@ def test_features_route_to_triton_through_the_seam():
             p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
                           bucket_l=8192 if policy == "strict" else None)
             assert p.kernel == "triton", (n, r, policy, p.describe())
+
+
+@pytest.mark.parametrize("path", ["auto", "triton"])
+@pytest.mark.parametrize("shape", [(32, 8), (8, 1)], ids=["llama3-8b-kv8", "mqa-kv1"])
+def test_tensor_parallel_rank_bits_equal_the_head_slice(shape, path):
+    """At TP = 2 a rank holds half the query heads and their KV heads (4 of Llama-3-8B's 8: whole
+    GQA groups; an MQA model's one KV head, replicated, so the rank's group is half TP = 1's).
+    Through the seam (path auto: the csrc kernels where they route) its output is the head slice
+    of the TP = 1 output, bit for bit, in decode and mixed steps under every policy: attention
+    never makes a model's bits depend on the TP size (its row-parallel matmuls do)."""
+    from dhp_backend.ops import paged_attention
+
+    H, Hkv = shape
+    g = _gen(41)
+    steps = {"decode": [(1, 1), (1, 700), (1, 1333), (1, 2048), (1, 90)],
+             "mixed": [(1, 1800), (37, 37), (7, 900), (1, 3)]}
+    for kind, lens in steps.items():
+        reqs = [make_request(q, s, H=H, Hkv=Hkv, D=128, dtype=torch.bfloat16, gen=g) for q, s in lens]
+        step = assemble(reqs, block_size=16, gen=g, max_blocks=160, pad_tokens=3)
+        n = step.num_tokens
+        for policy in POLICIES:
+            def seam(s):
+                out = poisoned_out(s)
+                paged_attention(*s.args(), out, scale=128 ** -0.5, causal=True, policy=policy,
+                                bucket=s.bucket(policy), max_model_len=s.capacity, num_tokens=n, path=path)
+                check_written(s, out)
+                return out[:n]
+
+            full = seam(step)
+            for rank in range(2):
+                part, heads = rank_step(step, 2, rank)
+                assert torch.equal(bits(seam(part)), bits(full[:, heads].contiguous())), (kind, policy, rank)

@@ -59,7 +59,8 @@ def test_interpreter_suite_in_fresh_process():
 from dhp_backend.ops import ProblemSpec, paged_attention  # noqa: E402
 from dhp_backend.ops.triton import paged_attention_triton, supports  # noqa: E402
 from triton_steps import (  # noqa: E402
-    assemble, bits, check_written, make_request, poisoned_out, random_sinks, reference, rel_err,
+    assemble, bits, check_written, make_request, poisoned_out, random_sinks, rank_step, reference, rel_err,
+    reserved_step,
 )
 
 # Stale NaN/inf in the cache flows through the score dot product before it is
@@ -320,3 +321,48 @@ def test_features_through_the_seam():
     check_written(step, out)
     ref = reference(step, scale=0.125, causal=True, logits_soft_cap=1.0, sinks=sinks)
     assert rel_err(out, ref, 3) < TOL[torch.float16]
+
+
+# --- tensor parallelism: the step each rank computes ------------------------------------------
+# (id, query heads, KV heads) at TP = 2: GQA whose KV heads split (4 of 8 per rank, whole groups),
+# and MQA whose one KV head every rank holds (vLLM replicates it).
+TP_CASES = [("gqa-kv8", 16, 8), ("mqa-kv1", 8, 1)]
+
+
+@pytest.mark.parametrize("policy", ["strict", "request", "off"])
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("case", TP_CASES, ids=[c[0] for c in TP_CASES])
+def test_tensor_parallel_rank_computes_its_head_slice(case, path, policy):
+    """A query head's attention reads only that head's query and its KV head, so a rank at TP = 2
+    gives the heads it holds of the TP = 1 output, bit for bit, on the reference and wherever the
+    rank's tiles are TP = 1's (whole GQA groups per rank: the same GROUP query heads per tile).
+
+    With a replicated KV head a rank holds half the group, so its tiles pack its rows at other
+    positions, and the interpreter's dot (numpy's BLAS) rounds by a row's position in the tile
+    (seen: differences of ~1e-6 in fp16): there only close; the GPU, whose MMA computes every row
+    alike, is held to the bits in test_triton_gpu.py. (Whole-model bits still differ across TP
+    sizes: the row-parallel matmuls sum partial products over the ranks.)"""
+    _, H, Hkv = case
+    g = _gen(sum(map(ord, case[0] + policy)))
+    reqs = [make_request(q, s, H=H, Hkv=Hkv, D=64, dtype=torch.float16, gen=g)
+            for q, s in [(1, 70), (13, 40), (1, 130), (6, 6)]]
+    step = reserved_step(reqs, policy, block_size=16, width=12, gen=g, pad_tokens=2)
+
+    def seam(s):
+        out = poisoned_out(s)
+        paged_attention(*s.args(), out, scale=0.125, causal=True, policy=policy, bucket=s.bucket(policy),
+                        max_model_len=s.capacity, num_tokens=s.num_tokens, path=path, allow_fallback=True)
+        check_written(s, out)
+        return out
+
+    full = seam(step)
+    n = step.num_tokens
+    for rank in range(2):
+        part, heads = rank_step(step, 2, rank)
+        assert tuple(part.query.shape[1:2]) + tuple(part.key_cache.shape[1:2]) == (H // 2, max(1, Hkv // 2))
+        want = full[:n, heads].contiguous()
+        got = seam(part)[:n]
+        if path == "reference" or Hkv >= 2:
+            assert torch.equal(bits(got), bits(want)), f"rank {rank}"
+        else:
+            assert rel_err(got, want.float(), n) < TOL[torch.float16] / 10, f"rank {rank}"

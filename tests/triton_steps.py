@@ -137,6 +137,24 @@ def reserved_step(reqs: list[Request], policy: str, *, block_size: int, width: i
     return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table, capacity=capacity)
 
 
+def rank_step(step: Step, tp: int, rank: int) -> tuple[Step, slice]:
+    """The step rank ``rank`` of ``tp`` computes, and which query heads of ``step`` it holds.
+
+    vLLM's split (QKVParallelLinear): the query heads in ``tp`` contiguous slices; the KV
+    heads too when there are at least ``tp`` of them, so each rank keeps whole GQA groups;
+    else each rank holds one KV head, rank r the head ``r // (tp // num_kv_heads)``
+    (replicated). The rank's cache holds only its KV heads (vLLM allocates it per rank)."""
+    from integration.tp_run import heads_per_rank
+
+    H, Hkv = step.query.shape[1], step.key_cache.shape[1]
+    hq, hkv = heads_per_rank(H, Hkv, tp)
+    kv0 = rank * hkv if Hkv >= tp else rank // (tp // Hkv)
+    heads, kv = slice(rank * hq, (rank + 1) * hq), slice(kv0, kv0 + hkv)
+    return dataclasses.replace(step, query=step.query[:, heads].contiguous(),
+                               key_cache=step.key_cache[:, kv].contiguous(),
+                               value_cache=step.value_cache[:, kv].contiguous()), heads
+
+
 def reference(step: Step, *, scale: float, causal: bool, logits_soft_cap: float | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference in float32 on the step's own inputs (upcast)."""
