@@ -45,6 +45,7 @@ class Variant:
     const_time: bool = True  # attention only: False = the policy-off binary (CONST_TIME constexpr)
     softcap: float = 0.0  # attention only: the SOFTCAP constexpr (a model's logits soft-cap; 0 = none)
     sinks: bool = False  # HAS_SINKS: the attention-sink binaries (attention fold mode, merge)
+    window: int = 0  # attention only: the WINDOW constexpr (a model's sliding window; 0 = none)
 
     @property
     def key(self) -> str:
@@ -53,6 +54,7 @@ class Variant:
             k += (f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
                   f":{'split' if self.split else 'fold'}:{self.kind}{'' if self.const_time else ':off'}")
             k += f":cap{self.softcap:g}" if self.softcap else ""
+            k += f":win{self.window}" if self.window else ""
         k += ":sinks" if self.sinks else ""
         return k + (":nh16" if self.nh16 else ":nh")
 
@@ -138,7 +140,8 @@ def compile_inputs(v: Variant):
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
                      SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
-                     CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks))
+                     CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks),
+                     WINDOW=int(v.window))
         if v.sinks:
             elem["attn_sinks_ptr"] = "fp32"
         else:
