@@ -112,13 +112,21 @@ CI_SUBSET = (
 
 # The model-feature binaries (issue 31): soft-cap (Gemma-2's 50) and sinks on the
 # production shape, in fold mode (the sink folded by the attention kernel), split mode
-# (by the merge kernel) and the decode tile; and the merge kernel with sinks.
+# (by the merge kernel) and the decode tile; and the merge kernel with sinks. Sliding
+# windows: constant-time fold (Mistral's 4096) and split decode (gpt-oss: head 64,
+# window 128, sinks), and the policy-off binaries whose walk starts at the window
+# (fold prefill, Gemma-3's head 256 and window 1024; split decode).
 FEATURE_SUBSET = (
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, softcap=50.0, sinks=True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", softcap=50.0),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill", False, softcap=30.0,
             sinks=True),
     Variant("merge_kernel", "bfloat16", 128, 4, nh16=True, sinks=True),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, window=4096),
+    Variant("attention_kernel", "bfloat16", 64, 8, 16, True, True, True, "decode", sinks=True, window=128),
+    Variant("attention_kernel", "bfloat16", 256, 2, 16, True, True, False, "prefill", False, softcap=50.0,
+            window=1024),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", False, window=4096),
 )
 
 
