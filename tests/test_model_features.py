@@ -42,20 +42,30 @@ def _run(batch, **kw):
     return out
 
 
+def _random_batch(rng: random.Random, seed: int, *, causal: bool | None = None):
+    """A random step of the seed's kind (decodes, prefills, chunks, mixed): heads,
+    dtype, block size, head size, padding rows and stale garbage drawn from ``rng``;
+    causal in 85 % of them unless ``causal`` is given."""
+    kind = KINDS[seed % len(KINDS)]
+    num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
+    dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
+    block_size = rng.choice((1, 16, 32, 48))
+    reqs = random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200)
+    head_size = rng.choice((64, 80, 128))
+    causal = rng.random() < 0.85 if causal is None else causal
+    return make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                      block_size=block_size, dtype=dtype, seed=seed, causal=causal,
+                      pad_tokens=rng.choice((0, 0, 3)), garbage=rng.choice(("large", "nan"))), kind
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_reference_with_soft_cap_and_sinks_matches_float64_oracle(chunk):
     per = NUM_SPECS // 4
     seen = set()
     for seed in range(chunk * per, (chunk + 1) * per):
         rng = random.Random(1000 + seed)
-        kind = KINDS[seed % len(KINDS)]
-        num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
-        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
-        block_size = rng.choice((1, 16, 32, 48))
-        batch = make_batch(random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200),
-                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=rng.choice((64, 80, 128)),
-                           block_size=block_size, dtype=dtype, seed=seed, causal=rng.random() < 0.85,
-                           pad_tokens=rng.choice((0, 0, 3)), garbage=rng.choice(("large", "nan")))
+        batch, kind = _random_batch(rng, seed)
+        num_heads, dtype = batch.num_heads, batch.query.dtype
         cap, sinks = _features(rng, num_heads, dtype)
         seen.add((cap is not None, sinks is not None))
         out = _run(batch, logits_soft_cap=cap, sinks=sinks)
@@ -218,16 +228,10 @@ def test_reference_with_sliding_window_matches_float64_oracle(chunk):
     seen = set()
     for seed in range(chunk * per, (chunk + 1) * per):
         rng = random.Random(5000 + seed)
-        kind = KINDS[seed % len(KINDS)]
-        num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
-        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
-        block_size = rng.choice((1, 16, 32, 48))
-        reqs = random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200)
-        batch = make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=rng.choice((64, 80, 128)),
-                           block_size=block_size, dtype=dtype, seed=seed, pad_tokens=rng.choice((0, 0, 3)),
-                           garbage=rng.choice(("large", "nan")))
+        batch, kind = _random_batch(rng, seed, causal=True)
+        num_heads, dtype, block_size = batch.num_heads, batch.query.dtype, batch.key_cache.shape[2]
         wkind = WINDOW_KINDS[(seed // len(KINDS)) % len(WINDOW_KINDS)]
-        window = _window(rng, wkind, block_size, reqs)
+        window = _window(rng, wkind, block_size, batch.requests)
         cap, sinks = _features(rng, num_heads, dtype) if seed % 2 else (None, None)
         dropped = rng.random() < 0.5
         if dropped:
