@@ -426,7 +426,7 @@ def _generate_probed(model_dir, policy, tmp_path):
     from engine_process import engine_env, run_in_session
 
     probe = tmp_path / f"probe-{policy}.json"
-    env = engine_env(DHP_CHECK_VALUES="1", PROBE_POLICY=policy, PROBE_OUT=str(probe))
+    env = engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe))
     cmd = [sys.executable, _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", policy,
            "--multiprocessing", "0", "--batching", "together"]
     code, text = run_in_session(cmd, env)
