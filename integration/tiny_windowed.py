@@ -11,6 +11,8 @@ window would flip tokens.
 
 - ``mistral``: every layer windowed (vLLM's model-level ``sliding_window``),
   as Mistral-7B-v0.1;
+- ``gemma2``: Gemma-2, a windowed layer then a full one, with the tiny Gemma-2's
+  logits soft-cap (5) on both;
 - ``gemma3``: Gemma-3 text, a windowed layer then a full one (``layer_types``);
 - ``phi3``: every layer windowed, as Phi-3-mini-4k (fused qkv projection);
 - ``gpt_oss``: attention sinks, a window on every other layer, biases, a small
@@ -33,7 +35,7 @@ from integration.tiny_llama import VOCAB, fill_llama_like, save
 
 #: each architecture's default window (tokens): below a 32-token block, one block and above,
 #: all far below the workload's longest prompts
-WINDOWS = {"mistral": 48, "gemma3": 32, "phi3": 40, "gpt_oss": 24}
+WINDOWS = {"mistral": 48, "gemma2": 56, "gemma3": 32, "phi3": 40, "gpt_oss": 24}
 
 
 def _config(arch: str, window: int, *, num_heads: int, num_kv_heads: int, head_size: int, num_layers: int,
@@ -52,6 +54,10 @@ def _config(arch: str, window: int, *, num_heads: int, num_kv_heads: int, head_s
         common.pop("head_dim")  # Phi-3's head size is hidden / heads
         return transformers.Phi3Config(**common, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                        original_max_position_embeddings=max_positions)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, layer_types=alternating, query_pre_attn_scalar=head_size,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                                         tie_word_embeddings=True)
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(**common, layer_types=alternating, query_pre_attn_scalar=head_size,
                                              tie_word_embeddings=True)
@@ -84,7 +90,7 @@ def build(out: str | Path, arch: str, *, seed: int = 0, window: int | None = Non
                      num_layers=num_layers, max_positions=max_positions)
     config.dtype = "float32"
     model = AutoModelForCausalLM.from_config(config)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         fill_gemma_like(model, seed, config.hidden_size)
     else:
         fill_llama_like(model, seed)
