@@ -180,7 +180,9 @@ MODEL_FEATURES = {
              "them, so such layers run every step on Triton",
     "sliding_window": "reference and Triton kernels (policy off: the walk starts at the window; strict, request: "
                       "the whole bucket is walked, the window is a selection); the csrc kernels do not implement "
-                      "it, so such layers run every step on Triton; a window >= max_model_len is no window",
+                      "it, so such layers run every step on Triton; a window >= max_model_len is no window. In "
+                      "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
+                      "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
 }
 
 
