@@ -98,6 +98,7 @@ ASSUMED_NUM_SMS = 132
 def info(args: argparse.Namespace) -> dict:
     from dhp_backend.config import dhp_section
     from dhp_backend.ops import ProblemSpec, bucket_for_step, plan_step
+    from dhp_backend.ops.attention import check_sliding_window
     from dhp_backend.ops.dispatch import FallbackRefused, choose_path
 
     additional = json.loads(args.additional_config) if args.additional_config else None
@@ -116,7 +117,8 @@ def info(args: argparse.Namespace) -> dict:
     spec = ProblemSpec(device_type=device_type, dtype=args.dtype, head_size=args.head_size,
                        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, block_size=args.block_size,
                        causal=True, device_capability=cap, logits_soft_cap=args.logits_soft_cap or None,
-                       sinks=args.sinks)
+                       sinks=args.sinks,
+                       sliding_window=check_sliding_window(args.sliding_window, args.max_model_len))
     max_blocks = -(-args.max_model_len // args.block_size)  # vLLM's block table covers max_model_len
     cases = {}
     refusal = None
@@ -176,7 +178,11 @@ MODEL_FEATURES = {
                        "implement it, so such layers run every step on Triton",
     "sinks": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not implement "
              "them, so such layers run every step on Triton",
-    "sliding_window": "not supported (the engine refuses such models at start-up)",
+    "sliding_window": "reference and Triton kernels (policy off: the walk starts at the window; strict, request: "
+                      "the whole bucket is walked, the window is a selection); the csrc kernels do not implement "
+                      "it, so such layers run every step on Triton; a window >= max_model_len is no window. In "
+                      "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
+                      "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
 }
 
 
@@ -291,6 +297,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dhp-backend", description="DHP attention backend for vLLM")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -305,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logits-soft-cap", type=_positive_float, default=None,
                    help="plan for a layer with this logits soft-cap (Gemma-2: 50)")
     p.add_argument("--sinks", action="store_true", help="plan for a layer with attention sinks (gpt-oss)")
+    p.add_argument("--sliding-window", type=_positive_int, default=None,
+                   help="plan for a layer with this sliding window (Mistral-7B-v0.1: 4096, Gemma-3: 1024, gpt-oss: "
+                        "128); one >= --max-model-len is no window")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=int, default=None,
                     help="blocks in vLLM's KV cache, null block included (the engine's DHP start-up line gives "

@@ -6,6 +6,11 @@ settings at import time and backend overrides are per process.
     python -m integration.run_generation --model DIR --backend DHP [--policy strict] \
         [--multiprocessing 1] [--dtype float32] [--out result.json]
 
+Several ``--model``s and comma-separated ``--policy`` values run one engine each,
+one after another in this process (imports paid once: the windowed-model tests
+run four models under two policies this way); the JSON then lists every run
+under ``runs``, and its top-level fields are the first run's.
+
 ``--backend native`` is vLLM's own choice for the platform (CPU_ATTN on CPU,
 FLASH_ATTN on Hopper); any other name is passed as ``attention_backend``. On the
 CPU platform vLLM ignores ``attention_backend``, so ``DHP`` there sets
@@ -30,16 +35,25 @@ import tempfile
 import time
 
 
-def make_prompts(seed: int = 1234, vocab: int = 512) -> tuple[list[list[int]], list[list[int]]]:
+#: the workloads' first-round prompt lengths
+WORKLOADS = {"full": (1, 7, 40, 77, 150, 260), "short": (7, 77, 150)}
+
+
+def make_prompts(seed: int = 1234, vocab: int = 512, workload: str = "full") -> tuple[list[list[int]], list[list[int]]]:
+    """The two rounds of prompts. ``short`` (the windowed models' tests): three
+    prompts, two far longer than the windows, and one second-round prompt."""
     rng = random.Random(seed)
 
     def toks(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    first = [toks(n) for n in (1, 7, 40, 77, 150, 260)]
+    first = [toks(n) for n in WORKLOADS[workload]]
+    long150 = first[WORKLOADS[workload].index(150)]
     # Second round: long shared prefixes (whole blocks) of first-round prompts,
     # plus new tokens -> prefix-cache hits, then a prefill chunk on that context.
-    second = [first[4][:128] + toks(21), first[5][:200] + toks(5), first[3][:64] + toks(1)]
+    if workload == "short":
+        return first, [long150[:128] + toks(21)]
+    second = [long150[:128] + toks(21), first[5][:200] + toks(5), first[3][:64] + toks(1)]
     return first, second
 
 
@@ -56,11 +70,10 @@ def on_cpu() -> bool:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Every (model, policy) run of ``args``, one engine each, in this process."""
     cpu = on_cpu()
     # A private directory (not mktemp's guessable, racy name); removed below when ours.
     own_dir = None if args.trace_file else tempfile.mkdtemp(prefix="dhp-trace-")
-    trace_file = args.trace_file or os.path.join(own_dir, "trace.jsonl")
-    os.environ["DHP_TRACE_FILE"] = trace_file
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -70,10 +83,37 @@ def run(args: argparse.Namespace) -> dict:
     else:
         os.environ.pop("DHP_OVERRIDE_CPU_ATTN", None)
 
+    policies = args.policy.split(",") if args.backend == "DHP" else [None]
+    runs = []
+    for model in args.model:
+        for policy in policies:
+            # each run its own trace (DHP traces once per trace file), unless the caller named one
+            trace_file = args.trace_file or os.path.join(own_dir, f"trace-{len(runs)}.jsonl")
+            os.environ["DHP_TRACE_FILE"] = trace_file
+            runs.append({"model": str(model), "policy": policy, **run_one(args, model, policy, cpu)})
+            if os.path.exists(trace_file):
+                with open(trace_file) as f:
+                    runs[-1]["dhp_trace"] = [json.loads(line) for line in f if line.strip()]
+    if own_dir:
+        shutil.rmtree(own_dir, ignore_errors=True)
+    import vllm
+
+    first = runs[0]
+    return {"backend": args.backend, "policy": first["policy"],
+            "platform": "cpu" if cpu else "cuda", "vllm_version": vllm.__version__,
+            "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype, "batching": args.batching,
+            "eager": bool(args.eager), "tensor_parallel_size": args.tensor_parallel_size,
+            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+            "elapsed_s": first["elapsed_s"], "dhp_trace": first["dhp_trace"], "outputs": first["outputs"],
+            **({"runs": runs} if len(runs) > 1 else {})}
+
+
+def run_one(args: argparse.Namespace, model: str, policy: str | None, cpu: bool) -> dict:
+    """One engine: build it, generate the workload's two rounds, shut it down."""
     from vllm import LLM, SamplingParams
 
     kwargs = dict(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=model, dtype=args.dtype, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=True, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=8, seed=0, enforce_eager=args.eager, tensor_parallel_size=args.tensor_parallel_size,
@@ -81,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     if not cpu:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.backend == "DHP":
-        kwargs["additional_config"] = {"dhp": {"policy": args.policy,
+        kwargs["additional_config"] = {"dhp": {"policy": policy,
                                                "allow_fallback": args.allow_fallback}}
         # Also on CPU, where vLLM selects by the CPU_ATTN slot: passing the name
         # exercises its resolution and the pickling of the config into the
@@ -94,9 +134,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1,
                             ignore_eos=True, detokenize=False)
-    first, second = make_prompts()
     outputs = []
-    for round_prompts in (first, second):
+    for round_prompts in make_prompts(workload=args.workload):
         res = generate_batched(llm, round_prompts, params, args.batching)
         for prompt, r in zip(round_prompts, res):
             c = r.outputs[0]
@@ -105,21 +144,7 @@ def run(args: argparse.Namespace) -> dict:
                             "num_cached_tokens": getattr(r, "num_cached_tokens", None)})
     elapsed = time.time() - t0
     shutdown(llm)
-
-    trace = []
-    if os.path.exists(trace_file):
-        with open(trace_file) as f:
-            trace = [json.loads(line) for line in f if line.strip()]
-    if own_dir:
-        shutil.rmtree(own_dir, ignore_errors=True)
-    import vllm
-
-    return {"backend": args.backend, "policy": args.policy if args.backend == "DHP" else None,
-            "platform": "cpu" if cpu else "cuda", "vllm_version": vllm.__version__,
-            "multiprocessing": bool(args.multiprocessing), "dtype": args.dtype, "batching": args.batching,
-            "eager": bool(args.eager), "tensor_parallel_size": args.tensor_parallel_size,
-            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
-            "elapsed_s": round(elapsed, 1), "dhp_trace": trace, "outputs": outputs}
+    return {"elapsed_s": round(elapsed, 1), "dhp_trace": [], "outputs": outputs}
 
 
 def generate_batched(llm, prompts, params, batching: str):
@@ -172,9 +197,11 @@ def terminate_children(timeout: float = 15.0) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, action="append",
+                    help="a checkpoint directory; several run one after another")
     ap.add_argument("--backend", default="DHP", help="DHP | native | a vLLM backend name")
-    ap.add_argument("--policy", default="strict")
+    ap.add_argument("--policy", default="strict", help="DHP's policy; several (comma-separated) run in turn")
+    ap.add_argument("--workload", default="full", choices=sorted(WORKLOADS))
     ap.add_argument("--attention-backend-name", default="DHP", help="DHP or CUSTOM (same backend)")
     ap.add_argument("--allow-fallback", type=int, default=1,
                     help="accept the non-constant-time reference path (CPU has no other)")

@@ -6,7 +6,7 @@ Llama's (`integration.tiny_llama`): scaled attention scores have a std of about
 2-4, so a cap of 5 (``attn_logit_softcapping``; Gemma-2's own is 50 for its
 larger scores) changes every attention row and a backend that ignored it would
 flip tokens. Sliding windows are off (every layer ``full_attention``, no
-``sliding_window``): DHP does not implement them yet.
+``sliding_window``): the windowed architectures are `integration.tiny_windowed`'s.
 
 Shape: 4 query / 2 KV heads, head size 64, 2 layers, vocab 512, the tiny
 Llama's WordLevel tokenizer.
@@ -21,7 +21,7 @@ import json
 import math
 from pathlib import Path
 
-from integration.tiny_llama import VOCAB, build_tokenizer
+from integration.tiny_llama import VOCAB, save
 
 
 def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_heads: int = 4,
@@ -31,7 +31,6 @@ def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_h
     Deterministic: the same arguments give the same bytes; skips the work if a
     checkpoint built with the same arguments is already there.
     """
-    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     out = Path(out)
@@ -52,18 +51,29 @@ def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_h
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     config.dtype = "float32"
-    gen = torch.Generator().manual_seed(seed)
     model = Gemma2ForCausalLM(config)
+    fill_gemma_like(model, seed, hidden)
+    return save(model, out, stamp_file, stamp)
+
+
+def fill_gemma_like(model, seed: int, hidden: int) -> None:
+    """Seeded weights for a Gemma-2/3 model, in name order.
+
+    vLLM's Gemma ties the LM head to the embedding, and Gemma scales the input
+    embedding by sqrt(hidden): with plain random weights a token's own embedding
+    then dominates its logits and every prompt repeats its last token, whatever
+    attention computes. So: small embeddings (the residual stream is the layers'
+    outputs, RMS ~4 each after Gemma's post-norms) and a final norm that restores
+    logits of std ~3 (peaked rows, wide greedy margins). RMSNorm scales by
+    ``1 + weight``; Gemma-3's q/k norms are norms too.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        # vLLM's Gemma-2 ties the LM head to the embedding, and Gemma scales the input
-        # embedding by sqrt(hidden): with plain random weights a token's own embedding
-        # then dominates its logits and every prompt repeats its last token, whatever
-        # attention computes. So: small embeddings (the residual stream is the layers'
-        # outputs, RMS ~4 each after Gemma's post-norms) and a final norm that restores
-        # logits of std ~3 (peaked rows, wide greedy margins).
         for name, p in sorted(model.named_parameters()):
             if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
-                p.copy_(3.0 + 0.1 * torch.randn(p.shape, generator=gen))  # RMSNorm scales by 1 + weight
+                p.copy_(3.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name == "model.norm.weight":
                 p.copy_(20.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
@@ -73,10 +83,6 @@ def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_h
             else:
                 gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(p.shape[1])))
-    model.save_pretrained(str(out), safe_serialization=True)
-    build_tokenizer(out)
-    stamp_file.write_text(json.dumps(stamp))
-    return out
 
 
 def main() -> None:

@@ -44,7 +44,6 @@ def build(out: str | Path, *, seed: int = 0, num_heads: int = 4, num_kv_heads: i
     Deterministic: the same arguments give the same bytes. Skips the work if a
     checkpoint built with the same arguments is already there.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
@@ -64,21 +63,40 @@ def build(out: str | Path, *, seed: int = 0, num_heads: int = 4, num_kv_heads: i
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     config.dtype = "float32"
-    gen = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(config)
+    fill_llama_like(model, seed)
+    return save(model, out, stamp_file, stamp)
+
+
+def fill_llama_like(model, seed: int) -> None:
+    """Seeded weights for a Llama-like model (pre-norms scaled by ``weight``), in name order.
+
+    q/k gain 2: scaled scores have std ~2-4, so softmax rows are peaked. Also fills
+    what Llama lacks, for the windowed architectures (`integration.tiny_windowed`):
+    biases and sinks (1-D, small), fused q/k/v projections (gain 2) and stacked
+    experts (3-D, fan-in the middle dimension).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:  # biases; gpt-oss's sinks (logits of a few units, as trained ones)
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if name.endswith("sinks") else 0.1))
             else:
                 fan_in = p.shape[1]
-                # q/k gain 2: scaled scores have std ~2-4, so softmax rows are peaked.
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+                gain = 2.0 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 1.0
                 if "lm_head" in name:
                     gain = 3.0
                 p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in)))
+
+
+def save(model, out: Path, stamp_file: Path, stamp: dict) -> Path:
+    """Write the model (safetensors), the tokenizer and the stamp that `build` checks; return ``out``."""
     model.save_pretrained(str(out), safe_serialization=True)
     build_tokenizer(out)
     stamp_file.write_text(json.dumps(stamp))

@@ -154,11 +154,13 @@ def make_batch(
 
 
 def oracle(batch: PagedBatch, *, logits_soft_cap: float | None = None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """float64 dense attention from the logical K/V; padding rows are zero.
 
     ``logits_soft_cap``: scores ``cap * tanh(s / cap)`` before the mask. ``sinks``
-    ([num_heads]): one more logit per head in the denominator, no value row."""
+    ([num_heads]): one more logit per head in the denominator, no value row.
+    ``sliding_window`` W (causal): query position i sees keys j with i - W < j <= i."""
+    assert batch.causal or not sliding_window, "a window is defined for causal attention only"
     num_heads, head_size = batch.query.shape[1:]
     out = torch.zeros(batch.num_tokens, num_heads, head_size, dtype=torch.float64)
     q_all = batch.query.detach().cpu().double()
@@ -176,7 +178,10 @@ def oracle(batch: PagedBatch, *, logits_soft_cap: float | None = None,
         if batch.causal:
             i = torch.arange(req.q_len).unsqueeze(1)
             j = torch.arange(req.seq_len).unsqueeze(0)
-            s = s.masked_fill(j > req.context + i, float("-inf"))
+            hidden = j > req.context + i
+            if sliding_window:
+                hidden = hidden | (j <= req.context + i - sliding_window)
+            s = s.masked_fill(hidden, float("-inf"))
         if sinks is None:
             p = torch.softmax(s, dim=-1)
         else:
@@ -203,3 +208,18 @@ def assert_close_to_oracle(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dt
         f"(tolerance there {tol.flatten()[err.argmax()].item():.3e})")
     denom = ref.norm().item()
     return (got - ref).norm().item() / denom if denom else 0.0
+
+
+def drop_pages_below_window(batch: PagedBatch, window: int) -> PagedBatch:
+    """The block table vLLM hands a windowed layer: the pages wholly below the window
+    of each request's first query row (``context - window + 1``, vLLM's
+    ``get_num_skipped_tokens``) point at its null block 0, here full of NaN (make_batch
+    never gives block 0 to a request)."""
+    table = batch.block_table.clone()
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    key_cache[0] = float("nan")
+    value_cache[0] = float("nan")
+    bs = key_cache.shape[2]
+    for r, req in enumerate(batch.requests):
+        table[r, :max(0, req.context - window + 1) // bs] = 0
+    return dataclasses.replace(batch, block_table=table, key_cache=key_cache, value_cache=value_cache)

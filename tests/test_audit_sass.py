@@ -157,14 +157,19 @@ def test_real_kernels_pass_on_ci_subset(tmp_path):
 
 
 def test_model_feature_binaries_pass(tmp_path):
-    """G2 on the soft-cap and sinks binaries (issue 31): the same public loops as the
-    plain binaries, nothing else, no slow path (tanh's division is div.full)."""
+    """G2 on the soft-cap, sinks and sliding-window binaries (issue 31): the same
+    public loops as the plain binaries, nothing else, no slow path (tanh's division
+    is div.full). The window's selection needs no rule of its own; the policy-off
+    window binaries' short walk (bounds from the true length) is gated on l_mode,
+    so under a public bucket their loops are public too."""
     from dhp_backend.audit import report, variants
 
     results = report.run(list(variants.FEATURE_SUBSET), jobs=os.cpu_count(), progress=None)
     s = report.summarize(results, 0.0, "model features")
     assert s["passed"], report.print_summary(s, results) or s["failures"]
     assert sorted(r["variant"]["key"] for r in results) == sorted(v.key for v in variants.FEATURE_SUBSET)
+    assert {(v.const_time, v.split) for v in variants.FEATURE_SUBSET if v.window} == {
+        (ct, sp) for ct in (True, False) for sp in (True, False)}
     for r in results:
         rules_ = {b["rule"] for b in r["branches"]}
         if r["kernel"] == "attention_kernel":

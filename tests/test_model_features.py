@@ -1,6 +1,6 @@
-"""Logits soft-capping and attention sinks (issue 31): the reference against a
-float64 oracle over random batch specs, the seam's validation of the two
-arguments, and the plan's routing of such layers to the Triton kernels.
+"""Logits soft-capping, attention sinks and sliding windows (issue 31): the
+reference against a float64 oracle over random batch specs, the seam's validation
+of the three arguments, and the plan's routing of such layers to the Triton kernels.
 
 The Triton kernels with these features: tests/test_triton_interpret.py (CPU
 interpreter) and tests/test_triton_gpu.py (CUDA).
@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from dhp_backend.ops import ProblemSpec, paged_attention, plan, plan_step, step_kernel
-from paged_batch import KINDS, Request, assert_close_to_oracle, make_batch, oracle, random_requests
+from dhp_backend.ops.attention import check_sliding_window
+from paged_batch import (
+    KINDS, Request, assert_close_to_oracle, drop_pages_below_window, make_batch, oracle, random_requests,
+)
 
 CAPS = (None, 0.5, 2.0, 50.0)  # scaled scores here are O(1): 0.5 and 2 bite, 50 (Gemma-2's) barely
 NUM_SPECS = 64
@@ -39,20 +42,30 @@ def _run(batch, **kw):
     return out
 
 
+def _random_batch(rng: random.Random, seed: int, *, causal: bool | None = None):
+    """A random step of the seed's kind (decodes, prefills, chunks, mixed): heads,
+    dtype, block size, head size, padding rows and stale garbage drawn from ``rng``;
+    causal in 85 % of them unless ``causal`` is given."""
+    kind = KINDS[seed % len(KINDS)]
+    num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
+    dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
+    block_size = rng.choice((1, 16, 32, 48))
+    reqs = random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200)
+    head_size = rng.choice((64, 80, 128))
+    causal = rng.random() < 0.85 if causal is None else causal
+    return make_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                      block_size=block_size, dtype=dtype, seed=seed, causal=causal,
+                      pad_tokens=rng.choice((0, 0, 3)), garbage=rng.choice(("large", "nan"))), kind
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_reference_with_soft_cap_and_sinks_matches_float64_oracle(chunk):
     per = NUM_SPECS // 4
     seen = set()
     for seed in range(chunk * per, (chunk + 1) * per):
         rng = random.Random(1000 + seed)
-        kind = KINDS[seed % len(KINDS)]
-        num_heads, num_kv_heads = rng.choice(((4, 4), (4, 2), (8, 2), (8, 1), (6, 1)))
-        dtype = rng.choice((torch.float32, torch.float16, torch.bfloat16))
-        block_size = rng.choice((1, 16, 32, 48))
-        batch = make_batch(random_requests(rng, kind, rng.randint(1, 4), max_len=64 if block_size == 1 else 200),
-                           num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=rng.choice((64, 80, 128)),
-                           block_size=block_size, dtype=dtype, seed=seed, causal=rng.random() < 0.85,
-                           pad_tokens=rng.choice((0, 0, 3)), garbage=rng.choice(("large", "nan")))
+        batch, kind = _random_batch(rng, seed)
+        num_heads, dtype = batch.num_heads, batch.query.dtype
         cap, sinks = _features(rng, num_heads, dtype)
         seen.add((cap is not None, sinks is not None))
         out = _run(batch, logits_soft_cap=cap, sinks=sinks)
@@ -121,7 +134,8 @@ CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=
 
 
 @pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sinks=True),
-                                      dict(logits_soft_cap=30.0, sinks=True)])
+                                      dict(logits_soft_cap=30.0, sinks=True), dict(sliding_window=4096),
+                                      dict(sliding_window=128, sinks=True)])
 def test_layers_with_features_run_every_step_on_triton(with_nvcc, features):
     plain = ProblemSpec(**CUDA_SPEC)
     spec = ProblemSpec(**CUDA_SPEC, **features)
@@ -159,9 +173,147 @@ def test_info_lists_the_features_and_plans_them_on_triton(capsys):
     assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
-    assert "not supported" in r["features"]["sliding_window"]
+    for feature in r["features"].values():
+        assert "Triton kernels" in feature and "csrc kernels do not" in feature
     for case in r["cases"].values():
         assert case["kernel"] == "triton"
         assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
     with pytest.raises(SystemExit):
         cli.main(["info", "--logits-soft-cap", "-3"])
+
+
+def test_info_plans_a_windowed_layer_on_triton_and_normalises_a_window_past_the_context(capsys):
+    import json
+
+    from dhp_backend import cli
+
+    assert cli.main(["info", "--device", "cuda", "--json", "--sliding-window", "1024", "--max-model-len",
+                     "8192"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for case in r["cases"].values():
+        assert case["kernel"] == "triton" and "sliding window 1024" in case["binary"]
+    # Phi-3.5-mini's window, larger than the context: no window, the plain routing
+    assert cli.main(["info", "--device", "cuda", "--json", "--sliding-window", "262144", "--max-model-len",
+                     "131072"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert all("sliding window" not in (case["binary"] or "") for case in r["cases"].values())
+    for bad in ("0", "-5", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            cli.main(["info", "--sliding-window", bad])
+
+
+# --- sliding windows ---------------------------------------------------------------------------
+# The window against the block size (the kernels' page walk) and the context.
+WINDOW_KINDS = ("below a block", "a block", "above a block", "the context or more")
+
+
+def _window(rng: random.Random, kind: str, block_size: int, reqs: list) -> int:
+    longest = max(r.seq_len for r in reqs)
+    if kind == "below a block":
+        return rng.randint(1, max(1, block_size - 1))
+    if kind == "a block":
+        return block_size
+    if kind == "above a block":
+        return rng.randint(block_size + 1, max(block_size + 2, longest - 1))
+    return rng.choice((longest, longest + rng.randint(1, 40), 10 ** 6))
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_reference_with_sliding_window_matches_float64_oracle(chunk):
+    """Random steps of decodes, prefills and chunks, with windows below, at and
+    above the block size and past the context, alone and with caps and sinks; in
+    half of them the pages below each request's window hold vLLM's null block
+    (NaN here), which the reference never reads."""
+    per = NUM_SPECS // 4
+    seen = set()
+    for seed in range(chunk * per, (chunk + 1) * per):
+        rng = random.Random(5000 + seed)
+        batch, kind = _random_batch(rng, seed, causal=True)
+        num_heads, dtype, block_size = batch.num_heads, batch.query.dtype, batch.key_cache.shape[2]
+        wkind = WINDOW_KINDS[(seed // len(KINDS)) % len(WINDOW_KINDS)]
+        window = _window(rng, wkind, block_size, batch.requests)
+        cap, sinks = _features(rng, num_heads, dtype) if seed % 2 else (None, None)
+        dropped = rng.random() < 0.5
+        if dropped:
+            batch = drop_pages_below_window(batch, window)
+        out = _run(batch, logits_soft_cap=cap, sinks=sinks, sliding_window=window)
+        assert torch.isnan(out[batch.num_tokens:]).all(), f"seed {seed}: wrote past num_tokens"
+        ref = oracle(batch, logits_soft_cap=cap, sinks=sinks, sliding_window=window)
+        assert_close_to_oracle(out[:batch.num_tokens], ref, dtype,
+                               what=f"seed {seed} ({kind}, {dtype}, window {window} ({wkind}, block {block_size}), "
+                                    f"cap {cap}, sinks {sinks is not None}, null pages {dropped})")
+        seen.add((wkind, cap is not None or sinks is not None))
+    assert seen == {(w, f) for w in WINDOW_KINDS for f in (False, True)}, seen
+
+
+def test_the_window_changes_the_result_as_vllm_defines_it():
+    """Guards the oracle and pins vLLM's off-by-one: W = 1 sees the row's own
+    position only (out = v_i), W = 2 sees i - 1 and i, a window past every
+    context changes nothing."""
+    batch = make_batch([Request(30, 1), Request(0, 17), Request(9, 6)], num_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, seed=3)
+    plain = oracle(batch)
+    assert (oracle(batch, sliding_window=8) - plain).abs().max() > 1e-2
+    assert torch.equal(oracle(batch, sliding_window=36), plain)  # 36 >= every seq_len
+    own = torch.cat([v[r.context:].double().repeat_interleave(2, dim=1) for r, v in zip(batch.requests,
+                                                                                         batch.values)])
+    assert torch.allclose(oracle(batch, sliding_window=1), own, rtol=0, atol=1e-12)
+    n = batch.num_tokens
+    assert torch.allclose(_run(batch, sliding_window=1)[:n].double(), own, rtol=0, atol=1e-6)
+    # W = 2: the last row of the prefill sees positions 15 and 16 only
+    q = batch.query[1 + 16].double()  # [H, D]
+    k, v = batch.keys[1][15:17].double(), batch.values[1][15:17].double()  # [2, Hkv, D]
+    p = torch.softmax(torch.einsum("hd,khd->hk", q, k.repeat_interleave(2, dim=1)) * batch.scale, dim=-1)
+    want = torch.einsum("hk,khd->hd", p, v.repeat_interleave(2, dim=1))
+    assert torch.allclose(oracle(batch, sliding_window=2)[1 + 16], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [0, -2, 1.5, True, "128", torch.tensor([128]), torch.tensor(2.0)])
+def test_bad_sliding_window_is_refused_naming_it(window):
+    with pytest.raises(ValueError, match=r"paged_attention: sliding_window is .*; accepted: None \(or -1\) for no "
+                                         r"window, or an int W >= 1"):
+        _run(_small(), sliding_window=window)
+
+
+def test_sliding_window_normalisation_and_the_causal_rule():
+    assert check_sliding_window(None) is None and check_sliding_window(-1) is None
+    assert check_sliding_window(4096) == 4096 and check_sliding_window(torch.tensor(7)) == 7
+    assert check_sliding_window(4095, 4096) == 4095
+    assert check_sliding_window(4096, 4096) is None and check_sliding_window(262144, 131072) is None
+    batch = _small()  # seq_len 7
+    with pytest.raises(ValueError, match=r"sliding_window is 4 with causal=False; accepted: a window on causal "
+                                         r"attention only"):
+        paged_attention(*batch.args(), torch.zeros_like(batch.query), scale=0.1, causal=False, policy="off",
+                        path="reference", sliding_window=4)
+    # a window the context cannot reach is no window, causal or not: the plain bits
+    for causal in (True, False):
+        a, b = torch.zeros_like(batch.query), torch.zeros_like(batch.query)
+        paged_attention(*batch.args(), a, scale=0.1, causal=causal, policy="off", path="reference")
+        paged_attention(*batch.args(), b, scale=0.1, causal=causal, policy="off", path="reference",
+                        sliding_window=64, max_model_len=64)
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"ProblemSpec: sliding_window is 0; accepted: None \(no window\) or an "
+                                         r"int >= 1"):
+        ProblemSpec(**CUDA_SPEC, sliding_window=0)
+    with pytest.raises(ValueError, match=r"ProblemSpec: sliding_window is 8 with causal=False"):
+        ProblemSpec(**{**CUDA_SPEC, "causal": False}, sliding_window=8)
+
+
+def test_run_refuses_a_window_the_plan_was_not_made_for():
+    batch = _small()
+    spec = ProblemSpec(device_type="cpu", dtype="float32", head_size=64, num_heads=4, num_kv_heads=2, block_size=16,
+                       sliding_window=4)
+    out = torch.zeros_like(batch.query)
+    p = plan_step(spec, "off", num_tokens=batch.num_tokens, num_reqs=1, max_blocks=batch.block_table.shape[1],
+                  path="reference", device=torch.device("cpu"))
+    assert "sliding window 4" in p.binary()
+    for wrong in (None, 5):
+        with pytest.raises(ValueError, match=rf"plan.run: sliding_window is {wrong}; accepted: 4, the "
+                                             r"ProblemSpec.sliding_window the plan was made for"):
+            plan.run(p, *batch.args(), out, scale=0.1, causal=True, bucket=None, sliding_window=wrong)
+    with pytest.raises(ValueError, match=r"plan.run: causal is False with sliding_window 4; accepted: causal=True"):
+        plan.run(p, *batch.args(), out, scale=0.1, causal=False, bucket=None, sliding_window=4)
+    plan.run(p, *batch.args(), out, scale=0.1, causal=True, bucket=None, sliding_window=4)
+    ref = torch.zeros_like(out)
+    paged_attention(*batch.args(), ref, scale=0.1, policy="off", path="reference", sliding_window=4)
+    assert torch.equal(out, ref)

@@ -340,28 +340,39 @@ def test_request_policy_regrows_under_pressure_without_looping(vllm_config, no_c
     assert 1 <= worker.preemptions <= 8
 
 
-def test_hybrid_kv_cache_does_not_crash(vllm_config, no_cpu_override):
-    """Several KV-cache groups (out of scope: DHP refuses such models) are reserved alike, no crash."""
+def test_windowed_layers_kept_in_full_are_reserved_like_full_ones(vllm_config, no_cpu_override, caplog):
+    """A windowed layer managed as full attention (``FullAttentionSpec(sliding_window=W)``, what DHP's
+    layers declare under a constant-time policy, in one group with the full layers) owns distinct pages
+    up to the reservation at every step, and the price log says the window saves no memory."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
+                             sliding_window=32)
+    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
+        scheduler = make_scheduler(vllm_config, "strict", num_blocks=1 + len(MIXED) * cdiv(MML, BS),
+                                   groups=[KVCacheGroupSpec(["layer.0", "layer.1"], spec)])
+    assert isinstance(scheduler.kv_cache_manager.allocate_slots, ReservingAllocateSlots)
+    assert any("Windowed layers (window 32) are managed as full attention" in r.getMessage()
+               for r in caplog.records)
+    for name, prompt_len, max_tokens in MIXED:
+        add(scheduler, name, prompt_len, max_tokens)
+    worker = Worker(scheduler, "strict")
+    worker.run()
+    assert worker.scheduled_ever == {name for name, _, _ in MIXED} and worker.steps > 30
+
+
+def test_windowed_layers_whose_pages_vllm_frees_refuse_to_start(vllm_config, no_cpu_override):
+    """A group left on vLLM's sliding-window manager (which frees out-of-window pages and puts the null
+    block in their entries) cannot keep the address rule: the engine refuses, naming the flag."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     full = FullAttentionSpec(block_size=BS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=BS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
                                dtype=torch.float32, sliding_window=32)
-    try:
-        scheduler = make_scheduler(vllm_config, "strict", num_blocks=80,
-                                   groups=[KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], window)])
-    except (AssertionError, ValueError, NotImplementedError, TypeError) as exc:
-        pytest.skip(f"vLLM does not build this hybrid scheduler by hand: {exc!r}")
-    assert isinstance(scheduler.kv_cache_manager.allocate_slots, ReservingAllocateSlots)
-    add(scheduler, "h", 40, 4)
-    for _ in range(6):
-        if not scheduler.has_requests():
-            break
-        out = scheduler.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[] if scheduler.requests[r].is_prefill_chunk else [TOKEN] for r in ids]
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+    groups = [KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], window)]
+    with pytest.raises(ReservationUnavailable, match=r"layers of window 32 with vLLM's sliding-window manager"
+                                                     r".*Start the engine with"):
+        make_scheduler(vllm_config, "strict", num_blocks=80, groups=groups)
+    scheduler = make_scheduler(vllm_config, "off", num_blocks=80, groups=groups)  # vLLM's own business
+    assert not isinstance(scheduler.kv_cache_manager.allocate_slots, ReservingAllocateSlots)
 
 
 def test_price_is_logged_once_at_start_up(vllm_config, no_cpu_override, caplog):
@@ -415,7 +426,7 @@ def _generate_probed(model_dir, policy, tmp_path):
     from engine_process import engine_env, run_in_session
 
     probe = tmp_path / f"probe-{policy}.json"
-    env = engine_env(DHP_CHECK_VALUES="1", PROBE_POLICY=policy, PROBE_OUT=str(probe))
+    env = engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe))
     cmd = [sys.executable, _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", policy,
            "--multiprocessing", "0", "--batching", "together"]
     code, text = run_in_session(cmd, env)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from triton_steps import (
-    Request, assemble, bits, cdiv, check_written, make_request, poisoned_out, random_sinks, rank_step, reference,
-    rel_err,
+    Request, assemble, bits, cdiv, check_written, drop_pages_below_window, make_request, poisoned_out, random_sinks,
+    rank_step, reference, rel_err,
 )
 
 pytestmark = [
@@ -287,7 +287,7 @@ def _report(name, header, rows):
             f.write("\t".join(f"{x:.3e}" if isinstance(x, float) else str(x) for x in r) + "\n")
 
 
-@pytest.mark.parametrize("features", ["plain", "cap+sinks"])
+@pytest.mark.parametrize("features", ["plain", "cap+sinks", "window+sinks"])
 @pytest.mark.parametrize("policy", ["strict", "request", "off"])
 def test_cuda_graph_replay_matches_eager(policy, features):
     """A step captured once replays correctly on new lengths and data (the CUDA-graph
@@ -305,7 +305,8 @@ def test_cuda_graph_replay_matches_eager(policy, features):
     D = q.shape[2]
     cap = step.capacity
     req_buf = torch.empty(sl.shape[0], dtype=torch.int32, device="cuda")
-    feats = {} if features == "plain" else dict(logits_soft_cap=30.0, sinks=random_sinks(q.shape[1], gen=_gen(23)))
+    feats = {"plain": {}, "cap+sinks": dict(logits_soft_cap=30.0, sinks=random_sinks(q.shape[1], gen=_gen(23))),
+             "window+sinks": dict(sliding_window=1024, sinks=random_sinks(q.shape[1], gen=_gen(23)))}[features]
 
     def bucket():
         if policy == "strict":
@@ -522,3 +523,193 @@ def test_tensor_parallel_rank_bits_equal_the_head_slice(shape, path):
             for rank in range(2):
                 part, heads = rank_step(step, 2, rank)
                 assert torch.equal(bits(seam(part)), bits(full[:, heads].contiguous())), (kind, policy, rank)
+# --- model features: sliding windows (issue 31) --------------------------------------------
+# (name, H, Hkv, D, block_size, window, sinks): the models' shapes and windows
+WINDOW_CONFIGS = [
+    ("mistral-7b-w4096", 32, 8, 128, 16, 4096, False),
+    ("gemma3-12b-w1024", 16, 8, 256, 16, 1024, False),
+    ("gpt-oss-w128-sinks", 64, 8, 64, 16, 128, True),
+    ("llama-shape-w128-bs64", 32, 8, 128, 64, 128, False),
+]
+
+
+def _window_specs():
+    rng = random.Random(2468)
+    out = []
+    for i in range(48):
+        name, H, Hkv, D, BS, W, sinks = WINDOW_CONFIGS[i % len(WINDOW_CONFIGS)]
+        max_ctx = rng.choice([W // 2 + 1, W + 300, 8192])
+        out.append(dict(i=i, name=name, H=H, Hkv=Hkv, D=D, BS=BS, W=W, sinks=sinks, policy=POLICIES[i % 3],
+                        lens=_random_lens(rng, rng.randint(1, 6), max_ctx), pad=rng.choice([0, 0, 1, 3]),
+                        cap=rng.choice((None, None, 50.0)), null_pages=i % 3 == 2 and rng.random() < 0.7))
+    return out
+
+
+def test_window_random_specs_match_reference():
+    """Windowed layers of Mistral, Gemma-3, gpt-oss (with sinks) shapes in bf16 vs
+    the reference, contexts up to 8192 (below, around and far past the window),
+    every policy and step kind; under off often with vLLM's null pages below the
+    window."""
+    rows, failures = [], []
+    for sp in _window_specs():
+        g = _gen(3000 + sp["i"])
+        reqs = [make_request(q, s, H=sp["H"], Hkv=sp["Hkv"], D=sp["D"], dtype=torch.bfloat16, gen=g)
+                for q, s in sp["lens"]]
+        step = assemble(reqs, block_size=sp["BS"], pad_tokens=sp["pad"], gen=g)
+        feats = dict(sliding_window=sp["W"], logits_soft_cap=sp["cap"],
+                     sinks=random_sinks(sp["H"], gen=g) if sp["sinks"] else None)
+        if sp["null_pages"]:
+            step = drop_pages_below_window(step, sp["W"], gen=g)
+        out = _run(step, policy=sp["policy"], **feats)
+        check_written(step, out)
+        ref = reference(step, scale=sp["D"] ** -0.5, causal=True, **feats)
+        n = int(step.query_start_loc[-1])
+        err = rel_err(out, ref, n) if n else 0.0
+        rows.append((sp["i"], sp["name"], sp["policy"], sp["null_pages"], sp["cap"], n,
+                     max(s for _, s in sp["lens"]), err))
+        if not err < TOL[torch.bfloat16]:
+            failures.append(rows[-1])
+    _report("accuracy_window.tsv", "i\tconfig\tpolicy\tnull_pages\tcap\ttokens\tmax_seq\trel_err", rows)
+    assert len(rows) == 48 and not failures, failures[:5]
+
+
+@pytest.mark.parametrize("window", [128, 1024, 4096])
+def test_window_bits_equal_across_policies_modes_tilings_tile_configs_and_null_pages(window):
+    """The plain kernels' invariances with a window: the same bits under every
+    policy (off's walk from the window, strict/request's whole bucket), split mode,
+    tiling and tile config, and under off with the null block below the window."""
+    step = _llama_mixed_step(41)
+    feats = dict(sliding_window=window, sinks=random_sinks(32, gen=_gen(41)))
+    outs = [((p, t, m), _run(step, policy=p, mode=m, tiling=t, **feats)) for p in POLICIES
+            for t in ("request", "token") for m in ("fold", "split", None)]
+    for kind, cfg in _tile_configs(32, 8, 128, "bfloat16").items():
+        for mode in ("fold", "split"):
+            outs.append(((kind, mode), _run(step, policy="strict", mode=mode, config=cfg, **feats)))
+    dropped = drop_pages_below_window(step, window, gen=_gen(42))
+    for t in ("request", "token"):
+        for m in ("fold", "split"):
+            outs.append((("off, null pages", t, m), _run(dropped, policy="off", mode=m, tiling=t, **feats)))
+    check_written(step, outs[0][1])
+    ref = reference(step, scale=128 ** -0.5, causal=True, **feats)
+    assert rel_err(outs[0][1], ref, int(step.query_start_loc[-1])) < TOL[torch.bfloat16]
+    for key, o in outs[1:]:
+        assert torch.equal(bits(outs[0][1]), bits(o)), f"{key} differs from {outs[0][0]}"
+
+
+def test_window_past_the_context_gives_the_plain_bits():
+    step = _llama_mixed_step(43)
+    for policy in POLICIES:
+        for mode in ("fold", "split"):
+            assert torch.equal(bits(_run(step, policy=policy, mode=mode)),
+                               bits(_run(step, policy=policy, mode=mode, sliding_window=4096))), (policy, mode)
+
+
+@pytest.mark.parametrize("target_lens", [(7, 1800), (1, 1333)], ids=["chunk", "decode"])
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_window_batch_invariance(target_lens, policy):
+    rng = random.Random(44)
+    g = _gen(44)
+    H, Hkv, D, BS, W = 32, 8, 128, 16, 1024
+    feats = dict(sliding_window=W)
+    pool = [make_request(*ql, H=H, Hkv=Hkv, D=D, dtype=torch.bfloat16, gen=g) for ql in _random_lens(rng, 300, 2048)]
+    target = make_request(*target_lens, H=H, Hkv=Hkv, D=D, dtype=torch.bfloat16, gen=g)
+    max_blocks = cdiv(2048, BS) + 1
+
+    def target_rows(others, pos, pad):
+        reqs = others[:pos] + [target] + others[pos:]
+        step = assemble(reqs, block_size=BS, pad_tokens=pad, gen=g, max_blocks=max_blocks)
+        if policy == "off":
+            step = drop_pages_below_window(step, W, gen=g)
+        out = _run(step, policy=policy, **feats)
+        check_written(step, out)
+        start = sum(r.q_len for r in reqs[:pos])
+        return bits(out[start: start + target.q_len]).clone()
+
+    alone = target_rows([], 0, 0)
+    for B in rng.sample(range(2, 257), 40):
+        got = target_rows(rng.sample(pool, B - 1), rng.randint(0, B - 1), rng.choice([0, 1, 5]))
+        assert torch.equal(alone, got), f"batch size {B}"
+
+
+@pytest.mark.parametrize("window", [128, 1024])
+def test_window_prefill_row_equals_decode_row_and_chunk_row(window):
+    """A row's bits do not depend on the step it is computed in: a 300-token prompt
+    on a 1700-token context, its rows as decodes and as chunks starting mid-tile,
+    under strict and under off with the null pages below each step's window."""
+    g = _gen(45)
+    feats = dict(sliding_window=window)
+    req = make_request(300, 2000, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=g)
+    mb = cdiv(2000, 16) + 1
+    ctx = 2000 - 300
+    out_pre = _run(assemble([req], block_size=16, gen=g, max_blocks=mb), policy="strict", **feats)
+    for policy in ("strict", "off"):
+        def run(r):
+            step = assemble([r], block_size=16, gen=g, max_blocks=mb)
+            if policy == "off":
+                step = drop_pages_below_window(step, window, gen=g)
+            return _run(step, policy=policy, **feats)
+
+        for i in (0, 1, 77, 299):
+            out_dec = run(Request(q=req.q[i: i + 1], k=req.k[: ctx + i + 1], v=req.v[: ctx + i + 1]))
+            assert torch.equal(bits(out_pre[i]), bits(out_dec[0])), f"{policy}: row {i} as a decode"
+        for a, b in ((77, 200), (13, 14), (150, 300)):
+            out_chunk = run(Request(q=req.q[a:b], k=req.k[: ctx + b], v=req.v[: ctx + b]))
+            assert torch.equal(bits(out_pre[a:b]), bits(out_chunk[: b - a])), f"{policy}: rows {a}:{b} as a chunk"
+
+
+def _median_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def test_window_off_walk_is_short_and_strict_walk_costs_the_bucket():
+    """Policy off reads the window only: a decode step at 8192 with window 128 runs
+    far faster than the constant-time walk of the whole bucket (what strict pays
+    for not revealing where the window is), with the same bits."""
+    from dhp_backend.ops.triton import paged_attention_triton
+
+    g = _gen(46)
+    reqs = [make_request(1, 8192 - 7 * i, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=g) for i in range(32)]
+    step = assemble(reqs, block_size=16, gen=g)
+    out = poisoned_out(step)
+
+    def timed(policy, **feats):
+        return _median_ms(lambda: paged_attention_triton(
+            *step.args(), out, scale=128 ** -0.5, causal=True, num_tokens=step.num_tokens, policy=policy,
+            bucket=step.bucket(policy), **feats))
+
+    feats = dict(sliding_window=128)
+    off, strict, plain_off = timed("off", **feats), timed("strict", **feats), timed("off")
+    _report("window_walk_ms.tsv", "off_window128\tstrict_window128\toff_plain", [(off, strict, plain_off)])
+    print(f"decode 32 x 8192, window 128: off {off:.3f} ms, strict {strict:.3f} ms, off without window "
+          f"{plain_off:.3f} ms")
+    assert torch.equal(bits(_run(step, policy="off", **feats)), bits(_run(step, policy="strict", **feats)))
+    assert off < 0.5 * strict and off < 0.5 * plain_off, (off, strict, plain_off)
+
+
+def test_window_routes_to_triton_through_the_seam():
+    from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
+
+    step = _llama_mixed_step(47)
+    for policy in POLICIES:
+        out = poisoned_out(step)
+        paged_attention(*step.args(), out, scale=128 ** -0.5, causal=True, policy=policy,
+                        bucket=step.bucket(policy), num_tokens=step.num_tokens, sliding_window=1024,
+                        max_model_len=step.capacity)
+        assert torch.equal(bits(out), bits(_run(step, policy=policy, sliding_window=1024))), policy
+    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                       block_size=16, device_capability=torch.cuda.get_device_capability(), sliding_window=4096)
+    for n, r in ((64, 64), (4096, 1), (300, 5)):
+        for policy in POLICIES:
+            p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
+                          bucket_l=8192 if policy == "strict" else None)
+            assert p.kernel == "triton" and "sliding window 4096" in p.binary(), (n, r, policy, p.describe())

@@ -59,8 +59,8 @@ def test_interpreter_suite_in_fresh_process():
 from dhp_backend.ops import ProblemSpec, paged_attention  # noqa: E402
 from dhp_backend.ops.triton import paged_attention_triton, supports  # noqa: E402
 from triton_steps import (  # noqa: E402
-    assemble, bits, check_written, make_request, poisoned_out, random_sinks, rank_step, reference, rel_err,
-    reserved_step,
+    assemble, bits, cdiv, check_written, drop_pages_below_window, make_request, poisoned_out, random_sinks,
+    rank_step, reference, rel_err, reserved_step,
 )
 
 # Stale NaN/inf in the cache flows through the score dot product before it is
@@ -366,3 +366,144 @@ def test_tensor_parallel_rank_computes_its_head_slice(case, path, policy):
             assert torch.equal(bits(got), bits(want)), f"rank {rank}"
         else:
             assert rel_err(got, want.float(), n) < TOL[torch.float16] / 10, f"rank {rank}"
+# --- model features: sliding windows (issue 31) --------------------------------------------
+WINDOW_CASES = [
+    # (id, case of CASES, window, logits_soft_cap, sinks): windows below, at and above the
+    # block size, one position (W = 1), and past every context (no position is dropped)
+    ("decode-gqa4-bs32-w5", "decode-gqa4-bs32", 5, None, False),
+    ("prefill-ctx-mqa-w16-sinks", "prefill-ctx-mqa", 16, None, True),
+    ("mixed-gqa4-w40-cap", "mixed-gqa4", 40, 1.5, False),
+    ("chunk-mid-prompt-w1", "chunk-mid-prompt", 1, None, False),
+    ("mixed-bs32-fp32-w300-cap50-sinks", "mixed-bs32-fp32", 300, 50.0, True),
+]
+
+
+@pytest.mark.parametrize("wcase", WINDOW_CASES, ids=[c[0] for c in WINDOW_CASES])
+def test_window_matches_reference(wcase):
+    name, base, window, cap, with_sinks = wcase
+    _, q_lens, seq_lens, H, Hkv, BS, dtype, causal, policy, pad = next(c for c in CASES if c[0] == base)
+    step = _build(q_lens, seq_lens, H=H, Hkv=Hkv, BS=BS, dtype=dtype, pad_tokens=pad, seed=sum(map(ord, name)))
+    feats = dict(logits_soft_cap=cap, sinks=random_sinks(H, gen=_gen(len(name))) if with_sinks else None)
+    ref = reference(step, scale=64 ** -0.5, causal=True, sliding_window=window, **feats)
+    out = _run(step, policy=policy, sliding_window=window, **feats)
+    n = int(step.query_start_loc[-1])
+    assert rel_err(out, ref, n) < TOL[dtype]
+    if window >= max(seq_lens):
+        # a window past every context is an exact no-op: the plain binary's bits
+        assert torch.equal(bits(out), bits(_run(step, policy=policy, **feats)))
+    else:  # the window changes the result (a kernel that ignored it would fail above)
+        assert rel_err(reference(step, scale=64 ** -0.5, causal=True, **feats), ref, n) > 3 * TOL[dtype]
+
+
+def _window_step(seed, dtype=torch.float16):
+    # a long decode, a prompt, a short decode and a chunk: each crosses the window
+    return _build([1, 11, 1, 9], [260, 30, 7, 140], H=4, Hkv=2, seed=seed, pad_tokens=1, dtype=dtype)
+
+
+def test_window_bits_equal_across_policies_modes_and_null_pages():
+    """The same bits under every policy and both split modes, and under ``off``
+    with vLLM's table for windowed layers (the pages below the window hold the
+    null block, full of NaN/inf), which the short walk never lets through."""
+    step = _window_step(21)
+    feats = dict(logits_soft_cap=2.0, sinks=random_sinks(4, gen=_gen(21)), sliding_window=24)
+    outs = [((p, m), _run(step, policy=p, mode=m, **feats)) for p in ("strict", "request", "off")
+            for m in ("fold", "split")]
+    dropped = drop_pages_below_window(step, 24, gen=_gen(22))
+    assert (dropped.block_table[0, :10] == 0).all()  # the long decode's first pages are gone
+    outs += [(("off, null pages", m), _run(dropped, policy="off", mode=m, **feats)) for m in ("fold", "split")]
+    ref = reference(step, scale=0.125, causal=True, **feats)
+    assert rel_err(outs[0][1], ref, step.num_tokens - 1) < TOL[torch.float16]
+    for key, o in outs[1:]:
+        assert torch.equal(bits(outs[0][1]), bits(o)), key
+
+
+def test_off_walks_from_the_window_and_strict_walks_the_bucket(monkeypatch):
+    """Policy off starts each tile's walk at its window (the KV steps below it are
+    never run), the constant-time policies walk every step of the bucket, and the
+    two walks give the same bits (the skipped steps are exact no-ops)."""
+    import inspect
+
+    from dhp_backend.ops.triton import kernels
+
+    real = kernels.kv_step
+    params = inspect.signature(real.fn).parameters
+    visited = []
+
+    def value(x):  # the interpreter's scalars are tensors or plain ints
+        return int(x.handle.data) if hasattr(x, "handle") else int(x)
+
+    def counting(*args, **kwargs):
+        a = dict(zip(params, args), **kwargs)
+        visited.append((value(a["j"]), value(a["BLOCK_N"])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "kv_step", counting)
+    g = _gen(23)
+    window = 20
+    step = assemble([make_request(1, 260, H=4, Hkv=2, D=64, dtype=torch.float16, gen=g)], block_size=16, gen=g)
+    outs = {}
+    for policy in ("strict", "off"):
+        for mode in ("fold", "split"):
+            visited.clear()
+            outs[policy, mode] = _run(step, policy=policy, mode=mode, sliding_window=window)
+            block_n = visited[0][1]
+            steps = sorted({j for j, _ in visited})
+            if policy == "strict":  # the bucket: the table's whole width
+                assert steps == list(range(cdiv(step.capacity, block_n))), (mode, steps)
+            else:  # from the step that holds the window's first position, 259 - 20 + 1
+                assert steps == list(range(240 // block_n, cdiv(260, block_n))), (mode, steps)
+                assert steps[0] > 0
+    for o in outs.values():
+        assert torch.equal(bits(outs["strict", "fold"]), bits(o))
+
+
+def test_window_batch_invariance_and_prefill_row_equals_decode_and_chunk_rows():
+    """With a window (below the context): a request's rows do not depend on the
+    batch, and a row's bits are the same whether computed in a prefill tile, a
+    decode tile or a chunk, under strict and under off (null pages included)."""
+    g = _gen(24)
+    H, Hkv, D, BS, W = 4, 2, 64, 16, 20
+    feats = dict(sinks=random_sinks(H, gen=g), sliding_window=W)
+    req = make_request(10, 75, H=H, Hkv=Hkv, D=D, dtype=torch.float16, gen=g)
+    others = [make_request(q, s, H=H, Hkv=Hkv, D=D, dtype=torch.float16, gen=g) for q, s in [(1, 70), (9, 40)]]
+    alone = _run(assemble([req], block_size=BS, gen=g, max_blocks=8), policy="strict", **feats)
+    batch = assemble([others[0], req, others[1]], block_size=BS, gen=g, max_blocks=8, pad_tokens=2)
+    assert torch.equal(bits(alone[:10]), bits(_run(batch, policy="strict", **feats)[1:11]))
+    assert torch.equal(bits(alone[:10]), bits(_run(drop_pages_below_window(batch, W, gen=g), policy="off",
+                                                   **feats)[1:11]))
+    ctx = 75 - 10
+    # Rows 0..5 as a chunk on the 65-token context. (A chunk starting mid-tile is a GPU
+    # test: the interpreter's dot rounds by a row's place in the tile, see above.)
+    chunk = type(req)(q=req.q[:6], k=req.k[: ctx + 6], v=req.v[: ctx + 6])
+    out_chunk = _run(assemble([chunk], block_size=BS, gen=g, max_blocks=8), policy="strict", **feats)
+    assert torch.equal(bits(alone[:6]), bits(out_chunk[:6]))
+    for i in (0, 9):
+        dec_req = type(req)(q=req.q[i: i + 1], k=req.k[: ctx + i + 1], v=req.v[: ctx + i + 1])
+        dec = assemble([dec_req], block_size=BS, gen=g, max_blocks=8)
+        assert torch.equal(bits(alone[i]), bits(_run(dec, policy="strict", **feats)[0])), f"row {i}"
+        out_off = _run(drop_pages_below_window(dec, W, gen=g), policy="off", **feats)
+        assert torch.equal(bits(alone[i]), bits(out_off[0])), f"row {i}, off with null pages"
+
+
+def test_window_through_the_seam_and_the_address_rule():
+    """Through ops.paged_attention: the window normalised against max_model_len, and
+    vLLM's table for windowed layers (null pages below the window) accepted under
+    off but refused under strict, whose walk reads every page of the bucket."""
+    step = _build([2, 1], [50, 33], H=4, Hkv=2, seed=25, pad_tokens=2)
+    kw = dict(scale=0.125, causal=True, num_tokens=step.num_tokens, path="triton")
+    out = poisoned_out(step)
+    paged_attention(*step.args(), out, policy="strict", max_model_len=step.capacity, sliding_window=8, **kw)
+    check_written(step, out)
+    assert rel_err(out, reference(step, scale=0.125, causal=True, sliding_window=8), 3) < TOL[torch.float16]
+    assert torch.equal(bits(out), bits(_run(step, policy="strict", scale=0.125, sliding_window=8)))
+    dropped = drop_pages_below_window(step, 8, gen=_gen(25))
+    off = poisoned_out(step)
+    paged_attention(*dropped.args(), off, policy="off", sliding_window=8, **kw)
+    assert torch.equal(bits(out), bits(off))
+    with pytest.raises(ValueError, match=r"distinct pages up to the bucket"):
+        paged_attention(*dropped.args(), poisoned_out(step), policy="strict", max_model_len=step.capacity,
+                        sliding_window=8, **kw)
+    wide = poisoned_out(step)  # a window of max_model_len or more is no window: the plain bits
+    paged_attention(*step.args(), wide, policy="strict", max_model_len=step.capacity,
+                    sliding_window=step.capacity, **kw)
+    assert torch.equal(bits(wide), bits(_run(step, policy="strict", scale=0.125)))

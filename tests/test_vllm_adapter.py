@@ -235,6 +235,78 @@ def test_soft_cap_and_sinks_match_oracle_and_cpu_attn(model_dir, features):
     torch.testing.assert_close(out_dhp[:n], out_cpu[:n], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["off", "strict"])
+def test_sliding_window_matches_oracle_and_cpu_attn(model_dir, policy):
+    """vLLM hands the layer's window W positionally; DHP gives what the float64 oracle and CPU_ATTN
+    give. Under off the table is the one vLLM's sliding-window manager hands (pages wholly below each
+    request's window point at the null block, here full of NaN); under strict every page is the
+    request's own (vLLM manages the layer as full attention, `compat.manage_windowed_kv_as_full`)."""
+    block_size, window = 16, 40
+    step = Step(STEPS["long_mixed"], block_size, seed=37, pad_tokens=2)
+    if policy == "off":
+        table = step.common.block_table_tensor
+        step.kv_cache[0] = float("nan")
+        for r, req in enumerate(step.requests):
+            table[r, :max(0, req.context - window + 1) // block_size] = 0
+        assert (table == 0).sum() > 10
+    cfg = make_vllm_config(model_dir, block_size, policy=policy, allow_fallback=True)
+    out_dhp, md = run_backend(DHPAttentionBackend, cfg, step, block_size, step.kv_cache.clone(),
+                              sliding_window=window)
+    ref = step.oracle(sliding_window=window)
+    assert (ref - step.oracle()).abs().max() > 1e-2  # the window matters on this step
+    n = int(step.common.query_start_loc[-1])
+    assert_close_to_oracle(out_dhp[:n], ref[:n], torch.float32, what=f"DHP window {window} {policy}")
+    assert (out_dhp[n:] == 0).all()
+    cpu_attn = AttentionBackendEnum.CPU_ATTN.get_class()
+    if cpu_attn is DHPAttentionBackend:
+        pytest.skip("CPU_ATTN is overridden in this process")
+    out_cpu, _ = run_backend(cpu_attn, cfg, step, block_size, step.kv_cache.clone(), sliding_window=window)
+    torch.testing.assert_close(out_dhp[:n], out_cpu[:n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("given, expected", [(None, None), (-1, None), (128, 128), (MAX_MODEL_LEN - 1, 511),
+                                             (MAX_MODEL_LEN, None), (262_144, None)])
+def test_sliding_window_values_vllm_hands(model_dir, given, expected):
+    """vLLM 0.24 and 0.32 hand an int W or None; -1 and a W >= max_model_len (Phi-3.5's 262,144)
+    are no window, decided by the seam's check: such a layer plans as a plain one."""
+    impl = make_impl(DHPAttentionBackend, make_vllm_config(model_dir, 16), sliding_window=given)
+    assert impl.sliding_window == expected and impl.spec.sliding_window == expected
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "128"])
+def test_bad_sliding_window_rejected_naming_it(model_dir, bad):
+    with pytest.raises(ValueError, match=r"sliding_window .*accepted: None \(or -1\) for no window"):
+        make_impl(DHPAttentionBackend, make_vllm_config(model_dir, 16), sliding_window=bad)
+
+
+@pytest.mark.parametrize("policy, managed_as_full", [("strict", True), ("request", True), ("off", False)])
+def test_windowed_kv_cache_spec_follows_the_policy(model_dir, policy, managed_as_full):
+    """vLLM asks each layer ``Attention.get_kv_cache_spec``: a DHP windowed layer under a constant-time
+    policy answers vLLM's ``FullAttentionSpec(sliding_window=W)`` (same page), under off vLLM's
+    ``SlidingWindowSpec``; a layer of another backend is left alone."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cfg = make_vllm_config(model_dir, 16, policy=policy, allow_fallback=True)
+    impl = make_impl(DHPAttentionBackend, cfg, sliding_window=64)
+
+    def layer(backend, impl):
+        return SimpleNamespace(attn_type=AttentionType.DECODER, sliding_window=64, kv_cache_dtype="auto",
+                               num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, head_size_v=HEAD_SIZE,
+                               kv_cache_torch_dtype=torch.float32, attn_backend=backend, impl=impl)
+
+    with set_current_vllm_config(cfg):
+        spec = Attention.get_kv_cache_spec(layer(DHPAttentionBackend, impl), cfg)
+        cpu_attn = AttentionBackendEnum.CPU_ATTN.get_class()
+        other = Attention.get_kv_cache_spec(layer(cpu_attn, SimpleNamespace()), cfg)
+    assert type(spec) is (FullAttentionSpec if managed_as_full else SlidingWindowSpec)
+    # the page a full layer of the model has: 16 slots of K and V, 2 KV heads, float32
+    assert spec.sliding_window == 64 and spec.block_size == 16 and spec.page_size_bytes == 16 * 2 * 2 * 64 * 4
+    assert type(other) is SlidingWindowSpec
+
+
 def test_sinks_of_another_dtype_are_refused_at_the_first_forward(model_dir):
     step = Step(STEPS["small_decode"], 16, seed=4)
     cfg = make_vllm_config(model_dir, 16, policy="off")
@@ -278,7 +350,6 @@ def test_profile_and_dummy_runs(model_dir):
 
 @pytest.mark.parametrize("overrides,needle", [
     ({"alibi_slopes": [1.0, 2.0, 3.0, 4.0]}, "ALiBi"),
-    ({"sliding_window": 128}, r"sliding window 128 \(sliding-window attention is not implemented yet"),
     ({"attn_type": AttentionType.ENCODER_ONLY}, "attention type"),
     ({"kv_cache_dtype": "fp8"}, "KV-cache dtype"),
     ({"sinks": torch.zeros(3)}, r"attention sinks of Tensor \(3,\); accepted: a \[num_heads\] = \[4\] tensor"),
@@ -312,7 +383,7 @@ def test_backend_declarations():
     assert layouts is not None and [layout.name for layout in layouts] == ["LBHNC"]
     assert b.supports_attn_type(AttentionType.DECODER)
     assert not b.supports_attn_type(AttentionType.ENCODER_ONLY)
-    assert b.supports_sink() and not b.supports_sliding_window()
+    assert b.supports_sink() and b.supports_sliding_window()
     assert torch.float32 in b.supported_dtypes
     assert b.supports_dtype(torch.bfloat16) and b.supports_kv_cache_dtype("auto")
     assert not b.supports_kv_cache_dtype("fp8")

@@ -153,16 +153,34 @@ def rank_step(step: Step, tp: int, rank: int) -> tuple[Step, slice]:
     return dataclasses.replace(step, query=step.query[:, heads].contiguous(),
                                key_cache=step.key_cache[:, kv].contiguous(),
                                value_cache=step.value_cache[:, kv].contiguous()), heads
+def drop_pages_below_window(step: Step, window: int, *, gen: torch.Generator) -> Step:
+    """The step's block table as vLLM hands it to a windowed layer under policy off:
+    the pages wholly below the window of each request's first query row (its
+    ``get_num_skipped_tokens``: ``context - window + 1`` positions) hold the null
+    block 0, here full of NaN/inf garbage. (Block 0's own content, if a request
+    owned it, moves to a new block.)"""
+    kc, vc, table = step.key_cache, step.value_cache, step.block_table.clone()
+    moved = kc.shape[0]
+    kc = torch.cat([kc, kc[:1]])
+    vc = torch.cat([vc, vc[:1]])
+    table[table == 0] = moved
+    kc[0] = _garbage(tuple(kc.shape[1:]), gen, kc.dtype)
+    vc[0] = _garbage(tuple(vc.shape[1:]), gen, vc.dtype)
+    bs = kc.shape[2]
+    q_lens = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, step.seq_lens.tolist())):
+        table[r, :max(0, seq_len - q_len - window + 1) // bs] = 0
+    return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table)
 
 
 def reference(step: Step, *, scale: float, causal: bool, logits_soft_cap: float | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The reference in float32 on the step's own inputs (upcast)."""
     q, kc, vc, bt, qsl, sl = step.args()
     out = torch.full((q.shape[0],) + tuple(q.shape[1:]), float("nan"), dtype=torch.float32, device=q.device)
     return paged_attention_reference(q.float(), kc.float(), vc.float(), bt, qsl, sl, out,
                                      scale=scale, causal=causal, num_tokens=step.num_tokens,
-                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks, sliding_window=sliding_window)
 
 
 def random_sinks(num_heads: int, *, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:

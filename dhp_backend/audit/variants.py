@@ -45,6 +45,7 @@ class Variant:
     const_time: bool = True  # attention only: False = the policy-off binary (CONST_TIME constexpr)
     softcap: float = 0.0  # attention only: the SOFTCAP constexpr (a model's logits soft-cap; 0 = none)
     sinks: bool = False  # HAS_SINKS: the attention-sink binaries (attention fold mode, merge)
+    window: int = 0  # attention only: the WINDOW constexpr (a model's sliding window; 0 = none)
 
     @property
     def key(self) -> str:
@@ -53,6 +54,7 @@ class Variant:
             k += (f":bs{self.block_size}:{'causal' if self.causal else 'noncausal'}"
                   f":{'split' if self.split else 'fold'}:{self.kind}{'' if self.const_time else ':off'}")
             k += f":cap{self.softcap:g}" if self.softcap else ""
+            k += f":win{self.window}" if self.window else ""
         k += ":sinks" if self.sinks else ""
         return k + (":nh16" if self.nh16 else ":nh")
 
@@ -110,13 +112,21 @@ CI_SUBSET = (
 
 # The model-feature binaries (issue 31): soft-cap (Gemma-2's 50) and sinks on the
 # production shape, in fold mode (the sink folded by the attention kernel), split mode
-# (by the merge kernel) and the decode tile; and the merge kernel with sinks.
+# (by the merge kernel) and the decode tile; and the merge kernel with sinks. Sliding
+# windows: constant-time fold (Mistral's 4096) and split decode (gpt-oss: head 64,
+# window 128, sinks), and the policy-off binaries whose walk starts at the window
+# (fold prefill, Gemma-3's head 256 and window 1024; split decode).
 FEATURE_SUBSET = (
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, softcap=50.0, sinks=True),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", softcap=50.0),
     Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, False, "prefill", False, softcap=30.0,
             sinks=True),
     Variant("merge_kernel", "bfloat16", 128, 4, nh16=True, sinks=True),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, window=4096),
+    Variant("attention_kernel", "bfloat16", 64, 8, 16, True, True, True, "decode", sinks=True, window=128),
+    Variant("attention_kernel", "bfloat16", 256, 2, 16, True, True, False, "prefill", False, softcap=50.0,
+            window=1024),
+    Variant("attention_kernel", "bfloat16", 128, 4, 16, True, True, True, "decode", False, window=4096),
 )
 
 
@@ -138,7 +148,8 @@ def compile_inputs(v: Variant):
                      HEAD_PAD=cfg.head_pad, CAUSAL=bool(v.causal), FP32=cfg.fp32, UPCAST_DOT=False,
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
                      SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
-                     CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks))
+                     CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks),
+                     WINDOW=int(v.window))
         if v.sinks:
             elem["attn_sinks_ptr"] = "fp32"
         else:

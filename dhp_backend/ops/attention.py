@@ -23,6 +23,12 @@ the new tokens, whose K/V are already in the cache):
 - with ``sinks``, query head ``h``'s softmax gets one more logit ``sinks[h]``
   that has no value row: ``out = sum_p e^{s_p} v_p / (e^{sinks[h]} + sum_p e^{s_p})``
   (gpt-oss's attention sinks, as vLLM's backends compute them);
+- with ``sliding_window = W`` (causal only), query row ``i`` at absolute position
+  ``q = seq_len - q_len + i`` attends to ``q - W < p <= q`` only (vLLM's window:
+  it passes ``(W - 1, 0)`` to FlashAttention); positions below the window are
+  never read by the reference and never influence a kernel's result, so vLLM's
+  KV-cache manager may put its null block in their table entries (it does, for
+  windowed layers) under ``off``;
 - rows ``query_start_loc[-1]:num_tokens`` (padding beyond the last request) are
   set to zero; rows at and beyond ``num_tokens`` are not touched.
 
@@ -97,6 +103,7 @@ def paged_attention(
     check_values: bool = True,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention over a packed step of decodes, prefills and prefill chunks.
 
@@ -131,6 +138,12 @@ def paged_attention(
             query's dtype: vLLM hands gpt-oss's parameter in the model dtype), on the
             query's device, contiguous. Public model parameters, read at addresses
             that depend on the head only.
+        sliding_window: ``None`` or the window ``W``, an int >= 1: row at position ``q``
+            sees ``q - W < p <= q`` (module docstring). A ``W >= max_model_len`` (when
+            given) is no window (`check_sliding_window`). Causal attention only. A public
+            model parameter: it selects a binary. Under a constant-time policy the kernels
+            still walk the whole bucket (the window's position follows the secret length);
+            under ``off`` they start at the window.
     """
     if not isinstance(query, torch.Tensor):
         _fail("query", f"of type {type(query).__name__}", "a torch.Tensor")
@@ -198,6 +211,7 @@ def paged_attention(
 
     logits_soft_cap = check_soft_cap(logits_soft_cap)
     check_sinks(sinks, num_heads, query.dtype, device)
+    sliding_window = check_sliding_window(sliding_window, max_model_len, causal=causal)
 
     policy = Policy.parse(policy, source="paged_attention: policy")
     bucket = _normalize_bucket(policy, bucket, max_model_len, num_reqs, device,
@@ -222,12 +236,13 @@ def paged_attention(
         device_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         logits_soft_cap=logits_soft_cap,
         sinks=sinks is not None,
+        sliding_window=sliding_window,
     )
     step = plan_step(spec, policy, num_tokens=num_tokens, num_reqs=num_reqs, max_blocks=block_table.shape[1],
                      bucket_l=bucket if isinstance(bucket, int) else None, path=path,
                      allow_fallback=allow_fallback, device=device)
     return run(step, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
-               scale=float(scale), causal=causal, bucket=bucket, sinks=sinks)
+               scale=float(scale), causal=causal, bucket=bucket, sinks=sinks, sliding_window=sliding_window)
 
 
 def check_soft_cap(cap) -> float | None:
@@ -239,6 +254,36 @@ def check_soft_cap(cap) -> float | None:
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not math.isfinite(float(cap)) or cap < 0:
         _fail("logits_soft_cap", repr(cap), "None (or 0) for no cap, or a finite positive real number")
     return float(cap) if cap > 0 else None
+
+
+def check_sliding_window(window, max_model_len=None, *, causal: bool = True) -> int | None:
+    """The window as the kernels take it: None for no window, else an int >= 1.
+
+    The one place where a window that cannot bite becomes no window: ``W >=
+    max_model_len`` (Phi-3.5-mini's 262,144 in a 131,072 context) is None, so such a
+    layer runs the plain binaries (and the csrc kernels). vLLM's "no window" spellings
+    (``None``, ``-1``) are None too. With ``causal=False`` a window that remains is
+    refused: vLLM's window is the causal lower bound only. Callers that build a
+    `ProblemSpec` themselves (the vLLM adapter) normalise with this function and pass
+    the same value to ``ProblemSpec.sliding_window`` and ``plan.run``."""
+    if window is None:
+        return None
+    accepted = "None (or -1) for no window, or an int W >= 1 (row at position q sees keys q - W < p <= q)"
+    if isinstance(window, bool) or (isinstance(window, torch.Tensor) and window.dtype == torch.bool):
+        _fail("sliding_window", repr(window), accepted)
+    window = _as_int("sliding_window", window, accepted)
+    if window == -1:
+        return None
+    if window < 1:
+        _fail("sliding_window", repr(window), accepted)
+    if max_model_len is not None:
+        max_model_len = _as_int("max_model_len", max_model_len, "a positive integer")
+        if window >= max_model_len:
+            return None  # every position of every request is in the window
+    if not causal:
+        _fail("sliding_window", f"{window} with causal=False",
+              "a window on causal attention only (None, or a W >= max_model_len, for non-causal attention)")
+    return window
 
 
 def check_sinks(sinks, num_heads: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -37,12 +37,25 @@ class ProblemSpec:
     # The model's attention features (public model configuration, one value per layer):
     logits_soft_cap: float | None = None  # cap * tanh(s / cap) on the scaled scores (Gemma-2)
     sinks: bool = False  # a per-head learned logit in the softmax denominator (gpt-oss)
+    # Query position i sees keys j with i - W < j <= i (Mistral, Gemma-2/3, gpt-oss); None: no window.
+    # A window >= max_model_len is no window: `ops.attention.check_sliding_window` normalises it to None.
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ProblemSpec: sliding_window is {w!r}; accepted: None (no window) or an int >= 1 "
+                             "(ops.attention.check_sliding_window validates and normalises a model's value)")
+        if w is not None and not self.causal:
+            raise ValueError(f"ProblemSpec: sliding_window is {w} with causal=False; accepted: a window on causal "
+                             "attention only (None for non-causal layers)")
 
     @property
     def features(self) -> tuple[str, ...]:
         """The attention features beyond plain causal GQA this layer uses, in words."""
         return ((f"logits soft-cap {self.logits_soft_cap:g}",) if self.logits_soft_cap else ()) + (
-            ("attention sinks",) if self.sinks else ())
+            ("attention sinks",) if self.sinks else ()) + (
+            (f"sliding window {self.sliding_window}",) if self.sliding_window else ())
 
     @property
     def gqa_ratio(self) -> int:

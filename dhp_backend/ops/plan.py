@@ -231,7 +231,7 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     from dhp_backend.ops import cuda_build, cuda_common
 
     if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE or spec.features:
-        return []  # (a soft-cap or sinks: every step of the layer runs on Triton, step_kernel)
+        return []  # (a soft-cap, sinks or a window: every step of the layer runs on Triton, step_kernel)
     if tuple(spec.device_capability or ()) == (9, 0) and cuda_build.find_nvcc() is None:
         _warn_once(("no-nvcc",), "DHP: no nvcc on this machine (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, "
                    "/usr/local/cuda/bin, PATH): every step runs on the Triton kernels (same bits; the csrc "
@@ -294,14 +294,15 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
     constant-time walk, `cuda_prefill.routes_prefill_ct`), and their decode steps
     on ``cuda_decode_ct`` (`cuda_decode.routes_decode_ct`); else ``triton``.
-    A layer with a logits soft-cap or attention sinks (``spec.features``) runs
-    every step on ``triton``: the csrc kernels do not implement them. The
+    A layer with a logits soft-cap, attention sinks or a sliding window
+    (``spec.features``) runs every step on ``triton``: the csrc kernels do not
+    implement them. The
     csrc kernels give the Triton kernels' bits (GPU tests), so which kernel ran
     never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
     if spec.device_type != "cuda":
         return TRITON
     if spec.features:
-        # The csrc kernels implement neither soft-capping nor sinks: such layers run
+        # The csrc kernels implement no soft-cap, sinks or window: such layers run
         # every step on the Triton kernels. A public decision (the model's config).
         return TRITON
     prefill = geometry.step_kind(num_tokens, num_reqs) == "prefill"
@@ -325,11 +326,12 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
         scale: float, causal: bool, bucket: int | torch.Tensor | None,
-        sinks: torch.Tensor | None = None) -> torch.Tensor:
+        sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Run ``plan`` on one step's tensors (the layouts of `ops.paged_attention`);
     writes ``out[:plan.num_tokens]`` and returns ``out``. The logits soft-cap is
     the plan's (``plan.spec.logits_soft_cap``); ``sinks`` (``[num_heads]``) must be
-    given exactly when ``plan.spec.sinks``.
+    given exactly when ``plan.spec.sinks``; ``sliding_window`` must be the plan's
+    ``spec.sliding_window`` (both normalised by `ops.attention.check_sliding_window`).
 
     Checks that the tensors have the geometry the plan was made for (cheap: shapes,
     dtype, device type, the bucket's kind; no device values are read) and raises
@@ -342,9 +344,16 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
         raise ValueError(f"plan.run: sinks is {'a tensor' if sinks is not None else 'None'}; accepted: "
                          f"{'a [num_heads] tensor' if plan.spec.sinks else 'None'}, as the plan was made for "
                          f"(ProblemSpec.sinks = {plan.spec.sinks})")
+    if sliding_window != plan.spec.sliding_window:
+        raise ValueError(f"plan.run: sliding_window is {sliding_window!r}; accepted: {plan.spec.sliding_window!r}, "
+                         "the ProblemSpec.sliding_window the plan was made for (normalise the model's window once "
+                         "with ops.attention.check_sliding_window and pass the result to both)")
+    if sliding_window is not None and not causal:
+        raise ValueError(f"plan.run: causal is False with sliding_window {sliding_window}; accepted: causal=True "
+                         "for a windowed layer (the window is the causal lower bound)")
     args = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out)
     n, kernel = plan.num_tokens, plan.kernel
-    features = dict(logits_soft_cap=plan.spec.logits_soft_cap, sinks=sinks)
+    features = dict(logits_soft_cap=plan.spec.logits_soft_cap, sinks=sinks, sliding_window=sliding_window)
     if kernel == REFERENCE:
         from dhp_backend.ops.reference import paged_attention_reference
 

@@ -15,16 +15,19 @@ from __future__ import annotations
 import torch
 
 
-def gather_request_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """K or V of one request as ``[num_kv_heads, seq_len, head_size]``.
+def gather_request_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
+    """K or V of one request's positions ``[start, seq_len)`` as ``[num_kv_heads, seq_len - start, head_size]``.
 
-    Reads only the blocks that hold positions ``< seq_len`` and slices off the
-    tail of the last one, so nothing past the true length is ever used.
+    Reads only the blocks that hold those positions and slices off the rest of
+    the first and last one, so nothing past the true length (nor below ``start``:
+    pages a sliding window dropped, vLLM's null block) is ever used.
     """
     num_kv_heads, block_size, head_size = cache.shape[1:]
+    b0 = start // block_size
     n = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_ids[:n].long())  # [n, Hkv, bs, D]
-    return blocks.transpose(0, 1).reshape(num_kv_heads, n * block_size, head_size)[:, :seq_len]
+    blocks = cache.index_select(0, block_ids[b0:n].long())  # [n - b0, Hkv, bs, D]
+    kv = blocks.transpose(0, 1).reshape(num_kv_heads, (n - b0) * block_size, head_size)
+    return kv[:, start - b0 * block_size:seq_len - b0 * block_size]
 
 
 def paged_attention_reference(
@@ -43,6 +46,7 @@ def paged_attention_reference(
     bucket=None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated). ``policy``/``bucket``
     do not change the result, only what a constant-time kernel may reveal.
@@ -52,7 +56,10 @@ def paged_attention_reference(
     Triton unified attention scales, caps, then masks). ``sinks`` (``[num_heads]``):
     head h's row softmax gets one more logit, ``sinks[h]``, with no value row:
     ``out = sum_p exp(s_p) v_p / (exp(sinks[h]) + sum_p exp(s_p))`` (gpt-oss;
-    vLLM's unified attention starts the row max at the sink and its sum at 1)."""
+    vLLM's unified attention starts the row max at the sink and its sum at 1).
+    ``sliding_window`` W (causal): the row at position q keeps ``q - W < p <= q``, a
+    lower bound masked like the causal upper one; the request's positions below its
+    first row's window are not even gathered."""
     del policy, bucket
     num_heads, head_size = query.shape[1:]
     num_kv_heads = key_cache.shape[1]
@@ -65,18 +72,25 @@ def paged_attention_reference(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        k = gather_request_kv(key_cache, block_table[r], seq_len).float()  # [Hkv, S, D]
-        v = gather_request_kv(value_cache, block_table[r], seq_len).float()
+        context = seq_len - q_len
+        # The first position any row of the request sees (0 without a window).
+        start = max(0, context - sliding_window + 1) if sliding_window else 0
+        k = gather_request_kv(key_cache, block_table[r], seq_len, start).float()  # [Hkv, S - start, D]
+        v = gather_request_kv(value_cache, block_table[r], seq_len, start).float()
         # query head h = kv_head * group + g  ->  [Hkv, group, q_len, D]
         q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, q_len, S]
         if logits_soft_cap:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         if causal:
-            context = seq_len - q_len
             rows = torch.arange(q_len, device=query.device).unsqueeze(1)
-            cols = torch.arange(seq_len, device=query.device).unsqueeze(0)
-            scores = scores.masked_fill(cols > context + rows, float("-inf"))
+            cols = torch.arange(start, seq_len, device=query.device).unsqueeze(0)
+            hidden = cols > context + rows
+            if sliding_window:
+                hidden = hidden | (cols <= context + rows - sliding_window)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        elif sliding_window:
+            raise ValueError("paged_attention_reference: sliding_window needs causal=True")
         if sinks is not None:
             # The sink joins the row as one extra logit whose value row is zero.
             sink = sinks.to(scores.dtype).reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)

@@ -48,7 +48,7 @@ from dhp_backend.ops import (
     prepare_path,
     run,
 )
-from dhp_backend.ops.attention import check_soft_cap, check_sinks
+from dhp_backend.ops.attention import check_sinks, check_sliding_window, check_soft_cap
 from dhp_backend.ops.validation import check_values
 from dhp_backend.vllm import compat
 
@@ -136,7 +136,9 @@ class DHPAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False  # not yet (issue 31); the impl refuses a window with the reason
+        # Per layer (vLLM hands the impl its window). Under a constant-time policy the
+        # layer's KV cache is managed as full attention (`compat.manage_windowed_kv_as_full`).
+        return True
 
     # The logits soft-cap has no hook: vLLM hands it to the impl, which accepts it.
 
@@ -180,7 +182,8 @@ class DHPMetadata:
 
 
 def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                  dtype: torch.dtype, logits_soft_cap: float | None = None, sinks: bool = False) -> ProblemSpec:
+                  dtype: torch.dtype, logits_soft_cap: float | None = None, sinks: bool = False,
+                  sliding_window: int | None = None) -> ProblemSpec:
     """The static problem of one attention layer on this process's platform (the
     features are the layer's; a KV-cache group's spec has none, see ``forward``)."""
     from vllm.platforms import current_platform
@@ -193,7 +196,7 @@ def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_si
     return ProblemSpec(device_type=device_type, dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
                        head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        block_size=block_size, causal=True, device_capability=cap,
-                       logits_soft_cap=logits_soft_cap, sinks=sinks)
+                       logits_soft_cap=logits_soft_cap, sinks=sinks, sliding_window=sliding_window)
 
 
 def _group_spec(vllm_config: VllmConfig, kv_cache_spec) -> ProblemSpec:
@@ -311,15 +314,19 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **extra_impl_args,
     ) -> None:
+        vllm_config = get_current_vllm_config()
+        model_config = vllm_config.model_config
+        max_model_len = model_config.max_model_len if model_config is not None else None
         unsupported = []
         if alibi_slopes is not None:
             unsupported.append("ALiBi slopes")
-        if sliding_window is not None and sliding_window not in (-1, (-1, -1)):
-            unsupported.append(f"sliding window {sliding_window} (sliding-window attention is not implemented "
-                               "yet, issue 31; logits soft-capping and attention sinks are)")
         # vLLM's two spellings of "no cap" are None and 0 (the seam's check maps both to None
         # and names a bad cap).
         logits_soft_cap = check_soft_cap(logits_soft_cap)
+        # The layer's window: vLLM 0.24 and 0.32 hand an int W (per layer, or the model's
+        # `sliding_window`) or None. The seam's check is the one place that decides what is
+        # no window (None, -1, a W >= max_model_len) and names a bad one.
+        sliding_window = check_sliding_window(sliding_window, max_model_len)
         sinks = extra_impl_args.pop("sinks", None)
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attention type {attn_type!r} (only decoder self-attention)")
@@ -344,6 +351,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         # dtype and device at the first forward (`_check_sinks`).
         self.sinks = sinks
         self.logits_soft_cap = logits_soft_cap
+        self.sliding_window = sliding_window
         if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,)):
             raise NotImplementedError(
                 f"DHP: attention sinks of {type(sinks).__name__} "
@@ -351,13 +359,16 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                 f"[{num_heads}] tensor")
         self._sinks_checked = sinks is None
 
-        vllm_config = get_current_vllm_config()
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
-        model_config = vllm_config.model_config
         dtype = model_config.dtype if model_config is not None else torch.float16
         self.spec = _problem_spec(num_heads=num_heads, num_kv_heads=self.num_kv_heads, head_size=head_size,
                                   block_size=int(vllm_config.cache_config.block_size), dtype=dtype,
-                                  logits_soft_cap=logits_soft_cap, sinks=sinks is not None)
+                                  logits_soft_cap=logits_soft_cap, sinks=sinks is not None,
+                                  sliding_window=sliding_window)
+        if self.dhp_config.policy.is_constant_time:
+            # The kernels read every page up to the bucket, out-of-window ones too: vLLM
+            # must keep them (the address rule), not free them as it does for windows.
+            compat.manage_windowed_kv_as_full(_kv_kept_in_full)
         # Decided once, at start-up: a refused fallback stops the engine here
         # with the reason, not mid-request.
         self.path_choice = choose_path(self.spec, self.dhp_config.policy,
@@ -372,7 +383,6 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         # inside the first CUDA-graph capture.
         prepare_kernels(self.spec, self.dhp_config.path)
         self._cache_update_op = compat.kv_cache_update_op(self.spec.device_type)
-        max_model_len = model_config.max_model_len if model_config is not None else None
         _once(("init", self.spec, self.dhp_config), lambda: logger.warning(
             "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s; device memory held: %.1f MiB",
             __version__, ".".join(map(str, compat.vllm_version())), self.dhp_config.describe(),
@@ -400,7 +410,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
             self._check_sinks(query)
         if plan.spec != self.spec:
             # A layer whose shape differs from its KV-cache group's (query heads, dtype) or that
-            # has a soft-cap or sinks (the group's plan has none): its own plan, cached per geometry.
+            # has a soft-cap, sinks or a window (the group's plan has none): its own plan, cached per geometry.
             plan = plan_step(self.spec, md.policy, num_tokens=plan.num_tokens, num_reqs=plan.num_reqs,
                              max_blocks=md.block_table.shape[1], bucket_l=plan.l_scalar or None,
                              path=self.dhp_config.path, allow_fallback=self.dhp_config.allow_fallback,
@@ -408,16 +418,19 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         if self.dhp_config.check_values:
             _check_step(md, key_cache)
         run(plan, q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
-            scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self.sinks)
-        _once(("forward", self.path_choice.name, md.policy), lambda: _trace(self.dhp_config.trace_file, {
-            "event": "forward", "backend": "DHP", "path": self.path_choice.name,
-            "policy": md.policy.value, "device": str(query.device),
-            "dtype": str(query.dtype), "head_size": self.head_size,
-            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-            "block_size": key_cache.shape[2]}))
+            scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self.sinks,
+            sliding_window=self.sliding_window)
+        # once per setting (a process may run several engines: each its trace file) and window
+        _once(("forward", self.path_choice.name, self.dhp_config, self.sliding_window), lambda: _trace(
+            self.dhp_config.trace_file, {
+                "event": "forward", "backend": "DHP", "path": self.path_choice.name,
+                "policy": md.policy.value, "device": str(query.device),
+                "dtype": str(query.dtype), "head_size": self.head_size,
+                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "block_size": key_cache.shape[2], "sliding_window": self.sliding_window}))
         if plan.path.name == "triton":
             # Which kernel ran the step (the csrc kernels where they apply), once per kind.
-            _once(("kernel", plan.kernel, md.policy), lambda: _trace(self.dhp_config.trace_file, {
+            _once(("kernel", plan.kernel, self.dhp_config), lambda: _trace(self.dhp_config.trace_file, {
                 "event": "kernel", "backend": "DHP", "path": plan.path.name, "kernel": plan.kernel,
                 "policy": md.policy.value}))
         return output
@@ -449,6 +462,13 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         blocks, offsets = slots // block_size, slots % block_size
         key_cache[blocks, :, offsets] = key[:n][valid].to(key_cache.dtype)
         value_cache[blocks, :, offsets] = value[:n][valid].to(value_cache.dtype)
+
+
+def _kv_kept_in_full(layer) -> bool:
+    """Whether vLLM must keep every KV page of this attention layer (asked of windowed layers):
+    a DHP layer under a constant-time policy, whose kernels walk the whole bucket."""
+    impl = getattr(layer, "impl", None)
+    return isinstance(impl, DHPAttentionImpl) and impl.dhp_config.policy.is_constant_time
 
 
 def _check_step(md: DHPMetadata, key_cache: torch.Tensor) -> None:

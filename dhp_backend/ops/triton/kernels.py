@@ -18,13 +18,16 @@ Two kernels:
 Both modes apply the identical sequence of operations to every row, so the output
 bits do not depend on which mode the host picked (that choice follows the batch).
 
-Two model features, each a constexpr (a plain layer's binaries are the code
+Three model features, each a constexpr (a plain layer's binaries are the code
 they were; a layer with a feature gets binaries of its own): ``SOFTCAP`` (the
-logits soft-cap, `soft_cap`) and ``HAS_SINKS`` (attention sinks, `fold_sink`).
-Under the constant-time policies both are public model parameters: the cap is
-a compile-time constant and the sinks are read at addresses that depend on the
-head only, once per row; neither adds a branch, a trip count or an address that
-follows the true lengths or the data.
+logits soft-cap, `soft_cap`), ``HAS_SINKS`` (attention sinks, `fold_sink`) and
+``WINDOW`` (a sliding window: row at position q sees q - WINDOW < p <= q).
+Under the constant-time policies all are public model parameters: the cap and
+the window are compile-time constants and the sinks are read at addresses that
+depend on the head only, once per row; none adds a branch, a trip count or an
+address that follows the true lengths or the data. The window's *position*
+follows the true length, so under those policies it is a selection only and the
+walk stays the whole bucket; under policy ``off`` the walk starts at the window.
 
 Constant time: every loop bound below is derived from the public bucket L (or,
 under policy ``off``, the true length), the public step geometry, or constexprs.
@@ -239,7 +242,8 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
-            CONST_TIME: tl.constexpr, zero_ptr, SOFTCAP: tl.constexpr):
+            CONST_TIME: tl.constexpr, zero_ptr, SOFTCAP: tl.constexpr,
+            lo, lo_tile, WINDOW: tl.constexpr):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
     reading K/V from blocks ``bid`` (see `tile_blocks`).
 
@@ -255,11 +259,19 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
     rows past seq_len at a row of zeros (``zero_ptr``, never written), so the tile
     arrives already clean and goes to the wgmma untouched. Same bits: those rows
     are 0 either way.
+
+    ``WINDOW`` (a constexpr, 0 = none): row i also needs ``pos >= lo[i]`` (its
+    window's lower bound). V rows below ``lo_tile`` (the lowest ``lo`` of the
+    tile's rows) are seen by no row: they are cleaned like those past seq_len, so
+    pages that fell out of the window (vLLM's null block under ``off``) never
+    reach the output through 0 * NaN, and every policy multiplies the same zeros.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
     pos = j * BLOCK_N + offs_n
     real = pos < seq_len
+    if WINDOW > 0:
+        real = real & (pos >= lo_tile)
     slot = (pos % BLOCK_SIZE).to(tl.int64)
 
     k_ptrs = k_ptr + bid[None, :] * sk_b + kvh * sk_h + slot[None, :] * sk_s + offs_d[:, None]
@@ -289,6 +301,10 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
     # removed after it by the same selection.
     # (The mask is built first, as it always was: the plain binaries' PTX keeps its order.)
     attend = pos[None, :] < limit[:, None]
+    if WINDOW > 0:
+        # The window's lower bound, selected like the causal limit (lo follows the
+        # true length: a selection, never a bound of the walk under CONST_TIME).
+        attend = attend & (pos[None, :] >= lo[:, None])
     if SOFTCAP > 0:
         sc = soft_cap(qk * qk_scale, SOFTCAP)
     else:
@@ -335,6 +351,7 @@ def attention_kernel(
     SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
     PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr, CONST_TIME: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, HAS_SINKS: tl.constexpr = False, attn_sinks_ptr=None,
+    WINDOW: tl.constexpr = 0,
 ):
     """See the module docstring. Runtime ints that follow the batch are not
     specialised, so every batch runs one and the same binary.
@@ -343,7 +360,8 @@ def attention_kernel(
     (`soft_cap` turns the capped score into log2 units). ``attn_sinks_ptr``: the
     per-head sinks when ``HAS_SINKS`` (None otherwise: not a parameter of the
     plain binaries). Not to be confused with ``sink_ptr``, the scratch rows that
-    absorb the stores of rows outside the request.
+    absorb the stores of rows outside the request. ``WINDOW``: the sliding
+    window W (0 = none; causal only).
 
     l_mode: 0 = one public bucket ``l_scalar`` for every request (strict, batch,
     request with an int); 1 = per-request public buckets in ``bucket_ptr``
@@ -387,6 +405,24 @@ def attention_kernel(
     else:
         limit = tl.zeros_like(qi) + seq_len
     limit = tl.where(row_valid, limit, 0)
+    lo = limit
+    lo_tile = limit
+    first_tile = 0
+    if WINDOW > 0:
+        tl.static_assert(CAUSAL, "a sliding window is defined for causal attention only")
+        # Row at position q = limit - 1 sees q - WINDOW < p: p >= limit - WINDOW
+        # (rows outside the request have limit 0 and see nothing either way).
+        lo = limit - WINDOW
+        # The lowest bound of the tile's real rows (its first row, qi0): no row
+        # of the tile sees a position below it.
+        lo_tile = seq_len - q_len + qi0 + 1 - WINDOW
+        if not CONST_TIME:
+            # Policy off (true lengths): the walk starts at the first KV step that
+            # holds a visible position. The steps and splits skipped are exact no-ops
+            # of the full walk (every score -inf: m stays, alpha and beta are selected
+            # 1, p = 0, V rows cleaned), so both walks give the same bits. Gated on
+            # l_mode too, so the binary under a public bucket keeps the full walk.
+            first_tile = tl.where(l_mode == 2, tl.maximum(lo_tile, 0) // BLOCK_N, 0)
 
     # The KV extent this tile walks: public under strict/batch/request.
     bkt = tl.load(bucket_ptr + r_row)
@@ -422,6 +458,11 @@ def attention_kernel(
         s_lo = chunk * chunk_stride
         s_hi = n_split
         s_step = 1
+        if WINDOW > 0:
+            if not CONST_TIME:
+                # The first split holding the window (the splits before it fold as
+                # neutral states: exact no-ops, `fold`).
+                s_lo = s_lo + first_tile // TILES_PER_SPLIT
 
     m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
@@ -454,22 +495,29 @@ def attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         j_lo = s * TILES_PER_SPLIT
         j_hi = tl.minimum(j_lo + TILES_PER_SPLIT, n_kv)
+        j_split = j_lo
         if PREFETCH:
             ids = ids_next
             ids_next = split_blocks(s + s_step, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
                                     TILES_PER_SPLIT, BLOCK_N, BLOCK_SIZE, CONST_TIME)
+        if WINDOW > 0:
+            if not CONST_TIME:
+                # Policy off: this split's steps from the window on. A split wholly
+                # below the window runs none and stores (split mode) the neutral
+                # state its masked steps would have left: the same bits.
+                j_lo = tl.maximum(j_lo, first_tile)
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
                 # Row j - j_lo of the split's ids, by selection (exact for integers).
-                bid = tl.sum(tl.where((rows_t == j - j_lo)[:, None], ids, 0), axis=0)
+                bid = tl.sum(tl.where((rows_t == j - j_split)[:, None], ids, 0), axis=0)
             else:
                 bid = tile_blocks(j, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
                                   BLOCK_N, BLOCK_SIZE, CONST_TIME)
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
-                                    zero_ptr, SOFTCAP)
+                                    zero_ptr, SOFTCAP, lo, lo_tile, WINDOW)
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:

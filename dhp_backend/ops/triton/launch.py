@@ -60,6 +60,7 @@ def paged_attention_triton(
     _tiling: str | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (already validated there): plans the
     launch's geometry, then `launch` runs it.
@@ -82,18 +83,20 @@ def paged_attention_triton(
             tiling=_tiling)
     return launch(g, query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, scale=scale,
                   causal=causal, num_tokens=num_tokens, policy=policy, bucket=bucket,
-                  logits_soft_cap=logits_soft_cap, sinks=sinks)
+                  logits_soft_cap=logits_soft_cap, sinks=sinks, sliding_window=sliding_window)
 
 
 def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, block_table, query_start_loc,
            seq_lens, out, *, scale: float, causal: bool, num_tokens: int, policy: Policy,
            bucket: int | torch.Tensor | None, logits_soft_cap: float | None = None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Run a step on the Triton kernels with geometry ``g`` (None: a step without
     tokens or requests, which has no launch).
 
-    ``logits_soft_cap`` and ``sinks`` select the kernels' SOFTCAP / HAS_SINKS
-    binaries only when given: a plain step passes what it always passed."""
+    ``logits_soft_cap``, ``sinks`` and ``sliding_window`` select the kernels'
+    SOFTCAP / HAS_SINKS / WINDOW binaries only when given: a plain step passes
+    what it always passed. The window must already be normalised
+    (`ops.attention.check_sliding_window`: an int >= 1, causal only)."""
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
@@ -116,6 +119,12 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
         features["SOFTCAP"] = float(logits_soft_cap)
     if sinks is not None:
         features.update(HAS_SINKS=True, attn_sinks_ptr=sinks)
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1 \
+                or not causal:
+            raise ValueError(f"launch: sliding_window is {sliding_window!r} (causal={causal}); accepted: an int >= 1 "
+                             "on causal attention (ops.attention.check_sliding_window)")
+        features["WINDOW"] = sliding_window  # one binary per window size (a model has one or two)
 
     ws, sink, zero = wsp.reserve_workspace(query.device)
     if g.split:

@@ -1,0 +1,144 @@
+"""End to end on vLLM's CPU engine: the architectures with sliding windows (issue 31), DHP vs CPU_ATTN.
+
+Tiny seeded checkpoints (`integration.tiny_windowed`): Mistral (every layer
+windowed, window 48), Gemma-2 (a windowed layer and a full one, window 56, both
+with a logits soft-cap), Gemma-3 text (a windowed layer and a full one, window 32),
+Phi-3 (every layer windowed, window 40) and gpt-oss (attention sinks, window 24
+on every other layer, a mixture of experts). The short workload's prompts of 77
+and 150 tokens run far past every window, in chunks of a 64-token budget, and a
+second-round prompt hits the prefix cache (128 tokens) and prefills a chunk on
+that context.
+
+CI time: each side is one process that runs every model in turn (in-process
+engines, `integration.run_generation` with several ``--model``): vLLM's CPU_ATTN
+once, DHP under ``strict`` and ``off`` once. In-process engines step every
+batch the same way on every run, so ``--batching together`` compares bits. The
+DHP process runs through ``scripts/reservation_probe.py`` with
+``DHP_CHECK_VALUES=1``: the seam checks every step's block table in the worker
+(under ``strict``: distinct valid pages up to the bucket, for the windowed
+layers too) and the probe checks the scheduler's pages of every KV-cache group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from engine_process import engine_env, run_in_session
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.e2e
+
+ARCHS = ("mistral", "gemma2", "gemma3", "phi3", "gpt_oss")
+MAX_MODEL_LEN, BLOCK = 512, 32  # run_generation's defaults: strict holds 16 blocks per request
+COMMON = ["--multiprocessing", "0", "--workload", "short", "--batching", "together"]
+_PROBE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "reservation_probe.py")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from integration.tiny_windowed import build
+
+    root = tmp_path_factory.mktemp("tiny-windowed")
+    return {arch: str(build(root / arch, arch, seed=0)) for arch in ARCHS}
+
+
+def _run(cmd, env):
+    code, text = run_in_session(cmd, env)
+    assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
+    result = json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
+    return result, text
+
+
+def _model_args(models):
+    return [arg for path in models.values() for arg in ("--model", path)]
+
+
+@pytest.fixture(scope="module")
+def native(models):
+    result, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models),
+                      "--backend", "native", *COMMON], engine_env())
+    return {run["model"]: run for run in result["runs"]}
+
+
+@pytest.fixture(scope="module")
+def dhp(models, tmp_path_factory):
+    """DHP under strict then off, every model, through the reservation probe, tables checked by the seam."""
+    probe = tmp_path_factory.mktemp("probe") / "probe.json"
+    result, log = _run([sys.executable, _PROBE, *_model_args(models), "--backend", "DHP", "--policy", "strict,off",
+                        *COMMON], engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe)))
+    runs = {(run["model"], run["policy"]): run for run in result["runs"]}
+    return runs, json.loads(probe.read_text())["runs"], log
+
+
+def test_the_windows_change_the_greedy_tokens(models):
+    """The windows matter for these models and this workload (transformers, eager attention): greedy
+    continuations of the long prompts differ when the window is lifted, so a backend that ignored it
+    would fail the comparisons below."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from integration.run_generation import make_prompts
+
+    long_prompts = [p for p in make_prompts(workload="short")[0] if len(p) > 64]
+
+    def greedy(path, window):
+        config = AutoConfig.from_pretrained(path)
+        config.sliding_window = window
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation="eager")
+        return [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                for p in long_prompts]
+
+    for arch, path in models.items():
+        window = AutoConfig.from_pretrained(path).sliding_window
+        assert window < 64
+        assert greedy(path, window) != greedy(path, MAX_MODEL_LEN), arch
+
+
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_dhp_matches_cpu_attn(models, native, dhp, policy):
+    runs, _, _ = dhp
+    for arch, path in models.items():
+        n, d = native[path], runs[(path, policy)]
+        assert n["dhp_trace"] == []  # the baseline really is vLLM's own backend
+        # DHP ran the windowed layers (and gemma3's and gpt_oss's full ones) with their windows
+        windows = {t["sliding_window"] for t in d["dhp_trace"]}
+        assert {(t["backend"], t["path"], t["policy"]) for t in d["dhp_trace"]} == {("DHP", "reference", policy)}
+        expected = {"mistral": {48}, "gemma2": {56, None}, "gemma3": {32, None}, "phi3": {40},
+                    "gpt_oss": {24, None}}[arch]
+        assert windows == expected, arch
+        assert [o["prompt_len"] for o in d["outputs"]] == [7, 77, 150, 149]  # the short workload
+        assert [o["num_cached_tokens"] for o in d["outputs"]] == [0, 0, 0, 128]
+        for a, b in zip(n["outputs"], d["outputs"]):
+            assert a["token_ids"] == b["token_ids"], (arch, a["prompt_len"])
+            assert len(b["token_ids"]) == 12
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4, (arch, a["prompt_len"])
+
+
+def test_strict_and_off_give_the_same_bits(models, dhp):
+    runs, _, _ = dhp
+    for arch, path in models.items():
+        strict, off = runs[(path, "strict")]["outputs"], runs[(path, "off")]["outputs"]
+        assert [o["token_ids"] for o in strict] == [o["token_ids"] for o in off], arch
+        assert [o["logprobs"] for o in strict] == [o["logprobs"] for o in off], arch
+
+
+def test_strict_reserves_every_page_of_windowed_layers(models, dhp):
+    """Under strict the windowed layers get vLLM's full-attention KV management: one KV-cache group,
+    every request owns 16 distinct real pages (max_model_len) at every step, checked in the scheduler
+    (probe) and in the worker (DHP_CHECK_VALUES, or the engine would have failed). Under off vLLM's
+    sliding-window manager keeps its memory saving: it frees out-of-window pages (null-block entries)."""
+    _, probes, log = dhp
+    for arch, path in models.items():
+        strict, off = probes[f"{path}|strict"], probes[f"{path}|off"]
+        assert strict["hooked"] == "ReservingAllocateSlots" and off["hooked"] == "method"
+        assert strict["groups"] == 1, arch
+        assert strict["violations"] == [] and off["violations"] == [], arch
+        assert strict["max_blocks"] == MAX_MODEL_LEN // BLOCK and strict["steps"] > 5, arch
+        assert strict["freed_entries"] == 0 and off["freed_entries"] > 0, arch
+        assert off["groups"] == (1 if arch in ("mistral", "phi3") else 2), arch
+    for window in (48, 56, 32, 40, 24):
+        assert f"Windowed layers (window {window}) are managed as full attention" in log
