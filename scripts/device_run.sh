@@ -16,6 +16,7 @@
 #             and in deterministic mode against the offline engine's golden, bit for bit
 #             (tests/test_server_golden_gpu.py); SERVE_TEST_S, default 420; logs and answers in $OUT/serve-*
 #   startup   engine start-up time, cold caches then warm, per configuration (STARTUP_CONFIGS: fa3 dhp-strict)
+#   windowed  the tiny windowed models (Mistral, Gemma-2/3, Phi-3, gpt-oss) through vLLM: DHP vs vLLM's own attention
 #   golden    GPU-marked golden round trip (tests/test_golden.py: record solo, check 16 shuffled, chunked prefill)
 #   tp2       integration/tp_run.py on 2 GPUs (kind nvidia-h100-x2): every policy at tensor_parallel_size 2, each
 #             rank's log, deterministic bits across batchings, FLASH_ATTN tokens and throughput (TP2_ARGS;
@@ -110,6 +111,8 @@ for step in "$@"; do
                    "$OUT/startup-$cfg-$run.json" $cfg $run 2>&1 | tail -1
                done
              done ;;
+    windowed) timeout ${WINDOWED_TEST_S:-400} python3 -m pytest -q -m gpu tests/test_e2e_windowed.py -x -p no:cacheprovider 2>&1 \
+               | tee "$OUT/windowed.log" | grep -v "^\s*$" | tail -25 ;;
     golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;
     tp2)     timeout -k 30 ${TP2_S:-540} python3 -m integration.tp_run --out "$OUT/tp2" ${TP2_ARGS:-} 2>&1 \

@@ -33,6 +33,8 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
 ARCHS = ("mistral", "gemma2", "gemma3", "phi3", "gpt_oss")
+# the windows of each model's layers as DHP's trace names them (None: a full-attention layer)
+EXPECTED_WINDOWS = {"mistral": {48}, "gemma2": {56, None}, "gemma3": {32, None}, "phi3": {40}, "gpt_oss": {24, None}}
 MAX_MODEL_LEN, BLOCK = 512, 32  # run_generation's defaults: strict holds 16 blocks per request
 COMMON = ["--multiprocessing", "0", "--workload", "short", "--batching", "together"]
 _PROBE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "reservation_probe.py")
@@ -107,9 +109,7 @@ def test_dhp_matches_cpu_attn(models, native, dhp, policy):
         # DHP ran the windowed layers (and gemma3's and gpt_oss's full ones) with their windows
         windows = {t["sliding_window"] for t in d["dhp_trace"]}
         assert {(t["backend"], t["path"], t["policy"]) for t in d["dhp_trace"]} == {("DHP", "reference", policy)}
-        expected = {"mistral": {48}, "gemma2": {56, None}, "gemma3": {32, None}, "phi3": {40},
-                    "gpt_oss": {24, None}}[arch]
-        assert windows == expected, arch
+        assert windows == EXPECTED_WINDOWS[arch], arch
         assert [o["prompt_len"] for o in d["outputs"]] == [7, 77, 150, 149]  # the short workload
         assert [o["num_cached_tokens"] for o in d["outputs"]] == [0, 0, 0, 128]
         for a, b in zip(n["outputs"], d["outputs"]):
@@ -142,3 +142,42 @@ def test_strict_reserves_every_page_of_windowed_layers(models, dhp):
         assert off["groups"] == (1 if arch in ("mistral", "phi3") else 2), arch
     for window in (48, 56, 32, 40, 24):
         assert f"Windowed layers (window {window}) are managed as full attention" in log
+
+
+# --- the same architectures on the GPU through vLLM 0.24: DHP vs vLLM's own attention ---------------------
+
+def _gpu_env(**extra):
+    # The GPU machine's vLLM comes on PYTHONPATH (gpu-stack): keep it behind this checkout.
+    from engine_process import ROOT
+
+    return engine_env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+                      **extra)
+
+
+GPU_COMMON = [*COMMON, "--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(models):
+    native, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models), "--backend", "native",
+                      *GPU_COMMON], _gpu_env())
+    dhp, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models), "--backend", "DHP",
+                   "--policy", "strict", "--allow-fallback", "0", *GPU_COMMON], _gpu_env(DHP_CHECK_VALUES="1"))
+    return {run["model"]: run for run in native["runs"]}, {run["model"]: run for run in dhp["runs"]}
+
+
+@pytest.mark.gpu
+def test_dhp_matches_vllm_attention_on_the_gpu(models, gpu_runs):
+    """bf16 on the GPU: DHP (strict; the Triton kernels, windows as selections over the whole bucket) gives
+    the greedy tokens of vLLM's own backend for the platform (FLASH_ATTN on Hopper), logprobs within bf16's
+    reach; the trace shows the kernel path, not the reference, with each model's windows."""
+    native, dhp = gpu_runs
+    for arch, path in models.items():
+        n, d = native[path], dhp[path]
+        assert n["dhp_trace"] == [], arch
+        assert {(t["backend"], t["path"]) for t in d["dhp_trace"]} == {("DHP", "triton")}, (arch, d["dhp_trace"])
+        assert {t["sliding_window"] for t in d["dhp_trace"]} == EXPECTED_WINDOWS[arch], arch
+        for a, b in zip(n["outputs"], d["outputs"]):
+            assert a["token_ids"] == b["token_ids"], (arch, a["prompt_len"], a["token_ids"], b["token_ids"])
+            diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
+            assert diff < 0.05, (arch, a["prompt_len"], diff)
