@@ -671,10 +671,11 @@ def _median_ms(fn, reps=20):
     return sorted(times)[reps // 2]
 
 
-def test_window_off_walk_is_short_and_strict_walk_costs_the_bucket():
-    """Policy off reads the window only: a decode step at 8192 with window 128 runs
-    far faster than the constant-time walk of the whole bucket (what strict pays
-    for not revealing where the window is), with the same bits."""
+def test_window_off_short_walk_gives_strict_bits_at_8k():
+    """Policy off walks the window only, strict the whole bucket (what it pays for not
+    revealing where the window is): the same bits on a decode step at 8192 with window
+    128. The three times are reported (DHP_REPORT_DIR, window_walk_ms.tsv), never
+    asserted: tests do not assert on time."""
     from dhp_backend.ops.triton import paged_attention_triton
 
     g = _gen(46)
@@ -693,7 +694,6 @@ def test_window_off_walk_is_short_and_strict_walk_costs_the_bucket():
     print(f"decode 32 x 8192, window 128: off {off:.3f} ms, strict {strict:.3f} ms, off without window "
           f"{plain_off:.3f} ms")
     assert torch.equal(bits(_run(step, policy="off", **feats)), bits(_run(step, policy="strict", **feats)))
-    assert off < 0.5 * strict and off < 0.5 * plain_off, (off, strict, plain_off)
 
 
 def test_window_routes_to_triton_through_the_seam():
