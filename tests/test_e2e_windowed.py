@@ -157,22 +157,32 @@ def _gpu_env(**extra):
 GPU_COMMON = [*COMMON, "--dtype", "bfloat16"]
 
 
+# gpt-oss is left out on the GPU: vLLM 0.24's CUDA gpt-oss loader takes the released checkpoint's expert
+# layout (it raised KeyError 'layers.0.mlp.experts.w2_weight' on the transformers-saved tiny one, H200).
+GPU_ARCHS = tuple(a for a in ARCHS if a != "gpt_oss")
+
+
 @pytest.fixture(scope="module")
-def gpu_runs(models):
-    native, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models), "--backend", "native",
-                      *GPU_COMMON], _gpu_env())
-    dhp, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models), "--backend", "DHP",
+def gpu_models(models):
+    return {arch: models[arch] for arch in GPU_ARCHS}
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(gpu_models):
+    native, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend",
+                      "native", *GPU_COMMON], _gpu_env())
+    dhp, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend", "DHP",
                    "--policy", "strict", "--allow-fallback", "0", *GPU_COMMON], _gpu_env(DHP_CHECK_VALUES="1"))
     return {run["model"]: run for run in native["runs"]}, {run["model"]: run for run in dhp["runs"]}
 
 
 @pytest.mark.gpu
-def test_dhp_matches_vllm_attention_on_the_gpu(models, gpu_runs):
+def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs):
     """bf16 on the GPU: DHP (strict; the Triton kernels, windows as selections over the whole bucket) gives
     the greedy tokens of vLLM's own backend for the platform (FLASH_ATTN on Hopper), logprobs within bf16's
     reach; the trace shows the kernel path, not the reference, with each model's windows."""
     native, dhp = gpu_runs
-    for arch, path in models.items():
+    for arch, path in gpu_models.items():
         n, d = native[path], dhp[path]
         assert n["dhp_trace"] == [], arch
         assert {(t["backend"], t["path"]) for t in d["dhp_trace"]} == {("DHP", "triton")}, (arch, d["dhp_trace"])
