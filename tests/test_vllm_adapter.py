@@ -489,3 +489,23 @@ def test_builder_plans_once_and_every_layer_runs_the_plan(model_dir, monkeypatch
         impl.forward(layer, step.query, step.key, step.value, kv_cache, md, output=out)
         assert_close_to_oracle(out, step.oracle(), torch.float32, "a layer of the step")
     assert planned == [] and ran == [plan, plan]
+
+
+def test_worker_warmup_is_marked_while_it_runs(monkeypatch):
+    """vLLM 0.24's worker warm-up (made-up requests the scheduler never reserved for) is known to the
+    check_values step check while it runs, and only then; wrapping is idempotent; a vLLM without it says so."""
+    import types
+
+    from dhp_backend.vllm import compat
+
+    seen = []
+    fake = types.ModuleType("fake_gpu_worker")
+    fake.warmup_kernels = lambda *a, **k: seen.append((compat.in_worker_warmup(), a, k)) or "done"
+    monkeypatch.setitem(sys.modules, "fake_gpu_worker", fake)
+    monkeypatch.setattr(compat, "WARMUP_MODULE", "fake_gpu_worker")
+    assert compat.mark_worker_warmup() and compat.mark_worker_warmup()
+    assert not compat.in_worker_warmup()
+    assert fake.warmup_kernels(1, x=2) == "done"
+    assert seen == [(True, (1,), {"x": 2})] and not compat.in_worker_warmup()
+    del fake.warmup_kernels
+    assert not compat.mark_worker_warmup()

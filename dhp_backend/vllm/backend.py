@@ -365,6 +365,8 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                                   block_size=int(vllm_config.cache_config.block_size), dtype=dtype,
                                   logits_soft_cap=logits_soft_cap, sinks=sinks is not None,
                                   sliding_window=sliding_window)
+        if self.dhp_config.check_values and self.spec.device_type == "cuda":
+            compat.mark_worker_warmup()  # 0.24's warm-up requests are not the scheduler's (_check_step)
         if self.dhp_config.policy.is_constant_time:
             # The kernels read every page up to the bucket, out-of-window ones too: vLLM
             # must keep them (the address rule), not free them as it does for windows.
@@ -474,9 +476,12 @@ def _kv_kept_in_full(layer) -> bool:
 def _check_step(md: DHPMetadata, key_cache: torch.Tensor) -> None:
     """The setting check_values (a debugging aid that syncs every step). vLLM's dummy
     runs (memory profiling, kernel warm-up, CUDA-graph capture) hand in tables of
-    nothing but block 0, its null block, which no request is ever given; only real
-    steps are checked against the address rule."""
+    nothing but block 0, its null block, which no request is ever given, and 0.24's
+    worker warm-up runs made-up requests the scheduler never reserved for
+    (`compat.in_worker_warmup`); only real steps are checked against the address rule."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    if compat.in_worker_warmup():
         return
     n = md.seq_lens.shape[0]
     if bool((md.block_table[:n] != 0).any()):

@@ -234,6 +234,52 @@ def group_windows(kv_cache_groups) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(sorted(freed)), tuple(sorted(kept))
 
 
+# --- vLLM 0.24's worker warm-up: synthetic requests outside the scheduler ---
+#
+# 0.24's GPU worker (V2 model runner) ends its start-up with
+# ``gpu_worker.warmup_kernels``: two real ``execute_model`` steps of requests it
+# makes up (``_warmup_<i>_``), with block tables it fills itself, never seen by the
+# scheduler, so never reserved (their pages past the length are the null block).
+# They carry no user data. The setting ``check_values`` skips them; 0.32 has no
+# such warm-up (the module attribute is absent there, or its worker differs).
+
+WARMUP_MODULE = "vllm.v1.worker.gpu_worker"  # 0.24: imports warmup_kernels from .gpu.warmup
+_warming_up = False
+
+
+def in_worker_warmup() -> bool:
+    """Whether this process is inside vLLM 0.24's worker warm-up (`mark_worker_warmup`)."""
+    return _warming_up
+
+
+def mark_worker_warmup() -> bool:
+    """Wrap 0.24's ``gpu_worker.warmup_kernels`` so that `in_worker_warmup` is true while it
+    runs. Call it in the worker before its start-up ends (the impl's constructor: model
+    loading comes first). Idempotent; returns whether the warm-up exists in this vLLM."""
+    try:
+        mod = importlib.import_module(WARMUP_MODULE)
+    except ImportError:
+        return False
+    fn = getattr(mod, "warmup_kernels", None)
+    if fn is None:
+        return False
+    if getattr(fn, "_dhp_marked", False):
+        return True
+
+    @functools.wraps(fn)
+    def warmup_kernels(*args, **kwargs):
+        global _warming_up
+        _warming_up = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _warming_up = False
+
+    warmup_kernels._dhp_marked = True
+    mod.warmup_kernels = warmup_kernels
+    return True
+
+
 # --- The scheduler side: KV-page reservation (dhp_backend.vllm.reservation) ---
 #
 # Same in 0.24 and 0.32 (read in both sources): the engine core calls
