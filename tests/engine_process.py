@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -55,6 +56,29 @@ def start_in_session(cmd: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+
+
+# One line of a DHP start-up report in vLLM's log: vLLM's prefix (``(Worker pid=N) WARNING <date> <time>
+# [report.py:L]``, the process part absent in a single-process engine) on every line of the record.
+_REPORT_LINE = re.compile(r"^(?P<who>\([^)]*\) )?[A-Z]+ \S+ \S+ \[report\.py:\d+\] (?P<text>.*)$")
+
+
+def startup_blocks(log: str) -> list[list[str]]:
+    """The DHP start-up reports (`dhp_backend.vllm.report`) in an engine's log, each as its lines without
+    vLLM's prefix; lines of different processes may interleave, so each is kept with its process."""
+    current: dict[str, list[str]] = {}
+    blocks = []
+    for line in log.splitlines():
+        m = _REPORT_LINE.match(line)
+        if not m:
+            continue
+        who, text = m["who"] or "", m["text"]
+        if text.startswith("DHP ") and " start-up report (" in text:
+            current[who] = [text]
+            blocks.append(current[who])
+        elif who in current:
+            current[who].append(text)
+    return blocks
 
 
 def free_port() -> int:

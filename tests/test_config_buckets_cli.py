@@ -150,7 +150,7 @@ def test_info_text_and_additional_config(capsys):
     assert cli_main(["info", "--device", "cpu", "--additional-config",
                      '{"dhp": {"policy": "off"}}']) == 0
     out = capsys.readouterr().out
-    assert "policy=off" in out and "reference (not constant-time)" in out and "true lengths" in out
+    assert "policy=off" in out and "path: reference (NOT constant-time)" in out and "true lengths" in out
 
 
 def test_info_rejects_bad_arguments(capsys):
@@ -167,7 +167,7 @@ def test_console_script_installed():
         pytest.skip("package not installed in this interpreter's environment")
     res = subprocess.run([str(exe), "info", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "dhp_backend 0.1.0" in res.stdout
+    assert res.stdout.startswith("DHP 0.1.0 start-up report (")
 
 
 def test_request_buckets_written_into_persistent_buffer():

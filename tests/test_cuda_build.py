@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dhp_backend.config import Policy
 from dhp_backend.ops import cuda_build, cuda_common, plan
 from dhp_backend.ops.dispatch import ProblemSpec
 
@@ -120,12 +121,28 @@ def _sm90_spec():
                        device_type="cuda", device_capability=(9, 0))
 
 
+def _routes(spec, builds, policy="strict"):
+    """What the start-up report says of each step kind (dhp_backend.startup_report)."""
+    from dhp_backend import startup_report
+    from dhp_backend.config import DHPConfig
+
+    return startup_report.step_routes(spec, DHPConfig(policy=Policy.parse(policy)), 8192, builds, num_sms=132)
+
+
 def test_engine_start_up_builds_what_the_routes_use(fake_nvcc, caplog):
     plan.clear_caches()
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
         built = plan.prepare_kernels(_sm90_spec())
     assert sorted(b.source for b in built) == ["decode_sm90.cu", "prefill_sm90.cu"]
-    assert caplog.text.count("DHP kernels: csrc/") == 2
+    assert caplog.text.count("DHP: built csrc/") == 2  # the events: one line per build, with its duration
+    routes = _routes(_sm90_spec(), built)
+    assert routes["decode"].kernel == plan.CUDA_DECODE_CT and routes["prefill"].kernel == plan.CUDA_PREFILL_CT
+    assert routes["decode"].state.startswith("built now in ")
+    assert "not in the cache: first build" in routes["decode"].state
+    plan.clear_caches()
+    again = plan.prepare_kernels(_sm90_spec())  # a restart: both found in the cache
+    assert [b.state for b in again] == ["cached", "cached"] and len(fake_nvcc()) == 2
+    assert _routes(_sm90_spec(), again)["prefill"].state.startswith("found in the build cache (")
     assert plan.prepare_kernels(_sm90_spec(), "triton") == []  # path triton: nothing to build
     cpu = ProblemSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype="bfloat16",
                       device_type="cpu", device_capability=None)
@@ -146,14 +163,13 @@ def test_a_failed_build_sends_its_steps_to_triton(fake_nvcc, monkeypatch, caplog
     plan.clear_caches()
 
 
-def test_no_nvcc_is_said_once_and_builds_nothing(monkeypatch, caplog):
+def test_no_nvcc_builds_nothing_and_the_report_says_why(monkeypatch):
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
-    monkeypatch.setattr(plan, "_WARNED", set())
     plan.clear_caches()
-    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
-        assert plan.prepare_kernels(_sm90_spec()) == []
-        assert plan.prepare_kernels(_sm90_spec()) == []
-    assert caplog.text.count("no nvcc on this machine") == 1
+    assert plan.prepare_kernels(_sm90_spec()) == []
+    for kind, route in _routes(_sm90_spec(), []).items():
+        assert route.kernel == plan.TRITON, kind
+        assert "not a csrc kernel: no nvcc to build csrc/" in route.state and "CUDA toolkit >= 12.5" in route.state
     plan.clear_caches()
 
 
@@ -162,7 +178,7 @@ def test_every_layer_shares_one_preparation(fake_nvcc, caplog):
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
         first = [plan.prepare_kernels(_sm90_spec()) for _ in range(32)]  # 32 layers of one model
     assert all(f is first[0] for f in first) and len(fake_nvcc()) == 2  # two libraries, built once each
-    assert caplog.text.count("DHP kernels: csrc/") == 2
+    assert caplog.text.count("DHP: built csrc/") == 2
     plan.clear_caches()
 
 

@@ -23,7 +23,7 @@ import sys
 import urllib.request
 
 import pytest
-from engine_process import engine_env, free_port, run_in_session, serve
+from engine_process import engine_env, free_port, run_in_session, serve, startup_blocks
 
 pytest.importorskip("vllm")
 
@@ -46,7 +46,9 @@ def generate(model_dir, backend, *extra, expect_ok=True):
     if not expect_ok:
         return code, text
     assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
-    return json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
+    result = json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
+    result["startup_blocks"] = startup_blocks(text)
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,47 @@ def test_dhp_matches_builtin_cpu_backend(native, dhp_mp):
     # the workload exercised what it claims: prefix-cache hits on the second round
     assert [o["num_cached_tokens"] for o in dhp_mp["outputs"][6:]] == [128, 192, 64]
     assert max(o["prompt_len"] for o in dhp_mp["outputs"]) > 64  # > token budget: chunked
+
+
+def test_each_engine_process_prints_one_start_up_report(native, dhp_mp, monkeypatch, capsys):
+    """The multiprocess CPU engine (vLLM's mp executor: the worker in a process of its own): the worker
+    prints one block (layers, kernels, CUDA graphs), the engine core one (reservation, capacity), the
+    front end none; `dhp-backend info` for the same model and configuration says the same in the same
+    words (dhp_backend.startup_report)."""
+    from dhp_backend.cli import main as cli_main
+    from dhp_backend.ops import plan
+
+    assert native["startup_blocks"] == []
+    blocks = dhp_mp["startup_blocks"]
+    assert len(blocks) == 2, [b[0] for b in blocks]
+    worker = next(b for b in blocks if b[0].endswith(", worker on cpu)"))
+    core = next(b for b in blocks if b[0].endswith(", engine core)"))
+    pid = {name: int(b[0].split("; pid ", 1)[1].split(",")[0]) for name, b in (("worker", worker), ("core", core))}
+    assert pid["worker"] in assert_ran_dhp(dhp_mp, "strict") and pid["core"] != pid["worker"] != os.getpid()
+    steps = [line for line in worker if line.startswith("    ")]
+    assert steps and not [line for line in core if line.startswith("    ")]
+    assert worker[-1] == "  KV reservation and capacity: in the engine core's block (its scheduler reserves)"
+    assert core[-1].startswith("  layers, kernels and CUDA graphs: in each worker process's block")
+    assert "  CUDA graphs: vLLM's mode NONE; DHP's attention runs eagerly between captured pieces (declared NEVER: " \
+           "path reference)" in worker
+
+    reservation = [line for line in core if line.startswith(("  KV reservation:", "  capacity:", "  instead:"))]
+    assert len(reservation) == 3
+    assert "policy 'strict' holds max_model_len=512 tokens = 16 blocks of 32" in reservation[0]
+    num_blocks = reservation[1].split("KV cache: ", 1)[1].split(" blocks")[0].replace(",", "")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the engine's path: the CPU reference
+    plan.clear_caches()
+    assert cli_main(["info", "--json", "--device", "cpu", "--num-heads", "4", "--num-kv-heads", "2", "--head-size",
+                     "64", "--block-size", "32", "--dtype", "float32", "--max-model-len", "512", "--policy", "strict",
+                     "--additional-config", '{"dhp": {"allow_fallback": true}}', "--kv-cache-blocks", num_blocks]) == 0
+    info = json.loads(capsys.readouterr().out)["startup_report"]
+    plan.clear_caches()
+    assert info[1] == worker[1] == core[1]  # policy and bucket
+    assert info[3] == worker[3] == core[3]  # deterministic mode
+    assert [line for line in info if line.startswith(("  KV reservation:", "  capacity:", "  instead:"))] == reservation
+    layer = next(i for i, line in enumerate(worker) if line.startswith("  ") and " layers: " in line)
+    assert info[4].split(": ", 1)[1] == worker[layer].split(": ", 1)[1]  # shape and features
+    assert info[5:9] == worker[layer + 1:layer + 5]  # path; decode, prefill, mixed steps
 
 
 def test_dhp_in_process_engine_gives_identical_bits(model_dir, dhp_mp_solo):
@@ -141,6 +184,8 @@ def test_soft_capped_gemma2_matches_builtin_cpu_backend(gemma2_dir):
     dhp = generate(gemma2_dir, "DHP", "--multiprocessing", "1", "--policy", "strict", "--batching", "solo")
     assert native["dhp_trace"] == []
     assert_ran_dhp(dhp, "strict")
+    worker = next(b for b in dhp["startup_blocks"] if b[0].endswith(", worker on cpu)"))
+    assert any(line.endswith("; features: logits soft-cap 5") for line in worker), worker
     assert len(native["outputs"]) == len(dhp["outputs"]) == 9
     for n, d in zip(native["outputs"], dhp["outputs"]):
         assert n["token_ids"] == d["token_ids"], f"prompt of {n['prompt_len']} tokens"

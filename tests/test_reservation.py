@@ -375,15 +375,25 @@ def test_windowed_layers_whose_pages_vllm_frees_refuse_to_start(vllm_config, no_
     assert not isinstance(scheduler.kv_cache_manager.allocate_slots, ReservingAllocateSlots)
 
 
-def test_price_is_logged_once_at_start_up(vllm_config, no_cpu_override, caplog):
+def test_price_is_in_the_one_start_up_block(vllm_config, no_cpu_override, caplog, monkeypatch):
+    """The scheduler's process prints the start-up report once (dhp_backend.vllm.report), with the price."""
+    from dhp_backend.vllm import report
+
+    monkeypatch.setattr(report, "_EMITTED", False)
+    monkeypatch.setattr(report, "_LAYERS", {})  # a process without a worker (vLLM's mp executor)
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
         make_scheduler(vllm_config, "strict", num_blocks=1 + 5 * cdiv(MML, BS) + 3)
-    lines = [r.getMessage() for r in caplog.records if r.name == "dhp_backend" and "KV reservation" in r.getMessage()]
-    assert len(lines) == 1, lines
-    msg = lines[0]
-    assert f"max_model_len={MML} tokens = {cdiv(MML, BS)} blocks of {BS}" in msg
+        make_scheduler(vllm_config, "strict", num_blocks=1 + 5 * cdiv(MML, BS) + 3)  # once per process
+    blocks = [r.getMessage() for r in caplog.records if r.name == "dhp_backend" and "start-up report" in r.getMessage()]
+    assert len(blocks) == 1, blocks
+    msg = blocks[0]
+    assert msg.splitlines()[0].endswith("engine core)")
+    assert f"KV reservation: policy 'strict' holds max_model_len={MML} tokens = {cdiv(MML, BS)} blocks of {BS}" in msg
     assert "KV cache: 84 blocks" in msg and "at most 5 requests at once" in msg
-    assert "Policy 'request' would hold" in msg and "at most 2x" in msg
+    assert "instead: policy 'request' would hold" in msg and "at most 2x" in msg
+    assert "layers, kernels and CUDA graphs: in each worker process's block" in msg
+    assert not [r for r in caplog.records if r.name == "dhp_backend" and "KV reservation" in r.getMessage()
+                and "start-up report" not in r.getMessage()]  # said in the block only
 
 
 def test_price_arithmetic():
@@ -411,7 +421,9 @@ def test_cli_info_shows_the_reservation(capsys):
     assert "KV reservation" in text and "4,096 blocks of 16" in text and "at most 15 requests at once" in text
     assert cli_main(["info", "--device", "cpu", "--policy", "request"]) == 0
     text = capsys.readouterr().out
-    assert "10,000 blocks of 16 tokens (assumed" in text and "policy 'request' holds" in text
+    assert "10,000 blocks of 16 tokens (9,999 usable" in text
+    assert "KV cache size: assumed; pass --kv-cache-blocks" in text
+    assert "KV reservation: policy 'request' holds" in text
 
 
 # --- end to end on vLLM's CPU engine --------------------------------------------
@@ -442,16 +454,24 @@ def test_cpu_engine_strict_reserves_and_matches_off(tmp_path):
     (distinct pages, none shared between the step's requests, no null block); several requests at
     once, chunked prefill, prefix-cache hits (no two requests of this workload share a prefix while
     both run); the same bits as policy off."""
+    from engine_process import startup_blocks
+
     from integration.tiny_llama import build
 
     model_dir = build(tmp_path / "tiny-llama", seed=0)
     strict, probe, log = _generate_probed(model_dir, "strict", tmp_path)
-    off, off_probe, _ = _generate_probed(model_dir, "off", tmp_path)
+    off, off_probe, off_log = _generate_probed(model_dir, "off", tmp_path)
     for result, policy in ((strict, "strict"), (off, "off")):
         assert {(t["backend"], t["policy"]) for t in result["dhp_trace"]} == {("DHP", policy)}
-    # the hook ran in the engine (strict only), and the price was logged at start-up
+    # the hook ran in the engine (strict only), and the price is in the start-up report: one block, this
+    # engine's one process running both the worker and the scheduler (vLLM's uni executor)
     assert probe["hooked"] == "ReservingAllocateSlots" and off_probe["hooked"] == "method"
-    assert "DHP KV reservation: policy 'strict' holds max_model_len=512 tokens = 16 blocks of 32" in log
+    for text, reserved in ((log, "KV reservation: policy 'strict' holds max_model_len=512 tokens = 16 blocks of 32"),
+                           (off_log, "KV reservation: none beyond each request's true length")):
+        blocks = startup_blocks(text)
+        assert len(blocks) == 1 and blocks[0][0].endswith(", engine core and worker)"), [b[0] for b in blocks]
+        assert any(line.startswith("    decode steps:") for line in blocks[0])
+        assert any(line.startswith("  " + reserved) for line in blocks[0]), blocks[0]
     assert probe["violations"] == [] and off_probe["violations"] == []
     assert probe["max_blocks"] == 16 and off_probe["max_blocks"] < 16
     assert probe["requests"] >= 3 and probe["steps"] > 20

@@ -70,26 +70,37 @@ def test_deterministic_on_a_gpu_without_vllms_mode_refuses_with_the_command_to_r
     assert startup_check.check(fake_config()).deterministic is False  # off by default: nothing required
 
 
-def test_deterministic_with_vllms_mode_starts_and_says_so(monkeypatch, caplog):
+def _report_of(config) -> str:
+    """The start-up block an engine process of this configuration prints (dhp_backend.vllm.report)."""
+    from dhp_backend import startup_report
+    from dhp_backend.vllm import report
+
+    config.model_config = types.SimpleNamespace(max_model_len=512)
+    return startup_report.render(report.build(config, "engine core", {}, {}, None, None, ()))
+
+
+def test_deterministic_with_vllms_mode_starts_and_says_so(monkeypatch):
     _platform(monkeypatch, cpu=False)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    with caplog.at_level(logging.INFO, logger="dhp_backend"):
-        cfg = startup_check.check(fake_config(additional={"dhp": {"deterministic": "yes"}}))
+    config = fake_config(additional={"dhp": {"deterministic": "yes"}})
+    cfg = startup_check.check(config)
     assert cfg.deterministic and "deterministic=True" in cfg.describe()
-    assert any("deterministic mode: DHP attention + vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
-               in r.getMessage() for r in caplog.records)
+    assert ("  deterministic mode: on: DHP attention + vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)"
+            in _report_of(config).splitlines())
 
 
-def test_deterministic_on_the_cpu_platform(monkeypatch, caplog):
-    """vLLM's batch-invariant kernels are GPU Triton kernels: on CPU the mode is refused, not required."""
+def test_deterministic_on_the_cpu_platform(monkeypatch):
+    """vLLM's batch-invariant kernels are GPU Triton kernels: on CPU the mode is refused, not required,
+    and the engine's start-up report says what deterministic mode covers there."""
     _platform(monkeypatch, cpu=True)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     with pytest.raises(startup_check.DHPConfigError, match="CPU engine fails on its first step"):
         startup_check.check(fake_config(additional={"dhp": {"deterministic": True}}))
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
-    with caplog.at_level(logging.WARNING, logger="dhp_backend"):
-        assert startup_check.check(fake_config(additional={"dhp": {"deterministic": True}})).deterministic
-    assert any("does not run on CPUs" in r.getMessage() for r in caplog.records)
+    config = fake_config(additional={"dhp": {"deterministic": True}})
+    assert startup_check.check(config).deterministic
+    assert ("  deterministic mode: on, DHP attention only: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) "
+            "does not run on CPUs") in _report_of(config)
 
 
 def test_fp8_kv_cache_is_refused_up_front():

@@ -10,8 +10,10 @@ build needs only nvcc (CUDA >= 12.5 for ``cudaGetDriverEntryPointByVersion``).
 The product's libraries (`LIBRARIES`) are built at engine start-up, before
 vLLM profiles memory and captures CUDA graphs (`prebuild`, called by the
 adapter through `ops.plan.prepare_kernels`), or ahead of time by ``dhp-backend
-build`` (container images: no GPU needed): one log line per library says
-whether it was built (and why, and how long it took) or found in the cache.
+build`` (container images: no GPU needed). A build logs what it builds, why,
+and how long it took; whether each library was built or found in the cache is
+in the engine's start-up report (`dhp_backend.startup_report`) and in
+``dhp-backend build``'s output.
 Each cache entry carries the SHA-256 of its artefact; an entry whose artefact
 is missing, truncated or altered is rebuilt. Builds write to a temporary name
 and are renamed into place under a per-entry file lock, so two processes

@@ -67,7 +67,8 @@ def common_route_refusal(spec, source: str) -> str | None:
         return f"block size {spec.block_size}"
     from dhp_backend.ops.cuda_build import find_nvcc
     if find_nvcc() is None:
-        return f"no nvcc to build csrc/{source}"
+        return (f"no nvcc to build csrc/{source} (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, "
+                "PATH; the csrc Hopper kernels are faster: install the CUDA toolkit >= 12.5)")
     if source in _BUILD_FAILED:
         return f"csrc/{source} failed to build ({_BUILD_FAILED[source]})"
     return None

@@ -31,7 +31,7 @@ import logging
 import torch
 
 from dhp_backend.config import Policy
-from dhp_backend.ops import dispatch, geometry
+from dhp_backend.ops import cuda_build, dispatch, geometry
 from dhp_backend.ops.dispatch import PathChoice, ProblemSpec
 
 logger = logging.getLogger("dhp_backend")
@@ -43,6 +43,9 @@ CUDA_PREFILL_CT = "cuda_prefill_ct"  # strict/request, prefill steps: compat_ct 
 CUDA_DECODE = "cuda_decode"          # policy off, decode steps: csrc/decode_sm90.cu
 CUDA_DECODE_CT = "cuda_decode_ct"    # strict/request, decode steps: its constant-time binaries
 KERNELS = (REFERENCE, TRITON, CUDA_PREFILL, CUDA_PREFILL_CT, CUDA_DECODE, CUDA_DECODE_CT)
+# The csrc library (`cuda_build`) each csrc kernel's binaries live in.
+CSRC_LIBRARY = {CUDA_DECODE: cuda_build.DECODE_LIBRARY, CUDA_DECODE_CT: cuda_build.DECODE_LIBRARY,
+                CUDA_PREFILL: cuda_build.PREFILL_LIBRARY, CUDA_PREFILL_CT: cuda_build.PREFILL_LIBRARY}
 
 _BUCKET_MODES = {geometry.SCALAR_BUCKET: "one bucket L", geometry.PER_REQUEST_BUCKETS: "per-request buckets",
                  geometry.TRUE_LENGTHS: "true lengths"}
@@ -153,7 +156,7 @@ def _plan(spec, policy, num_tokens, num_reqs, max_blocks, bucket_l, path, allow_
         mode = geometry.TRUE_LENGTHS
     else:
         mode = geometry.PER_REQUEST_BUCKETS if bucket_l is None else geometry.SCALAR_BUCKET
-    choice = _choose_path_logged(spec, policy, path, allow_fallback)
+    choice = _choose_path(spec, policy, path, allow_fallback)
     kernel = choice.name
     if path == "auto" and choice.name == TRITON:
         kernel = step_kernel(spec, policy, num_tokens, num_reqs)
@@ -195,18 +198,16 @@ def _decode_launch(plan: StepPlan, device_index: int | None) -> DecodeLaunch:
 
 
 @functools.lru_cache(maxsize=None)
-def _choose_path_logged(spec, policy, requested, allow_fallback) -> PathChoice:
-    choice = dispatch.choose_path(spec, policy, requested=requested, allow_fallback=allow_fallback)
-    level = logging.WARNING if (policy.is_constant_time and not choice.constant_time) else logging.INFO
-    logger.log(level, "DHP paged_attention: policy=%s path=%s", policy.value, choice.describe())
-    return choice
+def _choose_path(spec, policy, requested, allow_fallback) -> PathChoice:
+    # (the engine says which path each layer kind takes in its start-up report, dhp_backend/startup_report.py)
+    return dispatch.choose_path(spec, policy, requested=requested, allow_fallback=allow_fallback)
 
 
 def clear_caches() -> None:
     """Forget the cached plans, path choices and csrc routes (tests that change
     what a plan depends on: TRITON_INTERPRET, nvcc on the PATH)."""
     _plan.cache_clear()
-    _choose_path_logged.cache_clear()
+    _choose_path.cache_clear()
     _cuda_routes.cache_clear()
     _PREPARED.clear()
 
@@ -225,23 +226,19 @@ def prepare_kernels(spec: ProblemSpec, requested: str = "auto") -> list:
 def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     """Build (or find in the cache) the csrc libraries this layer's steps can route to, now: at engine
     start-up, before vLLM profiles memory and captures CUDA graphs, so the first step never waits for nvcc
-    inside a capture. One log line per library (`cuda_build.Built.describe`). A library that fails to
-    build is refused to every route for this process (`cuda_common.mark_build_failed`): its steps run on
-    the Triton kernels, whose bits are the same, and the log says so once. Returns the builds."""
-    from dhp_backend.ops import cuda_build, cuda_common
+    inside a capture. A build logs itself as it happens (`cuda_build`); where each step kind runs and
+    whether its library was built now or found in the cache is the start-up report's
+    (`dhp_backend.startup_report`, from the returned builds). A library that fails to build is refused to
+    every route for this process (`cuda_common.mark_build_failed`): its steps run on the Triton kernels,
+    whose bits are the same, and the failure is logged once with nvcc's message. No nvcc: nothing is
+    built and the routes say why (`cuda_common.common_route_refusal`). Returns the builds."""
+    from dhp_backend.ops import cuda_common
 
     if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE or spec.features:
         return []  # (a soft-cap, sinks or a window: every step of the layer runs on Triton, step_kernel)
-    if tuple(spec.device_capability or ()) == (9, 0) and cuda_build.find_nvcc() is None:
-        _warn_once(("no-nvcc",), "DHP: no nvcc on this machine (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, "
-                   "/usr/local/cuda/bin, PATH): every step runs on the Triton kernels (same bits; the csrc "
-                   "Hopper kernels are faster: install the CUDA toolkit >= 12.5, whose nvcc also keys "
-                   "their build cache)")
-        return []
     wanted = []
-    for kinds, library in (((CUDA_DECODE, CUDA_DECODE_CT), cuda_build.DECODE_LIBRARY),
-                           ((CUDA_PREFILL, CUDA_PREFILL_CT), cuda_build.PREFILL_LIBRARY)):
-        if any(_cuda_routes(spec, k) for k in kinds):
+    for kind, library in CSRC_LIBRARY.items():
+        if library not in wanted and _cuda_routes(spec, kind)[0]:
             wanted.append(library)
     built = []
     for library in wanted:
@@ -254,22 +251,13 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
             logger.error("DHP: csrc/%s failed to build; its steps run on the Triton kernels (same bits): %s",
                          library[1], e)
             continue
-        logger.warning("DHP kernels: %s", b.describe())
         built.append(b)
     return built
 
 
-_WARNED: set = set()
-
-
-def _warn_once(key, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(message)
-
-
 @functools.lru_cache(maxsize=None)
-def _cuda_routes(spec, kind: str) -> bool:
+def _cuda_routes(spec, kind: str) -> tuple[bool, str]:
+    """Whether steps of ``kind`` (a csrc kernel) of ``spec`` may run on it, and why (not)."""
     if kind == CUDA_PREFILL:
         from dhp_backend.ops.cuda_prefill import routes_prefill as routes
     elif kind == CUDA_PREFILL_CT:
@@ -278,11 +266,7 @@ def _cuda_routes(spec, kind: str) -> bool:
         from dhp_backend.ops.cuda_decode import routes_decode_ct as routes
     else:
         from dhp_backend.ops.cuda_decode import routes_decode as routes
-    ok, reason = routes(spec)
-    policies = "strict/request" if kind.endswith("_ct") else "off"
-    logger.info("DHP paged_attention: policy=%s %s steps on %s", policies, kind.split("_")[1],
-                reason if ok else f"Triton ({reason})")
-    return ok
+    return routes(spec)
 
 
 def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_reqs: int) -> str:
@@ -299,25 +283,28 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     implement them. The
     csrc kernels give the Triton kernels' bits (GPU tests), so which kernel ran
     never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
+    return step_route(spec, policy, num_tokens, num_reqs)[0]
+
+
+def step_route(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_reqs: int) -> tuple[str, str]:
+    """`step_kernel`'s answer and why, in words (the start-up report and ``dhp-backend info`` print it)."""
     if spec.device_type != "cuda":
-        return TRITON
+        return TRITON, "the csrc kernels run on CUDA devices only"
     if spec.features:
         # The csrc kernels implement no soft-cap, sinks or window: such layers run
         # every step on the Triton kernels. A public decision (the model's config).
-        return TRITON
+        return TRITON, f"the csrc kernels do not implement {' or '.join(spec.features)}"
     prefill = geometry.step_kind(num_tokens, num_reqs) == "prefill"
     group = spec.num_heads // max(1, spec.num_kv_heads)
     decode = not prefill and geometry.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group,
                                                   dtype_name=spec.dtype)
-    if Policy.parse(policy) is not Policy.OFF:
-        if prefill:
-            return CUDA_PREFILL_CT if _cuda_routes(spec, CUDA_PREFILL_CT) else TRITON
-        return CUDA_DECODE_CT if decode and _cuda_routes(spec, CUDA_DECODE_CT) else TRITON
-    if prefill:
-        return CUDA_PREFILL if _cuda_routes(spec, CUDA_PREFILL) else TRITON
-    if decode:
-        return CUDA_DECODE if _cuda_routes(spec, CUDA_DECODE) else TRITON
-    return TRITON
+    if not (prefill or decode):
+        return TRITON, ("a mixed step on request tiles: the csrc kernels run prefill steps and decode steps "
+                        "(one query token per tile)")
+    ct = Policy.parse(policy) is not Policy.OFF
+    kind = (CUDA_PREFILL_CT if ct else CUDA_PREFILL) if prefill else (CUDA_DECODE_CT if ct else CUDA_DECODE)
+    ok, why = _cuda_routes(spec, kind)
+    return (kind, why) if ok else (TRITON, why)
 
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -50,7 +50,7 @@ from dhp_backend.ops import (
 )
 from dhp_backend.ops.attention import check_sinks, check_sliding_window, check_soft_cap
 from dhp_backend.ops.validation import check_values
-from dhp_backend.vllm import compat
+from dhp_backend.vllm import compat, report
 
 logger = logging.getLogger("dhp_backend")
 
@@ -226,8 +226,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
             logger.warning("DHP: CUDA-graph support unknown (%s); declaring NEVER", exc)
             return AttentionCGSupport.NEVER
         level = AttentionCGSupport.ALWAYS if graph_capturable(choice, cfg.policy) else AttentionCGSupport.NEVER
-        _once(("cg", level, cfg.policy, choice.name), lambda: logger.warning(
-            "DHP: CUDA-graph support %s (policy=%s, path=%s)", level.name, cfg.policy.value, choice.name))
+        report.record_cuda_graphs(level.name, choice.name)
         return level
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
@@ -241,6 +240,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
         if self.dhp_config.policy is Policy.REQUEST:
             max_reqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 0) or 256)
             self._request_buckets = torch.empty(max_reqs, dtype=torch.int32, device=device)
+        report.worker_ready(vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DHPMetadata:
@@ -383,13 +383,9 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         self.reserved_bytes = prepare_path(self.path_choice, device)
         # The csrc kernels this layer can route to are built (or found in the cache) now, visibly, not
         # inside the first CUDA-graph capture.
-        prepare_kernels(self.spec, self.dhp_config.path)
+        builds = prepare_kernels(self.spec, self.dhp_config.path)
         self._cache_update_op = compat.kv_cache_update_op(self.spec.device_type)
-        _once(("init", self.spec, self.dhp_config), lambda: logger.warning(
-            "DHP attention backend %s (vLLM %s): %s; bucket=%s; path=%s; device memory held: %.1f MiB",
-            __version__, ".".join(map(str, compat.vllm_version())), self.dhp_config.describe(),
-            _describe_bucket(self.dhp_config.policy, max_model_len), self.path_choice.describe(),
-            self.reserved_bytes / 2**20))
+        report.record_layer(self.spec, self.path_choice, self.reserved_bytes, builds)
         if self.dhp_config.policy is Policy.STRICT and vllm_config.cache_config.enable_prefix_caching:
             _once(("prefix-caching",), lambda: logger.warning(
                 "DHP policy 'strict': prefix caching is on. The scheduler skips the compute of "
@@ -487,11 +483,3 @@ def _check_step(md: DHPMetadata, key_cache: torch.Tensor) -> None:
     if bool((md.block_table[:n] != 0).any()):
         check_values(md.query_start_loc, md.seq_lens, md.block_table, md.bucket, md.num_actual_tokens,
                      key_cache.shape[0], key_cache.shape[2])
-
-
-def _describe_bucket(policy: Policy, max_model_len: int | None) -> str:
-    if policy is Policy.STRICT:
-        return f"L=max_model_len={max_model_len}"
-    if policy is Policy.REQUEST:
-        return "L=each request's next power of two"
-    return "true lengths"

@@ -29,9 +29,10 @@ class in the engine core (`compat.on_scheduler_class_resolved`: register()
 stays cheap, the scheduler module is imported only where a scheduler is built).
 After the original ``__init__``, `after_scheduler_init` checks whether this
 engine runs DHP (`compat.engine_runs_dhp`) under a constant-time policy and, if
-so, wraps that scheduler's ``kv_cache_manager.allocate_slots`` and logs the
-price once. The engine refuses to start, naming the flag to add, if the hook
-cannot be installed (a scheduler class or vLLM whose allocator lacks these
+so, wraps that scheduler's ``kv_cache_manager.allocate_slots``; under every
+policy the price goes into the process's start-up report
+(`dhp_backend.vllm.report`). The engine refuses to start, naming the flag to
+add, if the hook cannot be installed (a scheduler class or vLLM whose allocator lacks these
 parameters), and also if the KV cache cannot hold one request's reservation at
 ``max_model_len`` (nothing could ever be scheduled).
 
@@ -173,7 +174,7 @@ class ReservingAllocateSlots:
 
 
 def reserve_on(scheduler, policy: Policy) -> ReservingAllocateSlots | None:
-    """Wrap ``scheduler.kv_cache_manager.allocate_slots`` (idempotent); log the price.
+    """Wrap ``scheduler.kv_cache_manager.allocate_slots`` (idempotent).
 
     Returns the wrapper, or None for a scheduler without a KV cache (nothing
     to reserve). Raises `ReservationUnavailable` if the hook cannot be made.
@@ -187,7 +188,7 @@ def reserve_on(scheduler, policy: Policy) -> ReservingAllocateSlots | None:
         raise refusal(policy, f"{type(scheduler).__name__} has no kv_cache_manager.allocate_slots")
     if isinstance(allocate, ReservingAllocateSlots):
         return allocate
-    max_model_len = int(getattr(manager, "max_model_len", 0) or scheduler.vllm_config.model_config.max_model_len)
+    max_model_len = _max_model_len(scheduler)
     wrapper = ReservingAllocateSlots(allocate, policy, max_model_len)  # refuses an allocator it cannot drive
     geometry = compat.kv_cache_geometry(scheduler)
     if geometry.num_groups == 0:
@@ -207,35 +208,45 @@ def reserve_on(scheduler, policy: Policy) -> ReservingAllocateSlots | None:
             f"Lower --max-model-len to {geometry.usable_blocks * geometry.block_size} or less, or give the KV "
             "cache more memory.")
     manager.allocate_slots = wrapper
-    price = reservation_price(policy, max_model_len=max_model_len, block_size=geometry.block_size,
-                              num_blocks=geometry.num_blocks)
-    message = format_price(price)
-    if geometry.kept_windows:
-        message += (f" Windowed layers (window {', '.join(map(str, geometry.kept_windows))}) are managed as full "
-                    "attention under this policy: they hold every page up to the bucket too, so their window "
-                    "saves no KV memory (policy 'off' keeps vLLM's sliding-window manager, which frees "
-                    "out-of-window pages).")
-    if geometry.num_groups > 1:
-        message += (f" This KV cache has {geometry.num_groups} groups (layers of different page sizes): the "
-                    "figures are for the first one, and every group reserves alike.")
-    logger.warning("%s", message)
     return wrapper
 
 
-def after_scheduler_init(scheduler, vllm_config=None) -> None:
-    """Install the reservation on a freshly built scheduler if this engine needs it."""
+def _max_model_len(scheduler, vllm_config=None) -> int:
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    return int(getattr(manager, "max_model_len", 0)
+               or (vllm_config if vllm_config is not None else scheduler.vllm_config).model_config.max_model_len)
+
+
+def scheduler_price(scheduler, policy: Policy, vllm_config=None) -> dict | None:
+    """`reservation_price` for this scheduler's KV cache, with ``"groups"`` (KV-cache groups); None
+    for a scheduler without vLLM's KV-cache manager or without a KV cache."""
     from dhp_backend.vllm import compat
+
+    if getattr(scheduler, "kv_cache_manager", None) is None:
+        return None
+    geometry = compat.kv_cache_geometry(scheduler)
+    if geometry.num_groups == 0:
+        return None
+    price = reservation_price(policy, max_model_len=_max_model_len(scheduler, vllm_config),
+                              block_size=geometry.block_size, num_blocks=geometry.num_blocks)
+    price["groups"] = geometry.num_groups
+    price["kept_windows"] = list(geometry.kept_windows)
+    return price
+
+
+def after_scheduler_init(scheduler, vllm_config=None) -> None:
+    """Install the reservation on a freshly built scheduler if this engine needs it, and hand the
+    price to this process's start-up report (`dhp_backend.vllm.report`), which is then complete here."""
+    from dhp_backend.vllm import compat, report
 
     if vllm_config is None:
         vllm_config = getattr(scheduler, "vllm_config", None)
     if vllm_config is None or not compat.engine_runs_dhp(vllm_config):
         return
     cfg = DHPConfig.from_sources(getattr(vllm_config, "additional_config", None))
-    if not cfg.policy.is_constant_time:
-        logger.info("DHP policy '%s': no KV-page reservation (kernels read only each request's true length)",
-                    cfg.policy.value)
-        return
-    reserve_on(scheduler, cfg.policy)
+    if cfg.policy.is_constant_time:
+        reserve_on(scheduler, cfg.policy)
+    report.scheduler_ready(vllm_config, scheduler_price(scheduler, cfg.policy, vllm_config))
 
 
 def wrap_scheduler_class(cls: type) -> None:
@@ -356,8 +367,9 @@ def _n(value) -> str:
     return "?" if value is None else f"{value:,}"
 
 
-def format_price(price: dict) -> str:
-    """One paragraph (the start-up log line): the policy's reservation and what it costs."""
+def price_lines(price: dict) -> list[str]:
+    """The reservation, the capacity it leaves and what the other policies would give: three lines of
+    the start-up report (`dhp_backend.startup_report`), in the engine and in ``dhp-backend info``."""
     policy, mml, bs = price["policy"], price["max_model_len"], price["block_size"]
     strict_blocks, strict_fit = price["strict_blocks_per_request"], _n(price["strict_requests_at_once"])
     if price["num_blocks"] is None:
@@ -365,23 +377,33 @@ def format_price(price: dict) -> str:
     else:
         cache = (f"KV cache: {_n(price['num_blocks'])} blocks of {bs} tokens ({_n(price['usable_blocks'])} "
                  "usable; block 0 is vLLM's null block)")
+    if price.get("groups", 1) > 1:
+        cache += (f"; {price['groups']} KV-cache groups (a hybrid model): the figures are for the first one, "
+                  "and every group reserves alike")
+    if price.get("kept_windows") and policy != "off":
+        cache += (f"; Windowed layers (window {', '.join(map(str, price['kept_windows']))}) are managed as full "
+                  "attention under this policy: they hold every page up to the bucket too, so their window saves "
+                  "no KV memory (policy 'off' keeps vLLM's sliding-window manager, which frees out-of-window pages)")
     bands = ", ".join(f"{_n(r['requests_at_once']['request'])} of {r['lengths'][0]}-{r['lengths'][1]} tokens"
                       for r in price["rows"][:4])
+    rule = "(the address rule: the kernels read every page up to the bucket)"
     if policy == "strict":
-        return (f"DHP KV reservation: policy 'strict' holds max_model_len={mml} tokens = {strict_blocks} blocks "
-                f"of {bs} per request from its first step, whatever its length (the address rule: the kernels "
-                f"read every page up to the bucket). {cache} -> at most {strict_fit} requests at once at this "
-                f"max_model_len. Policy 'request' would hold each request's next power of two of its length "
-                f"instead (at most 2x the length; its log2 becomes public to timing): {bands} at once.")
+        return [f"KV reservation: policy 'strict' holds max_model_len={mml} tokens = {strict_blocks} blocks of "
+                f"{bs} per request from its first step, whatever its length {rule}",
+                f"capacity: {cache} -> at most {strict_fit} requests at once at this max_model_len",
+                f"instead: policy 'request' would hold each request's next power of two of its length (at most "
+                f"2x the length; its log2 becomes public to timing): {bands} at once"]
     if policy == "request":
-        return (f"DHP KV reservation: policy 'request' holds the next power of two of each request's length "
-                f"(at most 2x the length, capped at max_model_len={mml}), reserved again each time the length "
-                f"crosses one (the address rule: the kernels read every page up to the bucket). {cache} -> "
-                f"requests at once: {bands}. Policy 'strict' (no length public) would hold {strict_blocks} "
-                f"blocks per request: {strict_fit} at once.")
-    return (f"DHP policy 'off': no reservation beyond each request's true length (vLLM's own); {cache}. "
-            f"Constant-time policies hold more: 'strict' {strict_blocks} blocks per request ({strict_fit} at "
-            f"once), 'request' the next power of two of the length: {bands} at once.")
+        return [f"KV reservation: policy 'request' holds the next power of two of each request's length (at "
+                f"most 2x the length, capped at max_model_len={mml}), reserved again each time the length "
+                f"crosses one {rule}",
+                f"capacity: {cache} -> requests at once: {bands}",
+                f"instead: policy 'strict' (no length public) would hold {strict_blocks} blocks per request: "
+                f"{strict_fit} at once"]
+    return ["KV reservation: none beyond each request's true length (policy 'off': vLLM's own allocation)",
+            f"capacity: {cache} -> as many requests as their true lengths fit",
+            f"instead: the constant-time policies hold more: 'strict' {strict_blocks} blocks per request "
+            f"({strict_fit} at once), 'request' the next power of two of the length: {bands} at once"]
 
 
 def price_table(price: dict) -> list[str]:

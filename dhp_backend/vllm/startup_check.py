@@ -82,7 +82,8 @@ def restart_command(argv: list[str] | None = None) -> str:
 def _check_deterministic() -> None:
     """``deterministic``: DHP (batch-invariant by construction) plus vLLM's batch-invariant
     mode for everything else (matmuls, norms, sampling). vLLM reads its switch before any
-    plugin can set it (`compat.batch_invariant_enabled`), so it is required, not set."""
+    plugin can set it (`compat.batch_invariant_enabled`), so it is required, not set. The mode the
+    engine runs in is said once, in its start-up report (`dhp_backend.startup_report`)."""
     from vllm.platforms import current_platform
 
     from dhp_backend.vllm import compat
@@ -95,18 +96,12 @@ def _check_deterministic() -> None:
                 f"DHP configuration: deterministic=true with {env}=1 on vLLM's CPU platform: vLLM's "
                 f"batch-invariant kernels are Triton GPU kernels and its CPU engine fails on its first step "
                 f"with them; accepted: unset {env} (the CPU engine then runs without vLLM's mode)")
-        logger.warning(
-            "DHP: deterministic mode on vLLM's CPU platform: DHP's attention is batch-invariant, but vLLM's "
-            "batch-invariant mode (%s) does not run on CPUs, so the engine's own matmuls are not made "
-            "batch-invariant by vLLM (README, 'Golden outputs' says which invariances the tests show on CPU)",
-            env)
-        return
+        return  # the engine's start-up report says what the mode covers there (startup_report)
     if not on:
         raise DHPConfigError(
             f"DHP configuration: deterministic=true needs vLLM's batch-invariant mode, which vLLM reads "
             f"from {env} before plugins load, so DHP cannot turn it on for this engine. Start it as: "
             f"{restart_command()}   (Python API: set os.environ['{env}'] = '1' before importing vllm)")
-    logger.info("DHP: deterministic mode: DHP attention + vLLM's batch-invariant mode (%s=1)", env)
 
 
 def _wrap(cls) -> None:
