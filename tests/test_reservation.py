@@ -340,10 +340,14 @@ def test_request_policy_regrows_under_pressure_without_looping(vllm_config, no_c
     assert 1 <= worker.preemptions <= 8
 
 
-def test_windowed_layers_kept_in_full_are_reserved_like_full_ones(vllm_config, no_cpu_override, caplog):
+def test_windowed_layers_kept_in_full_are_reserved_like_full_ones(vllm_config, no_cpu_override, caplog,
+                                                                  monkeypatch):
     """A windowed layer managed as full attention (``FullAttentionSpec(sliding_window=W)``, what DHP's
     layers declare under a constant-time policy, in one group with the full layers) owns distinct pages
-    up to the reservation at every step, and the price log says the window saves no memory."""
+    up to the reservation at every step, and the start-up report says the window saves no memory."""
+    from dhp_backend.vllm import report
+
+    monkeypatch.setattr(report, "_EMITTED", False)  # the report is printed once per process
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
                              sliding_window=32)
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
