@@ -186,7 +186,9 @@ def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs):
         n, d = native[path], dhp[path]
         assert n["dhp_trace"] == [], arch
         assert {(t["backend"], t["path"]) for t in d["dhp_trace"]} == {("DHP", "triton")}, (arch, d["dhp_trace"])
-        assert {t["sliding_window"] for t in d["dhp_trace"]} == EXPECTED_WINDOWS[arch], arch
+        # the forward events name the layer's window (the kernel events name the kernels that ran)
+        forward = [t for t in d["dhp_trace"] if t["event"] == "forward"]
+        assert {t["sliding_window"] for t in forward} == EXPECTED_WINDOWS[arch], arch
         for a, b in zip(n["outputs"], d["outputs"]):
             assert a["token_ids"] == b["token_ids"], (arch, a["prompt_len"], a["token_ids"], b["token_ids"])
             diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
