@@ -9,9 +9,9 @@ every engine has ``tensor_parallel_size=--tp``. Parts (``--parts``, in this orde
         heads: 8 / 4 per rank, whole GQA groups on each rank) and ``kv1`` (8 query / 1
         KV head: 4 / 1 per rank, vLLM replicates the KV head on every rank). Checks:
         every request generates; each rank's DHP trace names its own heads
-        (`heads_per_rank`) and the policy; each rank logs the DHP start-up line with
-        the policy exactly once, its kernel lines (built / in the cache) once, the
-        same kernels as the other ranks (`check_rank_logs`); the three policies give
+        (`heads_per_rank`) and the policy; each rank prints one start-up report with
+        the policy and a kernel per step kind, the same kernels as the other ranks
+        (`check_rank_logs`); the three policies give
         the same bits (a policy never changes bits).
   fa3   FLASH_ATTN on ``kv8``: the same greedy tokens as DHP ``off`` (largest logprob
         difference reported).
@@ -96,52 +96,66 @@ def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int
 _RANK_LINE = re.compile(r"^\((?P<proc>Worker\w*?_TP(?P<rank>\d+)\w*) pid=(?P<pid>\d+)\)\s+"
                         r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+[^\[]*\[[^\]]*\]\s?)?(?P<msg>.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# DHP's start-up lines, each once per process (backend.py, ops/plan.py, ops/cuda_build.py).
-INIT_LINE = "DHP attention backend "
-KERNEL_LINE = re.compile(r"^DHP kernels: csrc/(?P<source>\S+)")
-START_UP = (INIT_LINE, "DHP kernels: ", "DHP paged_attention: ", "DHP: no nvcc", "DHP: csrc/")
+# DHP's start-up report (dhp_backend/vllm/report.py): one block per process, its first line
+# "DHP <version> start-up report (...)", the rest indented; a worker's block names its policy and the
+# kernel of each step kind with its build state.
+REPORT_START = re.compile(r"^DHP \S+ start-up report \(")
+POLICY_LINE = "policy: "
+STEP_LINE = re.compile(r"^(?P<kind>decode|prefill|mixed) steps:\s+(?P<kernel>\w+):")
 
 
 def rank_logs(text: str) -> dict[int, dict]:
-    """Per rank: its worker pids and the DHP lines it logged (messages without vLLM's prefix)."""
+    """Per rank: its worker pids, the DHP lines it logged (messages without vLLM's prefix) and its
+    start-up report blocks (each a list of its lines, stripped)."""
     ranks: dict[int, dict] = {}
     for raw in text.splitlines():
-        m = _RANK_LINE.match(_ANSI.sub("", raw).strip())
+        m = _RANK_LINE.match(_ANSI.sub("", raw).rstrip())
         if not m:
             continue
-        r = ranks.setdefault(int(m.group("rank")), {"pids": set(), "dhp": []})
-        r["pids"].add(int(m.group("pid")))
-        if m.group("msg").startswith("DHP"):
-            r["dhp"].append(m.group("msg").strip())
+        r = ranks.setdefault(int(m.group("rank")), {"pids": set(), "dhp": [], "blocks": [], "open": None})
+        pid, msg = int(m.group("pid")), m.group("msg")
+        r["pids"].add(pid)
+        if REPORT_START.match(msg):
+            r["blocks"].append([msg.strip()])
+            r["open"] = pid
+        elif msg.startswith("  ") and r["open"] == pid:
+            r["blocks"][-1].append(msg.strip())
+        else:
+            r["open"] = None
+        if msg.startswith("DHP"):
+            r["dhp"].append(msg.strip())
+    for r in ranks.values():
+        del r["open"]
     return ranks
 
 
 def check_rank_logs(text: str, tp: int, policy: str) -> dict:
-    """Each rank logs the DHP start-up line once, naming ``policy``; no start-up line twice;
-    each csrc library once; the same libraries on every rank."""
+    """Each rank prints one start-up report, naming ``policy`` and a kernel per step kind; every
+    rank names the same kernels."""
     ranks = rank_logs(text)
     problems = []
     if sorted(ranks) != list(range(tp)):
         problems.append(f"worker lines of ranks {sorted(ranks)}; expected ranks 0..{tp - 1}")
     per_rank = {}
     for r in range(tp):
-        msgs = ranks.get(r, {"dhp": [], "pids": set()})["dhp"]
-        init = [m for m in msgs if m.startswith(INIT_LINE)]
-        kernels = sorted(m.group("source") for m in map(KERNEL_LINE.match, msgs) if m)
-        if len(init) != 1:
-            problems.append(f"rank {r}: {len(init)} '{INIT_LINE.strip()}' lines; expected 1")
-        elif f"policy={policy}" not in init[0]:
-            problems.append(f"rank {r}: start-up line without policy={policy}: {init[0]!r}")
-        twice = sorted({m for m in msgs if m.startswith(START_UP) and msgs.count(m) > 1})
-        if twice:
-            problems.append(f"rank {r}: logged {msgs.count(twice[0])} times: {twice[0]!r}")
-        if len(set(kernels)) != len(kernels):
-            problems.append(f"rank {r}: a csrc library logged twice: {kernels}")
-        per_rank[r] = {"pids": sorted(ranks.get(r, {}).get("pids", ())), "init": init, "kernels": kernels,
-                       "dhp_lines": msgs}
-    libraries = {tuple(v["kernels"]) for v in per_rank.values()}
-    if len(libraries) > 1:
-        problems.append(f"ranks logged different csrc libraries: {sorted(libraries)}")
+        got = ranks.get(r, {"dhp": [], "pids": set(), "blocks": []})
+        blocks = got["blocks"]
+        kernels: list[str] = []
+        if len(blocks) != 1:
+            problems.append(f"rank {r}: {len(blocks)} start-up reports; expected 1")
+        else:
+            block = blocks[0]
+            policies = [line for line in block if line.startswith(POLICY_LINE)]
+            if not policies or not policies[0].startswith(f"{POLICY_LINE}{policy};"):
+                problems.append(f"rank {r}: start-up report without policy {policy}: {policies}")
+            kernels = sorted(f"{m.group('kind')}:{m.group('kernel')}" for m in map(STEP_LINE.match, block) if m)
+            if sorted(k.split(":")[0] for k in kernels) != ["decode", "mixed", "prefill"]:
+                problems.append(f"rank {r}: start-up report names kernels {kernels}; expected one per step kind")
+        per_rank[r] = {"pids": sorted(got["pids"]), "report": blocks[0] if len(blocks) == 1 else blocks,
+                       "kernels": kernels, "dhp_lines": got["dhp"]}
+    kernel_sets = {tuple(v["kernels"]) for v in per_rank.values()}
+    if len(kernel_sets) > 1:
+        problems.append(f"ranks name different kernels: {sorted(kernel_sets)}")
     return {"ok": not problems, "problems": problems, "ranks": per_rank}
 
 

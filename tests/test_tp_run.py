@@ -65,24 +65,33 @@ def _worker(rank, pid, level, where, msg):
     return f"({'Worker_TP%d' % rank} pid={pid}) {level} 11-26 10:00:0{rank} [{where}] {msg}"
 
 
-INIT = ("DHP attention backend 0.1.0 (vLLM 0.24.0): policy={p} allow_fallback=false path=auto (defaults); "
-        "bucket=L=max_model_len=512; path=triton (constant-time): ok; device memory held: 0.0 MiB")
-KERNELS = ["DHP kernels: csrc/decode_sm90.cu -> dhp_decode_sm90-abc.so: in the cache (/root/.cache)",
-           "DHP kernels: csrc/prefill_sm90.cu -> dhp_prefill_sm90-def.so: built in 41.0 s (not in the cache)"]
+# A worker's start-up report as vLLM 0.24 prints it at TP 2 (2 x H200, 2026-11-26), one line per record.
+STEPS = {"decode": "cuda_decode_ct: csrc/decode_sm90.cu, p2x2_pv_ef (constant-time walk); found in the build cache",
+         "prefill": "cuda_prefill_ct: csrc/prefill_sm90.cu, compat_ct binary; found in the build cache",
+         "mixed": "cuda_prefill_ct: csrc/prefill_sm90.cu, compat_ct binary; found in the build cache"}
 
 
-def _log(policy="strict", ranks=(0, 1), init_times=1, kernels=None):
+def _report(rank, pid, policy, steps):
+    body = [f"DHP 0.1.0 start-up report (vLLM 0.24; pid {pid}, worker on cuda:{rank})",
+            f"  policy: {policy}; bucket L = max_model_len = 512 (timing reveals only the step geometry)",
+            "  2 layers: 8 query heads / 4 KV heads, head size 128, block size 16, bfloat16 on cuda (sm_90)",
+            *(f"    {kind} steps:   {what}" for kind, what in steps.items()),
+            "  KV reservation and capacity: in the engine core's block (its scheduler reserves)"]
+    return [_worker(rank, pid, "WARNING", "report.py:99", line) for line in body]
+
+
+def _log(policy="strict", ranks=(0, 1), reports=1, steps=None):
     lines = ["INFO 11-26 10:00:00 [llm_engine.py:1] front end line",
-             "(EngineCore_DP0 pid=10) WARNING 11-26 10:00:00 [reservation.py:196] DHP policy 'strict': reserves ..."]
+             "(EngineCore pid=10) WARNING 11-26 10:00:00 [report.py:99] DHP 0.1.0 start-up report (vLLM 0.24; "
+             "pid 10, engine core)",
+             "(EngineCore pid=10) WARNING 11-26 10:00:00 [report.py:99]   policy: strict; bucket L = ..."]
     for r in ranks:
         pid = 100 + r
         lines.append(_worker(r, pid, "INFO", "parallel_state.py:1", "rank init"))
-        for msg in (kernels or {}).get(r, KERNELS):
-            lines.append(_worker(r, pid, "WARNING", "plan.py:257", msg))
-        for _ in range(init_times):
-            lines.append(_worker(r, pid, "WARNING", "backend.py:376", INIT.format(p=policy)))
-        lines.append(_worker(r, pid, "INFO", "plan.py:283",
-                             "DHP paged_attention: policy=strict/request decode steps on cuda_decode_ct"))
+        lines.append(_worker(r, pid, "WARNING", "cuda_build.py:160", "DHP: built csrc/prefill_sm90.cu in 6.3 s"))
+        for _ in range(reports):
+            lines += _report(r, pid, policy, (steps or {}).get(r, STEPS))
+        lines.append(_worker(r, pid, "INFO", "jit_monitor.py:60", "Kernel JIT monitor activated"))
     return "\n".join(lines) + "\n"
 
 
@@ -90,24 +99,33 @@ def test_rank_logs_reads_each_workers_dhp_lines():
     ranks = tp_run.rank_logs(_log().replace("(Worker_TP1", "\x1b[36m(Worker_TP1").replace("pid=101)", "pid=101)\x1b[0m"))
     assert sorted(ranks) == [0, 1]
     assert ranks[1]["pids"] == {101}
-    assert ranks[0]["dhp"][-1].startswith("DHP paged_attention: ")  # vLLM's prefix gone
-    assert len(ranks[0]["dhp"]) == 4  # engine-core and front-end lines belong to no rank
+    assert ranks[0]["dhp"] == ["DHP: built csrc/prefill_sm90.cu in 6.3 s",
+                               "DHP 0.1.0 start-up report (vLLM 0.24; pid 100, worker on cuda:0)"]  # prefix gone
+    assert [len(b) for b in ranks[1]["blocks"]] == [7]  # the engine core's block belongs to no rank
+    assert ranks[1]["blocks"][0][1].startswith("policy: strict;")
 
 
-def test_check_rank_logs_passes_one_start_up_line_per_rank():
+def test_check_rank_logs_passes_one_start_up_report_per_rank():
     res = tp_run.check_rank_logs(_log("request"), 2, "request")
     assert res["ok"], res["problems"]
-    assert res["ranks"][1]["kernels"] == ["decode_sm90.cu", "prefill_sm90.cu"]
+    assert res["ranks"][1]["kernels"] == ["decode:cuda_decode_ct", "mixed:cuda_prefill_ct", "prefill:cuda_prefill_ct"]
     assert res["ranks"][0]["pids"] == [100]
+
+
+def test_check_rank_logs_passes_the_logs_of_a_tp2_run():
+    """Two workers' blocks interleaved line by line, as their processes write at once."""
+    a, b = _report(0, 100, "off", STEPS), _report(1, 101, "off", STEPS)
+    text = "\n".join(x for pair in zip(a, b) for x in pair)
+    assert tp_run.check_rank_logs(text, 2, "off")["ok"]
 
 
 @pytest.mark.parametrize("log, problem", [
     (_log(ranks=(0,)), "worker lines of ranks [0]; expected ranks 0..1"),
-    (_log(init_times=2), "rank 0: 2 'DHP attention backend' lines; expected 1"),
-    (_log(init_times=0), "rank 0: 0 'DHP attention backend' lines"),
-    (_log(policy="off"), "rank 0: start-up line without policy=strict"),
-    (_log(kernels={1: KERNELS[:1]}), "ranks logged different csrc libraries"),
-    (_log(kernels={0: KERNELS + KERNELS[:1]}), "rank 0: logged 2 times: 'DHP kernels: csrc/decode_sm90.cu"),
+    (_log(reports=2), "rank 0: 2 start-up reports; expected 1"),
+    (_log(reports=0), "rank 0: 0 start-up reports; expected 1"),
+    (_log(policy="off"), "rank 0: start-up report without policy strict"),
+    (_log(steps={1: {**STEPS, "decode": "triton: the Triton kernels"}}), "ranks name different kernels"),
+    (_log(steps={0: {"decode": STEPS["decode"]}}), "rank 0: start-up report names kernels ['decode:cuda_decode_ct']"),
 ])
 def test_check_rank_logs_names_what_is_wrong(log, problem):
     res = tp_run.check_rank_logs(log, 2, "strict")

@@ -69,7 +69,7 @@ class PathChoice:
     reason: str  # why this path (and why not the better one)
 
     def describe(self) -> str:
-        ct = "constant-time" if self.constant_time else "NOT constant-time"
+        ct = "constant-time capable" if self.constant_time else "NOT constant-time"
         return f"{self.name} ({ct}): {self.reason}"
 
 
