@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from dhp_backend import startup_report
 from dhp_backend.config import DHPConfig
@@ -43,7 +44,10 @@ logger = logging.getLogger("dhp_backend")
 _LOCK = threading.Lock()
 _LAYERS: dict = {}        # ProblemSpec -> {"path": PathChoice, "bytes": int, "builds": list, "count": int}
 _CUDA_GRAPHS: dict = {}   # declared level name -> the path that decided it
-_EMITTED = False
+# The engines (their VllmConfig) whose block this process printed: one block per engine, so a process
+# that builds several engines in turn (in-process engines, run one after another) prints one for each.
+# Weak: a finished engine's config may go, and a new one may reuse its id().
+_EMITTED: "weakref.WeakSet" = weakref.WeakSet()
 
 # Executors whose worker runs in the process that builds the scheduler (vLLM's names, 0.24 and 0.32).
 _IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
@@ -85,13 +89,14 @@ def scheduler_ready(vllm_config, price: dict | None) -> None:
 
 
 def _emit(vllm_config, role: str, *, device, price, notes) -> None:
-    global _EMITTED
     with _LOCK:
-        if _EMITTED:
+        if vllm_config in _EMITTED:
             return
-        _EMITTED = True
-        layers = dict(_LAYERS)
-        graphs = dict(_CUDA_GRAPHS)
+        _EMITTED.add(vllm_config)
+        # The facts collected so far belong to this engine; a next engine in this process records its own.
+        layers, graphs = dict(_LAYERS), dict(_CUDA_GRAPHS)
+        _LAYERS.clear()
+        _CUDA_GRAPHS.clear()
     from dhp_backend.plugin import log_through_vllm
 
     log_through_vllm()  # an in-process engine's handlers may postdate the plugin's registration
