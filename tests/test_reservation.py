@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -348,7 +347,7 @@ def test_windowed_layers_kept_in_full_are_reserved_like_full_ones(vllm_config, n
     up to the reservation at every step, and the start-up report says the window saves no memory."""
     from dhp_backend.vllm import report
 
-    monkeypatch.setattr(report, "_EMITTED", weakref.WeakSet())  # the report is printed once per engine
+    monkeypatch.setattr(report, "_EMITTED", [])  # the report is printed once per engine
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
                              sliding_window=32)
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
@@ -384,7 +383,7 @@ def test_price_is_in_the_one_start_up_block(vllm_config, no_cpu_override, caplog
     """The scheduler's process prints the start-up report once (dhp_backend.vllm.report), with the price."""
     from dhp_backend.vllm import report
 
-    monkeypatch.setattr(report, "_EMITTED", weakref.WeakSet())
+    monkeypatch.setattr(report, "_EMITTED", [])
     monkeypatch.setattr(report, "_LAYERS", {})  # a process without a worker (vLLM's mp executor)
     with caplog.at_level(logging.WARNING, logger="dhp_backend"):
         make_scheduler(vllm_config, "strict", num_blocks=1 + 5 * cdiv(MML, BS) + 3)

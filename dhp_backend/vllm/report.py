@@ -46,8 +46,9 @@ _LAYERS: dict = {}        # ProblemSpec -> {"path": PathChoice, "bytes": int, "b
 _CUDA_GRAPHS: dict = {}   # declared level name -> the path that decided it
 # The engines (their VllmConfig) whose block this process printed: one block per engine, so a process
 # that builds several engines in turn (in-process engines, run one after another) prints one for each.
-# Weak: a finished engine's config may go, and a new one may reuse its id().
-_EMITTED: "weakref.WeakSet" = weakref.WeakSet()
+# Weak references compared by identity (a VllmConfig is not hashable): a finished engine's config may
+# go, and a new one may reuse its id().
+_EMITTED: list = []
 
 # Executors whose worker runs in the process that builds the scheduler (vLLM's names, 0.24 and 0.32).
 _IN_PROCESS_EXECUTORS = ("uni", "external_launcher")
@@ -90,9 +91,10 @@ def scheduler_ready(vllm_config, price: dict | None) -> None:
 
 def _emit(vllm_config, role: str, *, device, price, notes) -> None:
     with _LOCK:
-        if vllm_config in _EMITTED:
+        _EMITTED[:] = [ref for ref in _EMITTED if ref() is not None]
+        if any(ref() is vllm_config for ref in _EMITTED):
             return
-        _EMITTED.add(vllm_config)
+        _EMITTED.append(weakref.ref(vllm_config))
         # The facts collected so far belong to this engine; a next engine in this process records its own.
         layers, graphs = dict(_LAYERS), dict(_CUDA_GRAPHS)
         _LAYERS.clear()
