@@ -3,14 +3,9 @@ on vLLM's CPU engine with the tiny seeded Llama.
 
 One golden is recorded per module (each prompt alone) and shared. What the CPU
 engine shows here (README, "Golden outputs"): the bits do not depend on batch
-size, order, or a small per-step token budget that mixes prefills with decodes
-(``--no-enable-chunked-prefill``: each prompt's prefill stays whole). They DO
-change when a prompt's prefill is split into chunks: DHP's CPU path, the
-PyTorch reference, reduces each query row over the chunk's whole sequence
-length (masked positions included), and a different length rounds differently
-(a few 1e-6 in a logprob; vLLM's CPU_ATTN holds there, `golden selfcheck`
-shows it). The round trip keeps prefills whole; `test_chunked_prefill_on_cpu`
-is the known failure, marked strict xfail so that a fix shows.
+size, order, or a small per-step token budget that splits every prompt's
+prefill into chunks and mixes them with decodes (DHP's CPU path, the PyTorch
+reference, computes in float64 and rounds once, `ops/reference.py`).
 """
 
 from __future__ import annotations
@@ -112,21 +107,13 @@ def test_the_golden_file_is_sorted_exact_and_fingerprinted(recorded, model_dir):
 
 
 def test_round_trip_any_batching(recorded, model_dir, capsys):
-    """Recorded one prompt at a time; checked 8 at a time, shuffled, under a 32-token step budget
-    (87 prompt tokens: steps mix whole prefills with decodes, in an order unlike the recording's).
-    Without chunked prefill vLLM wants max_model_len <= the budget: 32 >= 21 + 4 tokens."""
-    code, out, err = run_cli(capsys, "check", "--golden", recorded, "--model", model_dir, "--batch-size", 8,
-                             "--shuffle", "--max-num-batched-tokens", 32, "--quiet", "--",
-                             "--max-model-len", 32, "--enforce-eager", "--dtype", "float32",
-                             "--no-enable-chunked-prefill")
+    """Recorded one prompt at a time; checked 16 at a time, shuffled, under an 8-token step budget: the
+    prompts (3-21 tokens) are prefilled in chunks, and steps mix chunks with decodes in an order unlike
+    the recording's."""
+    code, out, err = run_cli(capsys, "check", "--golden", recorded, "--model", model_dir, "--batch-size", 16,
+                             "--shuffle", "--max-num-batched-tokens", 8, "--quiet", "--", *ENGINE_ARGS)
     assert code == golden.EXIT_EQUAL, out + err
-    assert "bitwise equal (8 prompts, batch size 8, shuffled, max_num_batched_tokens 32)" in out
-
-
-@pytest.mark.xfail(strict=True, reason="DHP's CPU reference path is not chunked-prefill invariant (module doc)")
-def test_chunked_prefill_on_cpu(recorded, model_dir):
-    res = golden.check(golden.load(recorded), model_dir, batch_size=8, max_num_batched_tokens=8)
-    assert res.exit_code == golden.EXIT_EQUAL, res.message
+    assert "bitwise equal (8 prompts, batch size 16, shuffled, max_num_batched_tokens 8)" in out
 
 
 def test_one_flipped_logprob_bit_is_the_first_difference(recorded, model_dir, tmp_path, capsys):

@@ -75,10 +75,15 @@ def paged_attention_reference(
         context = seq_len - q_len
         # The first position any row of the request sees (0 without a window).
         start = max(0, context - sliding_window + 1) if sliding_window else 0
-        k = gather_request_kv(key_cache, block_table[r], seq_len, start).float()  # [Hkv, S - start, D]
-        v = gather_request_kv(value_cache, block_table[r], seq_len, start).float()
+        # float64: the reductions below run over the request's gathered length, which a chunked prefill
+        # changes (a row computed in a chunk sees fewer masked columns than in the whole prompt), and
+        # PyTorch's CPU kernels sum in an order that follows the shape. In float64 those orders differ
+        # 2^29 times below a float32 (or 16-bit) output's last bit, so the rounded row does not see
+        # them: prefill = chunked prefill = decode on the CPU engine (tests/test_golden.py).
+        k = gather_request_kv(key_cache, block_table[r], seq_len, start).double()  # [Hkv, S - start, D]
+        v = gather_request_kv(value_cache, block_table[r], seq_len, start).double()
         # query head h = kv_head * group + g  ->  [Hkv, group, q_len, D]
-        q = query[q0:q1].float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        q = query[q0:q1].double().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, q_len, S]
         if logits_soft_cap:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
