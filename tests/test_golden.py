@@ -116,6 +116,17 @@ def test_round_trip_any_batching(recorded, model_dir, capsys):
     assert "bitwise equal (8 prompts, batch size 16, shuffled, max_num_batched_tokens 8)" in out
 
 
+def test_the_strict_golden_holds_under_policy_off(recorded, model_dir, tmp_path):
+    """A policy changes what timing may reveal, never a bit: the golden recorded under strict, rerun
+    under off (its DHP section says off, so the fingerprints agree), 8 at a time, shuffled."""
+    g = golden.load(recorded)
+    assert g["fingerprint"]["dhp"]["policy"] == "strict"
+    g["fingerprint"]["dhp"]["policy"] = "off"
+    res = golden.check(g, model_dir, batch_size=8, shuffle=True)
+    assert res.exit_code == golden.EXIT_EQUAL, res.message
+    assert res.fingerprint_diff == {}
+
+
 def test_one_flipped_logprob_bit_is_the_first_difference(recorded, model_dir, tmp_path, capsys):
     g = golden.load(recorded)
     target = next(q for q in g["prompts"] if q["id"] == "e")
