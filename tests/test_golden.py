@@ -127,6 +127,29 @@ def test_the_strict_golden_holds_under_policy_off(recorded, model_dir, tmp_path)
     assert res.fingerprint_diff == {}
 
 
+# Four prompts that share one 32-token KV block (block size 32 below), then differ: a warm prefix cache
+# serves that block to every one of them.
+SHARED_PREFIX = [(37 * j) % 480 + 10 for j in range(32)]
+SHARED = [{"id": f"s{i}", "prompt_token_ids": SHARED_PREFIX + [200 + i, 7 * i + 3, 11 + i]} for i in range(4)]
+
+
+def test_selfcheck_every_invariance_holds_for_dhp(model_dir):
+    """Real engine runs, DHP only: against each prompt alone, the batch, the reversed batch, a chunked
+    prefill under an 8-token budget and a warm prefix cache (every prompt reading its cached block) give
+    every token and logprob bit."""
+    report = golden.selfcheck(model_dir, SHARED, max_tokens=4, chunk_budget=8, backends=("DHP",),
+                              engine_args=["--max-model-len", "64", "--block-size", "32", "--enforce-eager",
+                                           "--dtype", "float32"])
+    assert set(report) == {"DHP"}
+    assert {name: r["holds"] for name, r in report["DHP"].items()} == dict.fromkeys(golden.INVARIANCES, True), report
+    assert report["DHP"]["prefix_warm"]["cache_hits"] == len(SHARED), report
+
+
+def test_selfcheck_refuses_unknown_backends(model_dir):
+    with pytest.raises(golden.BadInput, match=r"backends \['FA'\]; accepted: a non-empty subset of"):
+        golden.selfcheck(model_dir, SHARED, backends=("FA",))
+
+
 def test_one_flipped_logprob_bit_is_the_first_difference(recorded, model_dir, tmp_path, capsys):
     g = golden.load(recorded)
     target = next(q for q in g["prompts"] if q["id"] == "e")

@@ -514,17 +514,27 @@ def check(golden: Mapping, model: str | os.PathLike, *, batch_size: int = 1, shu
 INVARIANCES = ("batched", "reversed", "chunked", "prefix_warm")
 
 
+BACKENDS = ("DHP", "engine default")
+
+
 def selfcheck(model: str | os.PathLike, prompts: Sequence[Mapping], *, max_tokens: int = 8,
               policy: str = "strict", chunk_budget: int = 16, engine_args: Sequence[str] = (),
-              environ: Mapping[str, str] | None = None, progress: bool = False) -> dict:
+              environ: Mapping[str, str] | None = None, progress: bool = False,
+              backends: Sequence[str] = BACKENDS) -> dict:
     """Which invariances hold, for DHP and for the engine's default backend, with no stored file.
 
     Against each prompt run alone (prefix caching off): all prompts in one batch
     (``batched``) and in reverse order (``reversed``), in one batch under a
     ``chunk_budget`` token budget (``chunked``), and in one batch a second time
-    with prefix caching on, its cache warm from the first (``prefix_warm``).
+    with prefix caching on, its cache warm from the first (``prefix_warm``; its
+    ``cache_hits`` counts the prompts that read cached prefix tokens, so a
+    workload whose prompts are shorter than a KV block shows that it tested
+    nothing). ``backends``: a subset of `BACKENDS`.
     Returns ``{"DHP": {invariance: {"holds", "detail"}}, "engine default": ...}``.
     """
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise BadInput(f"backends {list(backends)}; accepted: a non-empty subset of {list(BACKENDS)}")
     if not prompts:
         raise BadInput("no prompts; accepted: at least one")
     prompts = sorted(prompts, key=lambda q: _id_key(q["id"]))
@@ -543,6 +553,8 @@ def selfcheck(model: str | os.PathLike, prompts: Sequence[Mapping], *, max_token
     cpu = on_cpu()
     report = {}
     for label, dhp in (("DHP", _dhp_section(policy, cpu)), ("engine default", None)):
+        if label not in backends:
+            continue
         results = {}
         for opts, schedules in runs:
             options = {"batch_size": n, "engine_args": list(engine_args), **opts}
@@ -555,6 +567,9 @@ def selfcheck(model: str | os.PathLike, prompts: Sequence[Mapping], *, max_token
             diff = compare(solo, results[name])
             report[label][name] = {"holds": diff is None,
                                    "detail": "bitwise equal to solo" if diff is None else diff.describe()}
+        hits = sum(1 for r in results["prefix_warm"] if (r.get("num_cached_tokens") or 0) > 0)
+        report[label]["prefix_warm"]["cache_hits"] = hits
+        report[label]["prefix_warm"]["detail"] += f" ({hits} of {n} prompts read cached prefix tokens)"
     return report
 
 

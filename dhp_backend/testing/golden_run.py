@@ -114,7 +114,7 @@ def run(spec: dict) -> dict:
                 c = r.outputs[0]
                 outs[i] = {"token_ids": list(c.token_ids),
                            "logprobs": [float(step[t].logprob).hex() for t, step in zip(c.token_ids, c.logprobs)],
-                           "text": c.text}
+                           "text": c.text, "num_cached_tokens": getattr(r, "num_cached_tokens", None)}
         results[schedule["name"]] = outs
     dtype = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
     fingerprint = {
