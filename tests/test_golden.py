@@ -186,6 +186,17 @@ def test_another_model_is_a_fingerprint_mismatch_then_a_difference(recorded, tmp
     assert "compared anyway: model_hash" in res.message
 
 
+def test_another_tensor_parallel_size_is_a_fingerprint_mismatch(recorded, model_dir):
+    """The fingerprint records the engine's tensor-parallel size: a golden from a TP 2 engine, checked on
+    this TP 1 engine, is reported as recorded elsewhere (exit 3), not as a regression."""
+    g = golden.load(recorded)
+    assert g["fingerprint"]["tensor_parallel_size"] == 1
+    g["fingerprint"]["tensor_parallel_size"] = 2
+    res = golden.check(g, model_dir, batch_size=8)
+    assert res.exit_code == golden.EXIT_FINGERPRINT and not res.compared
+    assert res.fingerprint_diff == {"tensor_parallel_size": (2, 1)}, res.fingerprint_diff
+
+
 def test_other_versions_are_reported_as_such(recorded, model_dir, tmp_path, capsys):
     g = golden.load(recorded)
     g["fingerprint"]["vllm"] = "0.24.0"

@@ -92,6 +92,12 @@ def kernels_from_trace(path: str) -> list[str]:
     return sorted(seen)
 
 
+def tensor_parallel_size(llm) -> int:
+    """The engine's tensor-parallel size (vLLM 0.24 and 0.32: ``llm_engine.vllm_config.parallel_config``)."""
+    parallel = getattr(getattr(llm.llm_engine, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -121,6 +127,9 @@ def run(spec: dict) -> dict:
         **environment_fingerprint(), "dtype": dtype,
         "batch_invariant_mode": compat.batch_invariant_enabled(),
         "attention": "DHP" if spec.get("dhp") is not None else "engine default",
+        # Bits differ across tensor-parallel sizes (the row-parallel matmuls sum other partials): a golden
+        # recorded at one size is another device setup at the next, not a regression.
+        "tensor_parallel_size": tensor_parallel_size(llm),
         "dhp": spec.get("dhp"), "kernels": kernels_from_trace(config.from_env("trace_file") or ""),
     }
     return {"fingerprint": fingerprint, "results": results}
