@@ -17,11 +17,10 @@ Llama's WordLevel tokenizer.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
-from integration.tiny_llama import VOCAB, save
+from integration.tiny_llama import VOCAB, built, save
 
 
 def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_heads: int = 4,
@@ -37,7 +36,7 @@ def build(out: str | Path, *, seed: int = 0, soft_cap: float | None = 5.0, num_h
     stamp = {"arch": "gemma2", "seed": seed, "soft_cap": soft_cap, "heads": num_heads, "kv_heads": num_kv_heads,
              "head_size": head_size, "layers": num_layers, "max_positions": max_positions, "format": 4}
     stamp_file = out / "dhp_tiny_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+    if built(stamp_file, stamp):
         return out
     out.mkdir(parents=True, exist_ok=True)
 

@@ -50,7 +50,7 @@ def build(out: str | Path, *, seed: int = 0, num_heads: int = 4, num_kv_heads: i
     stamp = {"seed": seed, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
              "layers": num_layers, "max_positions": max_positions, "format": 2}
     stamp_file = out / "dhp_tiny_llama.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+    if built(stamp_file, stamp):
         return out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -93,6 +93,11 @@ def fill_llama_like(model, seed: int) -> None:
                 if "lm_head" in name:
                     gain = 3.0
                 p.copy_(torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in)))
+
+
+def built(stamp_file: Path, stamp: dict) -> bool:
+    """Whether ``stamp_file`` (written last by `save`) says a checkpoint of these arguments is there."""
+    return stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp
 
 
 def save(model, out: Path, stamp_file: Path, stamp: dict) -> Path:

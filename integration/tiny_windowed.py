@@ -27,11 +27,10 @@ Llama's WordLevel tokenizer.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from integration.tiny_gemma2 import fill_gemma_like
-from integration.tiny_llama import VOCAB, fill_llama_like, save
+from integration.tiny_llama import VOCAB, built, fill_llama_like, save
 
 #: each architecture's default window (tokens): below a 32-token block, one block and above,
 #: all far below the workload's longest prompts
@@ -83,7 +82,7 @@ def build(out: str | Path, arch: str, *, seed: int = 0, window: int | None = Non
     stamp = {"arch": arch, "seed": seed, "window": window, "heads": num_heads, "kv_heads": num_kv_heads,
              "head_size": head_size, "layers": num_layers, "max_positions": max_positions, "format": 1}
     stamp_file = out / "dhp_tiny_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+    if built(stamp_file, stamp):
         return out
     out.mkdir(parents=True, exist_ok=True)
     config = _config(arch, window, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

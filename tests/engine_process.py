@@ -39,6 +39,12 @@ def engine_env(**extra: str) -> dict:
     return env
 
 
+def gpu_engine_env(**extra: str) -> dict:
+    """`engine_env` on the GPU machine, whose vLLM comes on PYTHONPATH (gpu-stack): this checkout first."""
+    return engine_env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+                      **extra)
+
+
 def run_in_session(cmd: list[str], env: dict, timeout: float = 900) -> tuple[int, str]:
     """Run ``cmd`` in its own session; return (exit code, output). Whatever is left
     of the session afterwards is ended."""

@@ -26,7 +26,7 @@ import os
 import sys
 
 import pytest
-from engine_process import engine_env, run_in_session
+from engine_process import engine_env, gpu_engine_env, run_in_session
 
 pytest.importorskip("vllm")
 
@@ -146,14 +146,6 @@ def test_strict_reserves_every_page_of_windowed_layers(models, dhp):
 
 # --- the same architectures on the GPU through vLLM 0.24: DHP vs vLLM's own attention ---------------------
 
-def _gpu_env(**extra):
-    # The GPU machine's vLLM comes on PYTHONPATH (gpu-stack): keep it behind this checkout.
-    from engine_process import ROOT
-
-    return engine_env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-                      **extra)
-
-
 GPU_COMMON = [*COMMON, "--dtype", "bfloat16"]
 
 
@@ -170,9 +162,9 @@ def gpu_models(models):
 @pytest.fixture(scope="module")
 def gpu_runs(gpu_models):
     native, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend",
-                      "native", *GPU_COMMON], _gpu_env())
+                      "native", *GPU_COMMON], gpu_engine_env())
     dhp, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend", "DHP",
-                   "--policy", "strict", "--allow-fallback", "0", *GPU_COMMON], _gpu_env(DHP_CHECK_VALUES="1"))
+                   "--policy", "strict", "--allow-fallback", "0", *GPU_COMMON], gpu_engine_env(DHP_CHECK_VALUES="1"))
     return {run["model"]: run for run in native["runs"]}, {run["model"]: run for run in dhp["runs"]}
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_process import ROOT, engine_env, free_port, serve
+from engine_process import free_port, gpu_engine_env, serve
 
 from dhp_backend.testing import golden
 
@@ -64,8 +64,7 @@ def recorded(model_dir, report_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, report_dir, recorded):  # after the record: one engine on the GPU at a time
     port = free_port()
-    env = engine_env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-                     VLLM_BATCH_INVARIANT="1")
+    env = gpu_engine_env(VLLM_BATCH_INVARIANT="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--attention-backend", "DHP",
            "--additional-config", json.dumps({"dhp": {"policy": POLICY, "deterministic": True}}),

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_process import ROOT, Server, engine_env, free_port, serve
+from engine_process import Server, free_port, gpu_engine_env, serve
 
 openai = pytest.importorskip("openai")
 
@@ -61,9 +61,7 @@ def deployment(request, model_dir, tmp_path_factory):
     report_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     trace = work / "dhp-trace.jsonl"
-    # The GPU machine's vLLM comes on PYTHONPATH (gpu-stack): keep it behind this checkout.
-    env = engine_env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-                     DHP_TRACE_FILE=str(trace))
+    env = gpu_engine_env(DHP_TRACE_FILE=str(trace))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--attention-backend", "DHP", "--additional-config", json.dumps({"dhp": {"policy": policy}}),
            "--dtype", "bfloat16", "--max-model-len", "2048", "--block-size", "16",

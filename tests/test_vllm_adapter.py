@@ -223,10 +223,16 @@ def test_soft_cap_and_sinks_match_oracle_and_cpu_attn(model_dir, features):
         kw["sinks"] = torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(3)) * 2
     cfg = make_vllm_config(model_dir, block_size, policy="off")
     out_dhp, _ = run_backend(DHPAttentionBackend, cfg, step, block_size, step.kv_cache.clone(), **kw)
+    _matches_oracle_and_cpu_attn(out_dhp, cfg, step, block_size, kw, what=f"DHP {features}")
+
+
+def _matches_oracle_and_cpu_attn(out_dhp, cfg, step, block_size, kw, *, what):
+    """DHP's rows of a step with model features ``kw``: the float64 oracle's (the features change it on
+    this step), zeros past the requests, and CPU_ATTN's on the same cache."""
     ref = step.oracle(**kw)
     assert (ref - step.oracle()).abs().max() > 1e-2  # the features matter on this step
     n = int(step.common.query_start_loc[-1])
-    assert_close_to_oracle(out_dhp[:n], ref[:n], torch.float32, what=f"DHP {features}")
+    assert_close_to_oracle(out_dhp[:n], ref[:n], torch.float32, what=what)
     assert (out_dhp[n:] == 0).all()
     cpu_attn = AttentionBackendEnum.CPU_ATTN.get_class()
     if cpu_attn is DHPAttentionBackend:
@@ -252,16 +258,8 @@ def test_sliding_window_matches_oracle_and_cpu_attn(model_dir, policy):
     cfg = make_vllm_config(model_dir, block_size, policy=policy, allow_fallback=True)
     out_dhp, md = run_backend(DHPAttentionBackend, cfg, step, block_size, step.kv_cache.clone(),
                               sliding_window=window)
-    ref = step.oracle(sliding_window=window)
-    assert (ref - step.oracle()).abs().max() > 1e-2  # the window matters on this step
-    n = int(step.common.query_start_loc[-1])
-    assert_close_to_oracle(out_dhp[:n], ref[:n], torch.float32, what=f"DHP window {window} {policy}")
-    assert (out_dhp[n:] == 0).all()
-    cpu_attn = AttentionBackendEnum.CPU_ATTN.get_class()
-    if cpu_attn is DHPAttentionBackend:
-        pytest.skip("CPU_ATTN is overridden in this process")
-    out_cpu, _ = run_backend(cpu_attn, cfg, step, block_size, step.kv_cache.clone(), sliding_window=window)
-    torch.testing.assert_close(out_dhp[:n], out_cpu[:n], rtol=1e-5, atol=1e-5)
+    _matches_oracle_and_cpu_attn(out_dhp, cfg, step, block_size, {"sliding_window": window},
+                                 what=f"DHP window {window} {policy}")
 
 
 @pytest.mark.parametrize("given, expected", [(None, None), (-1, None), (128, 128), (MAX_MODEL_LEN - 1, 511),
