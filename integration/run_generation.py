@@ -132,7 +132,7 @@ def run_one(args: argparse.Namespace, model: str, policy: str | None, cpu: bool)
 
     t0 = time.time()
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1,
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs,
                             ignore_eos=True, detokenize=False)
     outputs = []
     for round_prompts in make_prompts(workload=args.workload):
@@ -140,8 +140,11 @@ def run_one(args: argparse.Namespace, model: str, policy: str | None, cpu: bool)
         for prompt, r in zip(round_prompts, res):
             c = r.outputs[0]
             lps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs)]
-            outputs.append({"prompt_len": len(prompt), "token_ids": list(c.token_ids), "logprobs": lps,
-                            "num_cached_tokens": getattr(r, "num_cached_tokens", None)})
+            out = {"prompt_len": len(prompt), "token_ids": list(c.token_ids), "logprobs": lps,
+                   "num_cached_tokens": getattr(r, "num_cached_tokens", None)}
+            if args.logprobs > 1:  # each step's candidates, for a comparison that tells a near tie from an error
+                out["top_logprobs"] = [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]
+            outputs.append(out)
     elapsed = time.time() - t0
     shutdown(llm)
     return {"elapsed_s": round(elapsed, 1), "dhp_trace": [], "outputs": outputs}
@@ -211,6 +214,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--logprobs", type=int, default=1,
+                    help="top logprobs per step; above 1 each output also carries them (top_logprobs)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--eager", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)

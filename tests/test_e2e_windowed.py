@@ -146,7 +146,41 @@ def test_strict_reserves_every_page_of_windowed_layers(models, dhp):
 
 # --- the same architectures on the GPU through vLLM 0.24: DHP vs vLLM's own attention ---------------------
 
-GPU_COMMON = [*COMMON, "--dtype", "bfloat16"]
+GPU_COMMON = [*COMMON, "--dtype", "bfloat16", "--logprobs", "5"]
+# bf16: two correct backends round attention outputs differently in an 8-bit mantissa. A first H200 run
+# (2026-11-26) measured 0.053 on Mistral's 77-token prompt with identical tokens; a second saw Gemma-3's
+# 150-token prompt take another token at one step. Logprobs of agreeing steps must stay within BF16_BOUND,
+# and where the greedy tokens part, the two candidates must be a near tie on both sides (within BF16_BOUND,
+# each among the other's top 5), as vLLM's own check_logprobs_close allows; the steps after it are not compared.
+BF16_BOUND = 0.1
+
+
+def compare_greedy(a: dict, b: dict) -> dict:
+    """Two greedy outputs of one prompt (run_generation with --logprobs > 1): the largest logprob difference
+    over the steps before the tokens part, the step where they part (None: never) and whether it was a near tie."""
+    diffs = []
+    for i, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+        if ta == tb:
+            diffs.append(abs(a["logprobs"][i] - b["logprobs"][i]))
+            continue
+        top_a, top_b = a["top_logprobs"][i], b["top_logprobs"][i]
+        tie = (str(tb) in top_a and str(ta) in top_b and top_a[str(ta)] - top_a[str(tb)] < BF16_BOUND
+               and top_b[str(tb)] - top_b[str(ta)] < BF16_BOUND)
+        return {"max_diff": round(max(diffs, default=0.0), 4), "parted_at": i, "near_tie": tie}
+    return {"max_diff": round(max(diffs, default=0.0), 4), "parted_at": None, "near_tie": None}
+
+
+def test_compare_greedy_tells_a_near_tie_from_an_error():
+    same = {"token_ids": [1, 2], "logprobs": [-1.0, -2.0], "top_logprobs": [{"1": -1.0}, {"2": -2.0}]}
+    close = {"token_ids": [1, 2], "logprobs": [-1.05, -2.0], "top_logprobs": [{"1": -1.05}, {"2": -2.0}]}
+    assert compare_greedy(same, close) == {"max_diff": 0.05, "parted_at": None, "near_tie": None}
+    a = {"token_ids": [1, 2, 9], "logprobs": [-1.0, -0.70, -5.0], "top_logprobs": [{"1": -1.0}, {"2": -0.70, "3": -0.72}, {}]}
+    tie = {"token_ids": [1, 3, 4], "logprobs": [-1.0, -0.69, -1.0], "top_logprobs": [{"1": -1.0}, {"3": -0.69, "2": -0.71}, {}]}
+    assert compare_greedy(a, tie) == {"max_diff": 0.0, "parted_at": 1, "near_tie": True}
+    far = {"token_ids": [1, 3, 4], "logprobs": [-1.0, -0.1, -1.0], "top_logprobs": [{"1": -1.0}, {"3": -0.1, "2": -3.0}, {}]}
+    assert compare_greedy(a, far)["near_tie"] is False
+    absent = {"token_ids": [1, 3, 4], "logprobs": [-1.0, -0.69, -1.0], "top_logprobs": [{"1": -1.0}, {"3": -0.69}, {}]}
+    assert compare_greedy(a, absent)["near_tie"] is False
 
 
 # gpt-oss is left out on the GPU: vLLM 0.24's CUDA gpt-oss loader takes the released checkpoint's expert
@@ -183,10 +217,9 @@ def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs):
         forward = [t for t in d["dhp_trace"] if t["event"] == "forward"]
         assert {t["sliding_window"] for t in forward} == EXPECTED_WINDOWS[arch], arch
         for a, b in zip(n["outputs"], d["outputs"]):
-            diff = max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"]))
-            got[(arch, a["prompt_len"])] = (a["token_ids"] == b["token_ids"], round(diff, 4))
-    # Every model and prompt compared before judging. bf16: two correct backends round attention outputs
-    # differently in an 8-bit mantissa; a first H200 run (2026-11-26) measured 0.053 on Mistral's 77-token
-    # prompt with identical tokens, so the logprob bound is bf16-loose; the tokens must be equal.
-    bad = {k: v for k, v in got.items() if not v[0] or v[1] >= 0.1}
-    assert not bad, f"(model, prompt length): (same tokens, max logprob diff) {bad}; all: {got}"
+            got[(arch, a["prompt_len"])] = compare_greedy(a, b)
+    # every model and prompt compared before judging (BF16_BOUND above says why the bound is loose)
+    bad = {k: v for k, v in got.items() if v["max_diff"] >= BF16_BOUND or v["near_tie"] is False}
+    assert not bad, f"(model, prompt length): comparison {bad}; all: {got}"
+    parted = [k for k, v in got.items() if v["parted_at"] is not None]
+    assert len(parted) <= len(got) // 8, f"greedy tokens parted (near ties) on too many prompts: {parted}; all: {got}"

@@ -16,7 +16,7 @@ import struct
 import sys
 
 import pytest
-from engine_process import engine_env
+from engine_process import engine_env, gpu_engine_env
 
 from dhp_backend.cli import main as cli_main
 from dhp_backend.testing import golden
@@ -26,6 +26,8 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.e2e
 
 ENV = engine_env()
+# the GPU machine's vLLM comes on PYTHONPATH (gpu-stack): read before the fixtures clean the environment
+GPU_PYTHONPATH = gpu_engine_env()["PYTHONPATH"]
 ENGINE_ARGS = ["--max-model-len", "64", "--enforce-eager", "--dtype", "float32"]
 PROMPTS = [  # short (3-21 tokens), one text prompt (the tiny model's WordLevel tokenizer: w0 w1 ...)
     {"id": "a", "prompt_token_ids": [5, 17, 300, 41, 9]},
@@ -320,12 +322,13 @@ def test_the_plugin_is_declared_for_pytest():
 
 
 @pytest.mark.gpu
-def test_gpu_round_trip_with_chunked_prefill(model_dir, tmp_path):
+def test_gpu_round_trip_with_chunked_prefill(model_dir, tmp_path, monkeypatch):
     """GPU (DHP's kernels + vLLM's batch-invariant mode, set by the golden's engine process): recorded
     one prompt at a time, checked 16 at a time, shuffled, with prompts of up to 300 tokens split into
     chunks by a 64-token step budget. The CPU does not hold this (module docstring)."""
     import random
 
+    monkeypatch.setenv("PYTHONPATH", GPU_PYTHONPATH)
     rng = random.Random(5)
     prompts = [{"id": f"p{i:02d}", "prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]}
                for i, n in enumerate((5, 9, 17, 33, 64, 65, 100, 127, 128, 129, 150, 200, 255, 256, 257, 300))]
