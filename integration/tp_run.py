@@ -536,7 +536,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--throughput-model", default="llama3-8b",
                     help="e2e_throughput --model-config: llama3-8b (default) or tiny")
     ap.add_argument("--throughput-args", default="--num-requests 128 --min-prompt 128 --max-prompt 1024 "
-                                                 "--output-len 128 --max-model-len 2048 "
+                                                 "--output-len 128 --max-model-len 8192 "
                                                  "--max-cudagraph-capture-size 128",
                     help="more integration.e2e_throughput arguments (the workload)")
     ap.add_argument("--time-budget-s", type=float, default=450, help="the whole run, seconds (default 450)")

@@ -5,6 +5,7 @@ test_reservation.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,50 @@ def test_deterministic_mode_in_words():
     assert d(True, batch_invariant=False, cpu=True).startswith("on, DHP attention only: vLLM's batch-invariant mode")
     assert "refuses to start without it" in d(True, batch_invariant=None, cpu=None)
     assert d(False, batch_invariant=True, cpu=False).startswith("off (")
+
+
+# --- two workers printing their blocks at once (tensor parallelism) -----------------------------------
+
+_WRITER = r"""
+import os, sys, time
+from dhp_backend.vllm.report import sibling_output_lock
+name, locked, out, start = sys.argv[1], sys.argv[2] == "1", sys.argv[3], float(sys.argv[4])
+fd = os.open(out, os.O_WRONLY | os.O_APPEND)
+def block():
+    for i in range(12):  # as vLLM's worker prefix: the prefix and the line in separate writes
+        os.write(fd, f"({name}) ".encode()); time.sleep(0.002)
+        os.write(fd, f"line {i}\n".encode()); time.sleep(0.002)
+while time.time() < start:  # both children start writing at the same moment
+    time.sleep(0.001)
+if locked:
+    with sibling_output_lock(os.path.dirname(out)):
+        block()
+else:
+    block()
+"""
+
+
+def _two_writers(tmp_path, locked: bool) -> list[str]:
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / f"log-{int(locked)}.txt"
+    out.write_text("")
+    start = time.time() + 1.5
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, name, str(int(locked)), str(out), str(start)], env=env)
+             for name in ("Worker_TP0 pid=1", "Worker_TP1 pid=2")]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    return out.read_text().splitlines()
+
+
+def test_sibling_workers_print_their_blocks_one_at_a_time(tmp_path):
+    """The workers of one engine (children of one parent) print whole blocks under the lock; the control,
+    without it, shows the mixing the lock prevents (lines that hold two prefixes)."""
+    unlocked = _two_writers(tmp_path, locked=False)
+    assert any(line.count("(Worker_TP") > 1 for line in unlocked), unlocked
+    lines = _two_writers(tmp_path, locked=True)
+    assert len(lines) == 24 and all(line.count("(Worker_TP") == 1 for line in lines), lines
+    owners = [line.split(")")[0] for line in lines]
+    assert owners[:12] == [owners[0]] * 12 and owners[12:] == [owners[12]] * 12 and owners[0] != owners[12]

@@ -32,6 +32,7 @@ through the ``dhp_backend`` logger that the plugin routes into vLLM's handler):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -102,8 +103,47 @@ def _emit(vllm_config, role: str, *, device, price, notes) -> None:
     from dhp_backend.plugin import log_through_vllm
 
     log_through_vllm()  # an in-process engine's handlers may postdate the plugin's registration
-    # WARNING: the level of vLLM's own start-up notices, and what Python shows when no handler is configured
-    logger.warning("%s", startup_report.render(build(vllm_config, role, layers, graphs, device, price, notes)))
+    text = startup_report.render(build(vllm_config, role, layers, graphs, device, price, notes))
+    with sibling_output_lock():
+        # WARNING: the level of vLLM's own start-up notices, and what Python shows when no handler is configured
+        logger.warning("%s", text)
+
+
+@contextlib.contextmanager
+def sibling_output_lock(directory: str | None = None):
+    """Hold a lock shared with the other children of this process's parent while writing a block.
+
+    The workers of a tensor-parallel engine build their metadata builders at the same moment, so
+    they print their blocks together, and vLLM's worker prefix (``(Worker_TP1 pid=…)``) is written
+    with a write call of its own before each line: unbuffered, two blocks printed at once mix
+    within lines (seen at TP 2 on an H200: one rank's block lost its lines, the other's its first).
+    An advisory ``flock`` on a file named after the parent's pid lets one block out at a time;
+    streams are flushed before it is released. Where locking is not possible the block is
+    written without it.
+    """
+    import os
+    import sys
+    import tempfile
+
+    try:
+        import fcntl
+
+        path = os.path.join(directory or tempfile.gettempdir(), f"dhp-report-{os.getuid()}-{os.getppid()}.lock")
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def build(vllm_config, role: str, layers: dict, graphs: dict, device, price, notes) -> startup_report.StartupReport:
