@@ -90,11 +90,11 @@ class Anchor:
         return _cuda_reason(self.device)
 
     def prepare(self, case, sets) -> None:
+        self.notes = []  # first: a refused case's row must not carry the previous case's notes
         missing = [f for f in case.features if f not in self.features]
         if missing:
             raise NotAvailable(f"{' and '.join(missing)}: {self.feature_gap}")
         self.case, self.sets = case, sets
-        self.notes = []
         self.outs = [torch.empty_like(s.query) for s in sets]
 
     def run(self, i: int):

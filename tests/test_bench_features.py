@@ -269,8 +269,10 @@ def test_anchors_lacking_a_feature_say_so_and_never_run():
     c = FEATURE_SHAPES[0]  # window and cap
     s = _set(c)
     for anchor in (A.FlashInfer(CPU), _MathSdpa(CPU)):
+        anchor.notes = ["from the previous case"]
         with pytest.raises(A.NotAvailable, match="sliding_window and logits_soft_cap: "):
             anchor.prepare(c, [s])
+        assert anchor.notes == []
     counting, sdpa = _Counting(), _MathSdpa(CPU)
     sdpa.available()
     rows = harness.run_cases([c], [counting, sdpa, A.DHP(CPU, "off")], device=CPU,
