@@ -8,7 +8,11 @@ Each anchor is an object with
   timed region; raises `NotAvailable` (or anything) for a shape it does not take;
 - ``run(i)``: one launch on input set ``i``, returning its output;
   ``packed(i, result)`` turns that into ``[num_tokens, Hq, d]`` for the check;
-- ``release()``: drops what ``prepare`` built (one anchor's copy of the cache at a time).
+- ``release()``: drops what ``prepare`` built (one anchor's copy of the cache at a time);
+- ``features``: the model features (`cases.Case.features`) it passes to its
+  kernel; a case with any other feature is refused in ``prepare`` with
+  `NotAvailable` (``feature_gap`` says why), so no anchor ever times the plain
+  computation in place of a featured step.
 
 The signatures follow the sources of vLLM 0.24 (``vllm/vllm_flash_attn/
 flash_attn_interface.py``, ``vllm/v1/attention/ops/triton_unified_attention.py``,
@@ -65,10 +69,15 @@ def hnd_cache(kv: torch.Tensor, head_size: int) -> torch.Tensor:
     return kv.view(nb, hkv, bs, 2, head_size).permute(0, 3, 1, 2, 4).contiguous()
 
 
+ALL_FEATURES = frozenset({"sliding_window", "logits_soft_cap", "sinks"})
+
+
 class Anchor:
     name = ""
     label = ""
     graphable = True  # may be captured in a CUDA graph for decode shapes
+    features: frozenset = frozenset()  # the model features `run` applies (see the module docstring)
+    feature_gap = "this anchor passes no model features to its kernel"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -81,8 +90,11 @@ class Anchor:
         return _cuda_reason(self.device)
 
     def prepare(self, case, sets) -> None:
+        self.notes = []  # first: a refused case's row must not carry the previous case's notes
+        missing = [f for f in case.features if f not in self.features]
+        if missing:
+            raise NotAvailable(f"{' and '.join(missing)}: {self.feature_gap}")
         self.case, self.sets = case, sets
-        self.notes = []
         self.outs = [torch.empty_like(s.query) for s in sets]
 
     def run(self, i: int):
@@ -103,9 +115,20 @@ class Anchor:
         return self.case.head_size ** -0.5
 
 
+def window_size(case) -> tuple[int, int]:
+    """FlashAttention's (left, right) for the case, as vLLM's FLASH_ATTN and TRITON_ATTN
+    backends set it for a decoder layer: ``(W - 1, 0)`` (row i sees keys i - W < k <= i)."""
+    return (-1, -1) if case.sliding_window is None else (case.sliding_window - 1, 0)
+
+
 class FlashAttention3(Anchor):
+    """FA3 with every feature, as vLLM 0.24's FLASH_ATTN backend passes them: ``window_size``,
+    ``softcap`` (0 = none) and the sinks as ``s_aux`` (FA3 takes them in bf16 only, as
+    gpt-oss's parameter is; `inputs.build_set` draws bf16-exact values)."""
+
     name = "fa3"
     label = "FlashAttention-3 (vllm.vllm_flash_attn, fa_version=3)"
+    features = ALL_FEATURES
 
     def available(self) -> str | None:
         why = _cuda_reason(self.device)
@@ -125,17 +148,29 @@ class FlashAttention3(Anchor):
     def prepare(self, case, sets) -> None:
         super().prepare(case, sets)
         self.caches = [nhd_cache(s.kv, case.head_size) for s in sets]
+        # Only the features the case has: a plain case makes the very call it always made.
+        self.feature_args = []
+        for s in sets:
+            kw = {}
+            if case.sliding_window is not None:
+                kw["window_size"] = list(window_size(case))
+            if case.logits_soft_cap:
+                kw["softcap"] = case.logits_soft_cap
+            if s.sinks is not None:
+                kw["s_aux"] = s.sinks.to(torch.bfloat16)
+            self.feature_args.append(kw)
 
     def run(self, i: int):
         s, kv, c = self.sets[i], self.caches[i], self.case
         # As vllm/v1/attention/backends/flash_attn.py calls it (kv_cache.unbind(1)).
         return self.fn(q=s.query, k=kv[:, 0], v=kv[:, 1], out=self.outs[i], cu_seqlens_q=s.query_start_loc,
                        max_seqlen_q=c.max_q_len, seqused_k=s.seq_lens, max_seqlen_k=c.max_seq_len,
-                       softmax_scale=self.scale, causal=c.causal, block_table=s.block_table, fa_version=3)
+                       softmax_scale=self.scale, causal=c.causal, block_table=s.block_table, fa_version=3,
+                       **self.feature_args[i])
 
     def release(self) -> None:
         super().release()
-        self.caches = None
+        self.caches = self.feature_args = None
 
 
 class FlashInfer(Anchor):
@@ -143,6 +178,9 @@ class FlashInfer(Anchor):
 
     name = "flashinfer"
     label = "FlashInfer (BatchDecode/BatchPrefillWithPagedKVCacheWrapper, HND)"
+    feature_gap = ("not wired in this harness: FlashInfer JIT-compiles a kernel per window/soft-cap variant "
+                   "(minutes each on a fresh machine), and vLLM 0.24's FLASHINFER backend takes sinks only "
+                   "through TRT-LLM on SM100; FA3 is the features family's anchor")
     WORKSPACE_BYTES = 394 * 2**20  # vLLM 0.24's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default
 
     def __init__(self, device) -> None:
@@ -219,6 +257,7 @@ class TritonUnified(Anchor):
 
     name = "triton_unified"
     label = "vLLM Triton unified_attention"
+    features = ALL_FEATURES
 
     def available(self) -> str | None:
         why = _cuda_reason(self.device)
@@ -258,11 +297,11 @@ class TritonUnified(Anchor):
         s, kv, c = self.sets[i], self.caches[i], self.case
         self.fn(q=s.query, k=kv[:, 0], v=kv[:, 1], out=self.outs[i], cu_seqlens_q=s.query_start_loc,
                 max_seqlen_q=c.max_q_len, seqused_k=s.seq_lens, max_seqlen_k=c.max_seq_len,
-                softmax_scale=self.scale, causal=c.causal, window_size=(-1, -1), block_table=s.block_table,
-                softcap=0, q_descale=None, k_descale=self.descale, v_descale=self.descale,
+                softmax_scale=self.scale, causal=c.causal, window_size=window_size(c), block_table=s.block_table,
+                softcap=c.logits_soft_cap or 0, q_descale=None, k_descale=self.descale, v_descale=self.descale,
                 seq_threshold_3D=self.threshold, num_par_softmax_segments=self.segments,
                 softmax_segm_output=self.segm_out, softmax_segm_max=self.segm_max,
-                softmax_segm_expsum=self.segm_expsum)
+                softmax_segm_expsum=self.segm_expsum, sinks=s.sinks)
         return self.outs[i]
 
     def release(self) -> None:
@@ -282,6 +321,8 @@ class SdpaCudnn(Anchor):
 
     name = "sdpa_cudnn"
     label = "torch SDPA, cuDNN backend, dense K/V"
+    feature_gap = ("torch's scaled_dot_product_attention has no soft-cap or sinks argument, and this dense "
+                   "ceiling builds no window masks")
 
     def available(self) -> str | None:
         why = _cuda_reason(self.device)
@@ -383,6 +424,8 @@ class DHP(Anchor):
     """DHP through `ops.paged_attention` under one policy (the Triton path; the reference path on a CPU
     without the interpreter)."""
 
+    features = ALL_FEATURES
+
     def __init__(self, device, policy: str) -> None:
         super().__init__(device)
         self.policy = policy
@@ -402,7 +445,8 @@ class DHP(Anchor):
         cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         spec = ProblemSpec(device_type=self.device.type, dtype=c.dtype, head_size=c.head_size,
                            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, block_size=c.block_size,
-                           causal=c.causal, device_capability=cap)
+                           causal=c.causal, device_capability=cap, logits_soft_cap=c.logits_soft_cap,
+                           sinks=c.sinks, sliding_window=c.sliding_window)
         ok, why = triton_pkg.supports(spec)
         if ok:
             # path auto = what vLLM runs: the Triton kernels, and for policy-off
@@ -430,7 +474,8 @@ class DHP(Anchor):
         return paged_attention(s.query, s.key_cache, s.value_cache, s.block_table, s.query_start_loc, s.seq_lens,
                                self.outs[i], scale=self.scale, causal=c.causal, policy=self.policy,
                                bucket=self.buckets[i], max_model_len=c.max_model_len, num_tokens=c.num_tokens,
-                               path=self.path, allow_fallback=self.path == "reference", check_values=check)
+                               path=self.path, allow_fallback=self.path == "reference", check_values=check,
+                               logits_soft_cap=c.logits_soft_cap, sinks=s.sinks, sliding_window=c.sliding_window)
 
     def info(self) -> dict:
         b = self.buckets[0] if self.buckets else None

@@ -18,8 +18,17 @@ read together:
   lengths well below it: DHP ``strict`` walks L = max_model_len, so its
   executed (padded) work is counted apart from the useful work.
 
+- ``features`` (on request only: ``--cases features``; never in the default
+  list): steps of layers with a model feature, the shapes of the models that
+  have it, timed against FA3 with the same feature (issue 31): a sliding window
+  (Mistral-7B: 32/8 heads, head 128, W 4096), the logits soft-cap 50
+  (Gemma-2-9B: 16/8 heads, head 256), both (a Gemma-2 local layer), attention
+  sinks with and without a window of 128 (gpt-oss: 64/8 heads, head 64).
+
 Outside ``strict``, ``max_model_len`` is the smallest power of two that holds
-the longest sequence, so ``strict`` and ``batch`` walk the same L there.
+the longest sequence, so ``strict`` and ``batch`` walk the same L there. A case's
+window is below its ``max_model_len`` (a window at or above it is no window,
+`ops.attention.check_sliding_window`, and such a case would time plain attention).
 
 Work counts (per step; ``e`` = bytes per element):
 - useful bytes = K+V of the true lengths (each cached position read once) + Q + O;
@@ -29,6 +38,22 @@ Work counts (per step; ``e`` = bytes per element):
   its request's bucket L (constant time, no causal skipping), so the K/V bytes
   and the keys per row are L instead of the true length. Under ``off`` DHP
   walks the true lengths: executed = useful.
+
+With a sliding window W (query row at absolute position ``p = c + i`` sees keys
+``p - W < k <= p``), useful work counts the window only:
+- useful keys of a causal row = ``min(W, c + i + 1)``; summed over a request's
+  rows ``i = 0..q-1`` that is ``sum_{k=c+1}^{c+q} min(W, k)``;
+- useful K/V bytes = the positions some row sees, ``[max(0, c - W + 1), s)``:
+  ``min(s, W + q - 1)`` positions (a decode: ``min(s, W)``).
+Executed work under ``strict``/``request`` is unchanged by the window: the
+window's position follows the secret true length, so the constant-time
+kernels still walk every position of the bucket L and apply the window by
+selection (`dhp_backend.ops.triton.kernels`: under a constant-time policy the
+window is a mask, never a bound of the walk). Executed minus useful is the
+price of the address rule on a windowed layer. Under ``off`` the kernels start
+their walk at the window (rounded down to a KV tile), so executed ~ useful.
+The soft-cap (one tanh per score) and the sinks (one more logit per row) are
+not counted as FLOPs: the count stays 4 * Hq * d per attended key.
 """
 
 from __future__ import annotations
@@ -39,6 +64,10 @@ from dhp_backend.ops.buckets import next_pow2
 
 LLAMA = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16"}
 TINY = {"num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16, "dtype": "bfloat16"}
+# The features family's model shapes (issue 31).
+MISTRAL = LLAMA  # Mistral-7B-v0.1: 32 query / 8 KV heads, head 128, window 4096
+GEMMA2 = {**LLAMA, "num_heads": 16, "num_kv_heads": 8, "head_size": 256}  # Gemma-2-9B
+GPT_OSS = {**LLAMA, "num_heads": 64, "num_kv_heads": 8, "head_size": 64}  # gpt-oss
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 DECODE_BATCHES = (1, 4, 16, 64, 256)
@@ -50,7 +79,7 @@ STRICT_MAX_MODEL_LENS = (8192, 32768)
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    family: str  # decode | prefill | mixed | head64 | gqa | strict (see the module docstring)
+    family: str  # decode | prefill | mixed | head64 | gqa | strict | features (see the module docstring)
     q_lens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     causal: bool
@@ -62,6 +91,17 @@ class Case:
     dtype: str
     anchors: tuple[str, ...] | None = None  # None: every anchor
     note: str = ""
+    # Model features (None/False: none), as `ops.paged_attention` takes them.
+    sliding_window: int | None = None  # W: the row at position p sees keys p - W < k <= p
+    logits_soft_cap: float | None = None  # scores become cap * tanh(s / cap)
+    sinks: bool = False  # a per-head sink logit joins the softmax (`inputs.build_set` draws it)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The features of the step, by their `ops.paged_attention` argument names."""
+        return tuple(name for name, on in (("sliding_window", self.sliding_window is not None),
+                                           ("logits_soft_cap", bool(self.logits_soft_cap)),
+                                           ("sinks", self.sinks)) if on)
 
     @property
     def kind(self) -> str:
@@ -126,8 +166,16 @@ def case(name, family, q_lens, seq_lens, *, causal=True, max_model_len=None, sha
         raise ValueError(f"case {name}: query lengths {q_lens} must be 1..seq_len for seq_lens {seq_lens}")
     if max_model_len is None:
         max_model_len = next_pow2(max(seq_lens))
+    _check_window(name, kw.get("sliding_window"), max_model_len, causal)
     return Case(name=name, family=family, q_lens=q_lens, seq_lens=seq_lens, causal=causal,
                 max_model_len=max_model_len, **shape, **kw)
+
+
+def _check_window(name: str, w, max_model_len: int, causal: bool) -> None:
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 1 <= w < max_model_len
+                          or not causal):
+        raise ValueError(f"case {name}: sliding_window {w!r}; accepted: None, or an int in [1, max_model_len = "
+                         f"{max_model_len}) on a causal case (a window at or above max_model_len is no window)")
 
 
 def decode(B, ctx, family="decode", name=None, **kw) -> Case:
@@ -139,10 +187,10 @@ def prefill(S, causal, family="prefill", name=None, batch=1, **kw) -> Case:
     return case(name or f"prefill S{S} {mask}", family, [S] * batch, [S] * batch, causal=causal, **kw)
 
 
-def mixed(chunk=2048, chunk_context=4096, decodes=63, decode_ctx=4096) -> Case:
-    return case(f"mixed chunk{chunk}@ctx{chunk_context} + {decodes} decodes@{decode_ctx}", "mixed",
+def mixed(chunk=2048, chunk_context=4096, decodes=63, decode_ctx=4096, family="mixed", name=None, **kw) -> Case:
+    return case(name or f"mixed chunk{chunk}@ctx{chunk_context} + {decodes} decodes@{decode_ctx}", family,
                 [1] * decodes + [chunk], [decode_ctx] * decodes + [chunk_context + chunk],
-                note="decodes first, then the chunk (vLLM's order)")
+                note=kw.pop("note", "decodes first, then the chunk (vLLM's order)"), **kw)
 
 
 # Anchors worth timing where only DHP strict differs (the other DHP policies repeat
@@ -177,6 +225,68 @@ def gpu_cases(quick: bool = False) -> list[Case]:
     return cases
 
 
+FEATURES = "features"
+# Families run only when named (``--cases features``): never part of the default list.
+ON_REQUEST = (FEATURES,)
+WINDOW_MISTRAL, CAP_GEMMA2, WINDOW_GPT_OSS = 4096, 50.0, 128
+
+
+def _tag(c: Case) -> str:
+    parts = []
+    if c.sliding_window is not None:
+        parts.append(f"W{c.sliding_window}")
+    if c.logits_soft_cap:
+        parts.append(f"cap{c.logits_soft_cap:g}")
+    if c.sinks:
+        parts.append("sinks")
+    return " ".join(parts) or "plain"
+
+
+def featured(base: Case, model: str, note: str | None = None, **features) -> Case:
+    """``base`` as a step of a layer with ``features`` (family ``features``), named after the model."""
+    c = dataclasses.replace(base, family=FEATURES, **features)
+    _check_window(base.name, c.sliding_window, c.max_model_len, c.causal)
+    return dataclasses.replace(c, name=f"{model} {_tag(c)} {base.name}",
+                               note="; ".join(x for x in (note or f"{model}-like layer", base.note) if x))
+
+
+def feature_cases(quick: bool = False) -> list[Case]:
+    """The ``features`` family on the GPU (``quick``: six of them). Every case has FA3 with the same
+    features; B16 decodes and single-request prefills, as the plain families."""
+    swa = {"sliding_window": WINDOW_MISTRAL}
+    cap = {"logits_soft_cap": CAP_GEMMA2}
+    local = {**swa, **cap}  # a Gemma-2 local layer: window 4096 and the cap
+    sink = {"sinks": True}
+    sink_w = {**sink, "sliding_window": WINDOW_GPT_OSS}
+    m7, g2, oss = {"shape": MISTRAL}, {"shape": GEMMA2}, {"shape": GPT_OSS}
+    cases = [  # (in the quick subset, case)
+        (True, featured(decode(16, 16384, **m7), "mistral", **swa)),
+        (False, featured(decode(16, 32768, **m7), "mistral", **swa)),
+        (True, featured(prefill(8192, True, **m7), "mistral", **swa)),
+        (False, featured(mixed(chunk=2048, chunk_context=6144, decodes=15, decode_ctx=16384, **m7), "mistral",
+                         **swa)),
+        (True, featured(decode(16, 8192, **g2), "gemma2", **cap)),
+        (False, featured(prefill(4096, True, **g2), "gemma2", **cap)),
+        (True, featured(decode(16, 8192, **g2), "gemma2-local", **local)),
+        (False, featured(prefill(8192, True, **g2), "gemma2-local", **local)),
+        (True, featured(decode(16, 8192, **oss), "gpt-oss", **sink_w)),
+        (False, featured(decode(16, 8192, **oss), "gpt-oss", **sink)),
+        (True, featured(prefill(4096, True, **oss), "gpt-oss", **sink_w)),
+        (False, featured(prefill(4096, True, **oss), "gpt-oss", **sink)),
+    ]
+    return [c for in_quick, c in cases if in_quick or not quick]
+
+
+def cpu_feature_cases() -> list[Case]:
+    """Tiny ``features`` steps for a CPU run: every feature, each window shorter than the context (the
+    cap and the sinks in separate cases, as in the models: under a cap's scores a sink would weigh
+    nothing, `inputs.build_set`)."""
+    return [
+        featured(decode(2, 64, shape=TINY), "tiny", "tiny shape", sliding_window=24, logits_soft_cap=CAP_GEMMA2),
+        featured(prefill(32, True, shape=TINY), "tiny", "tiny shape", sliding_window=8, sinks=True),
+    ]
+
+
 def cpu_cases() -> list[Case]:
     """Tiny shapes for a CPU run (Triton interpreter or the reference path): the pipeline, not speed."""
     return [
@@ -187,11 +297,22 @@ def cpu_cases() -> list[Case]:
 
 
 def select(cases: list[Case], patterns: str | None) -> list[Case]:
-    """Cases whose name or family contains any of the comma-separated ``patterns``."""
+    """Cases whose name or family contains any of the comma-separated ``patterns``.
+
+    A case of a family run on request (`ON_REQUEST`: ``features``) is selected
+    only by its family's name or by a pattern its name starts with (its model:
+    ``gemma2``, ``mistral w4096 decode``...), so that ``--cases decode`` times
+    what it always did. Without ``patterns``: every case not on request."""
     if not patterns:
-        return cases
+        return [c for c in cases if c.family not in ON_REQUEST]
     pats = [p.strip().lower() for p in patterns.split(",") if p.strip()]
-    return [c for c in cases if any(p in c.name.lower() or p == c.family for p in pats)]
+
+    def picks(p: str, c: Case) -> bool:
+        if c.family in ON_REQUEST:
+            return p == c.family or c.name.lower().startswith(p)
+        return p in c.name.lower() or p == c.family
+
+    return [c for c in cases if any(picks(p, c) for p in pats)]
 
 
 # ------------------------------------------------------------------ work counts
@@ -214,16 +335,29 @@ def work(c: Case, policy: str = "off") -> dict:
     qo = 2 * c.num_tokens * c.num_heads * c.head_size * e
     per_key = 4 * c.num_heads * c.head_size
     Ls = buckets(c, policy)
+    W = c.sliding_window
     kv_bytes = keys = 0
     for r, (q, s) in enumerate(zip(c.q_lens, c.seq_lens)):
-        if Ls is None:
+        ctx = s - q
+        if Ls is None and W is not None:  # causal (`case` checks): rows see min(W, ctx + i + 1) keys
+            kv_bytes += min(s, W + q - 1) * kv_row
+            keys += windowed_keys(ctx, q, W)
+        elif Ls is None:
             kv_bytes += s * kv_row
-            ctx = s - q
             keys += (q * ctx + q * (q + 1) // 2) if c.causal else q * s
         else:
             kv_bytes += Ls[r] * kv_row
             keys += q * Ls[r]
     return {"bytes": kv_bytes + qo, "flops": per_key * keys}
+
+
+def windowed_keys(ctx: int, q: int, W: int) -> int:
+    """``sum_{k=ctx+1}^{ctx+q} min(W, k)``: the keys a request's q causal rows on ctx
+    cached positions see through a window W."""
+    a, b = ctx + 1, ctx + q
+    top = min(b, W)  # rows up to key count W see k keys, the rest W
+    below = (top * (top + 1) // 2 - (a - 1) * a // 2) if top >= a else 0
+    return below + W * (b - max(a - 1, W) if b > W else 0)
 
 
 def cache_blocks(c: Case) -> int:

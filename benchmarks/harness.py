@@ -19,6 +19,11 @@ With ``--device cpu`` (no GPU) the run uses tiny shapes, host clocks, and DHP
 through the Triton interpreter when ``TRITON_INTERPRET=1`` was set before
 anything imported triton (the harness does not set it), else the reference
 path; the GPU anchors give "not available" rows.
+
+The ``features`` family (sliding windows, logits soft-cap, attention sinks:
+`benchmarks.cases.feature_cases`) is never part of the default list: name it
+(``--cases features``, with ``--quick`` for six of its twelve cases). Every
+anchor either applies a case's features or gives a "not available" row.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "repeatable (newest first): each key comes from the first run that has both of its rows")
     p.add_argument("--cases", metavar="PATTERNS",
                    help="comma-separated substrings of case names or family names (decode, prefill, mixed, "
-                        "head64, gqa, strict)")
+                        "head64, gqa, strict); the features family (windows, soft-cap, sinks vs FA3) runs only "
+                        "when named: 'features', or the start of its case names ('mistral', 'gemma2', 'gpt-oss')")
     p.add_argument("--anchors", metavar="NAMES", help="comma-separated anchors (default: all): "
                    "fa3, flashinfer, triton_unified, sdpa_cudnn, dhp_off, dhp_strict, dhp_batch, dhp_request")
     p.add_argument("--reps", type=int, help="timed launches per row (default 100, --quick 30; CPU 3)")
@@ -117,6 +123,7 @@ def base_row(c, anchor) -> dict:
     return {"case": c.name, "family": c.family, "kind": c.kind, "bound": c.bound, "batch": c.num_reqs,
             "ctx": c.max_seq_len, "q_len": c.max_q_len, "causal": c.causal, "max_model_len": c.max_model_len,
             "heads": [c.num_heads, c.num_kv_heads], "head_size": c.head_size, "dtype": c.dtype,
+            "sliding_window": c.sliding_window, "logits_soft_cap": c.logits_soft_cap, "sinks": c.sinks,
             "anchor": anchor.name, "label": anchor.label, "status": None, "mode": None,
             "time_ms": None, "p10_ms": None, "p25_ms": None, "p75_ms": None, "p90_ms": None, "n": None,
             "rel_err": None, "useful_bytes": useful["bytes"], "useful_flops": useful["flops"],
@@ -322,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"benchmarks.harness: --anchors: {exc}", file=sys.stderr)
         return 2
-    cases = C.select(C.gpu_cases(args.quick) if gpu else C.cpu_cases(), args.cases)
+    listed = (C.gpu_cases(args.quick) + C.feature_cases(args.quick) if gpu
+              else C.cpu_cases() + C.cpu_feature_cases())
+    cases = C.select(listed, args.cases)  # the features family only when --cases names it
     if not cases:
         print(f"benchmarks.harness: --cases {args.cases!r} matches no case", file=sys.stderr)
         return 2
@@ -346,6 +355,10 @@ def run(args: argparse.Namespace) -> int:
     paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)
     print()
     print(report.summary_text(doc))
+    feature_lines = report.features_table(rows)
+    if feature_lines:
+        print()
+        print("\n".join(feature_lines))
     print(f"{len(rows)} rows in {head['seconds']:.0f} s; written: " + ", ".join(paths))
     if gpu:
         print("to publish: --latest docs/bench/latest.json, and copy bench.md and the PNGs of --out to "

@@ -11,6 +11,9 @@ counted and which lacked an input):
 - ``strict_efficiency_vs_fa3``: DHP ``strict`` on its executed (padded) work
   over FA3 on the useful work, ``strict`` family; GB/s for decode,
   TFLOP/s for prefill (the rate that bounds the shape);
+- ``features_off_vs_fa3``: DHP ``off`` over FA3 with the same features
+  (useful GB/s for decode, TFLOP/s otherwise: on one step, FA3's time over
+  DHP's), ``features`` family (run on request: null in a default run);
 - ``e2e_off_vs_flash_attn``: end to end, DHP ``off`` output tokens/s over
   FLASH_ATTN's, neither batch-invariant;
 - ``e2e_vs_flash_attn_batch_invariant``: DHP (any policy) under
@@ -25,7 +28,7 @@ import json
 import math
 import os
 
-SUMMARY_KEYS = ("decode_off_vs_fa3", "prefill_off_vs_fa3", "strict_efficiency_vs_fa3",
+SUMMARY_KEYS = ("decode_off_vs_fa3", "prefill_off_vs_fa3", "strict_efficiency_vs_fa3", "features_off_vs_fa3",
                 "e2e_off_vs_flash_attn", "e2e_vs_flash_attn_batch_invariant")
 JSON_NAME, MD_NAME = "bench.json", "bench.md"
 
@@ -87,6 +90,7 @@ def _kernel_keys(rows) -> dict:
                                      ratio("dhp_off", "useful")),
         "strict_efficiency_vs_fa3": _worst(cases(lambda r: r["family"] == "strict"),
                                            ratio("dhp_strict", "executed")),
+        "features_off_vs_fa3": _worst(cases(lambda r: r["family"] == "features"), ratio("dhp_off", "useful")),
     }
 
 
@@ -243,7 +247,8 @@ COLUMNS = ("case", "anchor", "status", "mode", "median ms (p10-p90)", "useful GB
            "executed GB/s", "executed TFLOP/s", "vs FA3", "vs FlashInfer", "rel err")
 FAMILY_TITLES = {"decode": "Decode", "prefill": "Prefill, one request of S tokens",
                  "mixed": "Mixed chunked-prefill step", "head64": "Head size 64", "gqa": "GQA ratios",
-                 "strict": "Strict policy at max_model_len above the true lengths"}
+                 "strict": "Strict policy at max_model_len above the true lengths",
+                 "features": "Model features: sliding window, logits soft-cap, attention sinks"}
 
 
 def _family_title(fam: str, rows: list[dict]) -> str:
@@ -263,6 +268,40 @@ def table(rows: list[dict]) -> list[str]:
             _f(r.get("executed_GBps"), ".4g"), _f(r.get("executed_TFLOPs"), ".3g"),
             _ratio(r.get("vs_fa3")), _ratio(r.get("vs_flashinfer")),
             _f(r.get("rel_err"), ".1e")]) + " |")
+    return lines
+
+
+def _features_of(r: dict) -> str:
+    parts = [f"window {r['sliding_window']}" if r.get("sliding_window") else "",
+             f"cap {r['logits_soft_cap']:g}" if r.get("logits_soft_cap") else "",
+             "sinks" if r.get("sinks") else ""]
+    return ", ".join(p for p in parts if p) or "none"
+
+
+def features_table(rows: list[dict]) -> list[str]:
+    """The ``features`` family's ratios, one line per case ([] without such rows):
+    DHP ``off`` against FA3 (FA3's time over DHP's, > 1: DHP faster; the issue asks
+    >= 0.9), and the constant-time policies' time over ``off``'s on the same step
+    (what the address rule costs a windowed layer: the walk covers the bucket, not
+    the window)."""
+    by_case = {n: a for n, a in _rows_by_case(rows).items()
+               if next(iter(a.values()))["family"] == "features"}
+    if not by_case:
+        return []
+
+    def ms(r):
+        return f"{r['time_ms']:.4g}" if _ok(r) else "-"
+
+    def over(num, den):
+        return _ratio(num["time_ms"] / den["time_ms"]) if _ok(num) and _ok(den) else "-"
+
+    lines = ["| features case | features | FA3 ms | DHP off ms | off vs FA3 | strict ms | strict / off | "
+             "request ms | request / off |", "|" + " --- |" * 9]
+    for name, a in by_case.items():
+        fa3, off, strict, request = (a.get(k) for k in ("fa3", "dhp_off", "dhp_strict", "dhp_request"))
+        lines.append("| " + " | ".join([
+            name, _features_of(next(iter(a.values()))), ms(fa3), ms(off), over(fa3, off),
+            ms(strict), over(strict, off), ms(request), over(request, off)]) + " |")
     return lines
 
 
@@ -294,6 +333,13 @@ def markdown(doc: dict, *, pngs=(), plot_note: str | None = None) -> str:
               "`executed` is what DHP strict/request walk (every query row to its bucket L). "
               "docs/bench/README.md explains every column.")
     out += ["", "## Summary", "", summary_text(doc), "", legend, ""]
+    feature_lines = features_table(doc["rows"])
+    if feature_lines:
+        out += ["## Model features: DHP off vs FA3, and the constant-time policies' cost", "",
+                "`off vs FA3`: FA3's time over DHP off's on the same step (> 1: DHP faster). `strict / off`, "
+                "`request / off`: a constant-time policy's time over off's; on a windowed layer the "
+                "constant-time walk covers the whole bucket (the address rule), off's only the window.",
+                ""] + feature_lines + [""]
     rows = doc["rows"]
     for fam in dict.fromkeys(r["family"] for r in rows):
         fam_rows = [r for r in rows if r["family"] == fam]

@@ -8,7 +8,8 @@
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_prefill.py; CUDAPF_ARGS)
 #   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (benchmarks/triton_ceiling.py; CEIL_ARGS)
-#   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode)
+#   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode;
+#             --cases features: windows/soft-cap/sinks vs FA3, only when named, FlashInfer not needed)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
