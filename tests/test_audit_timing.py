@@ -571,3 +571,90 @@ def test_thin_trace_keeps_the_ends_and_at_most_the_limit():
     assert thin["n"] == sorted(thin["n"]) and thin["z"] == trace["z"]
     short = {"n": [1, 2], "t": [0.1, 0.2], "z_n": [], "z": []}
     assert timing.thin_trace(short) == short
+
+
+# ---------------------------------------------------------------- attention features (issue 31)
+
+def test_features_option_parses_strictly():
+    from dhp_backend.audit import features
+
+    f = features.parse(" sinks , window=4096,softcap=50")
+    assert (f.sliding_window, f.logits_soft_cap, f.sinks) == (4096, 50.0, True)
+    assert f.label == "window=4096,softcap=50,sinks" and f.key == "-win4096-softcap50-sinks"
+    assert features.parse(f.label) == f  # the label reads back
+    assert features.parse("softcap=30.5").label == "softcap=30.5"
+    assert features.parse("softcap=0.00001").key == "-softcap0.00001"  # no exponent, no '-' in a shape key
+    for plain in ("", "none", " NONE ", None):
+        assert features.parse(plain) == features.Features() and not features.parse(plain)
+        assert features.parse(plain).label == features.parse(plain).key == ""
+    bad = {"window": "int >= 1", "window=0": "int >= 1", "window=-1": "int >= 1", "window=4.5": "int >= 1",
+           "softcap=0": "finite number > 0", "softcap=-2": "finite number > 0", "softcap=inf": "finite number > 0",
+           "softcap=nan": "finite number > 0", "softcap=x": "finite number > 0", "sinks=1": "takes no value",
+           "window=4,window=8": "given twice", "window=4,,sinks": "empty item", "sinks,": "empty item",
+           "cap=50": "unknown item", "swa=4096": "unknown item"}
+    for text, why in bad.items():
+        with pytest.raises(ValueError, match=why) as e:
+            features.parse(text)
+        assert str(e.value).startswith("--features: ") and "accepted: " in str(e.value), text
+    with pytest.raises(ValueError, match="sliding_window"):
+        features.Features(sliding_window=-3)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        features.Features(logits_soft_cap=float("inf"))
+
+
+def test_shape_keys_unchanged_for_plain_shapes():
+    from dhp_backend.audit import classes
+
+    # the keys of reports measured before features existed (rows merge by them)
+    assert classes.Shape().key == "B16-L4096-q1-h32x8-d128-bs16-bfloat16-strict-random"
+    assert (classes.Shape(batch=4, q_len=64, policy="request", layout="churned", num_blocks=40000).key
+            == "B4-L4096-q64-h32x8-d128-bs16-bfloat16-request-churned-nb40000")
+    assert classes.Shape().features == ""
+    sh = classes.Shape(sliding_window=1024, logits_soft_cap=50.0, sinks=True)
+    assert sh.key == classes.Shape().key + "-win1024-softcap50-sinks"
+    assert sh.features == "window=1024,softcap=50,sinks"
+    assert classes.Shape(sinks=True).key.endswith("-random-sinks")
+    with pytest.raises(ValueError, match="causal"):
+        classes.Shape(sliding_window=64, causal=False)
+    with pytest.raises(ValueError, match="sliding_window"):
+        classes.Shape(sliding_window=-1)
+    # the settings of a run without --features build the shapes they always built
+    assert timing.step_shape(_settings(), "decode", 4096, "strict", "random") == classes.Shape()
+
+
+@pytest.mark.parametrize("policy", ["strict", "request", "off"])
+def test_featured_launch_matches_the_reference_and_obeys_the_address_rule(policy):
+    """A windowed, soft-capped layer with sinks: every class passes the seam's value check (pages up to the
+    bucket, distinct), and `classes.launch` gives the reference's output with the same features."""
+    from dhp_backend.audit import classes
+    from dhp_backend.ops import paged_attention
+    from dhp_backend.ops.reference import paged_attention_reference
+
+    sh = classes.Shape(batch=3, bucket=128, q_len=1, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                       dtype="float32", policy=policy, layout="churned", num_blocks=40, sliding_window=24,
+                       logits_soft_cap=5.0, sinks=True)
+    plain = dataclasses.replace(sh, sliding_window=0, logits_soft_cap=0.0, sinks=False)
+    shared = {}
+    ins = {c: classes.make_inputs(sh, c, seed=1, device="cpu", shared=shared) for c in ("short", "long", "random",
+                                                                                       "random2")}
+    sinks = ins["short"]["sinks"]
+    assert sinks.dtype == torch.float32 and tuple(sinks.shape) == (4,) and bool(torch.isfinite(sinks).all())
+    assert all(x["sinks"] is sinks for x in ins.values()), "one public sinks tensor for every class"
+    assert classes.make_inputs(plain, "short", seed=1, device="cpu")["sinks"] is None
+    for c, x in ins.items():
+        # the seam's own check (the address rule under strict/request) accepts the class's table and lengths
+        checked = torch.full_like(x["query"], float("nan"))
+        paged_attention(x["query"], x["key_cache"], x["value_cache"], x["block_table"], x["query_start_loc"],
+                        x["seq_lens"], checked, scale=sh.head_size ** -0.5, causal=True, policy=policy,
+                        bucket=x["bucket"], num_tokens=x["num_tokens"], path="reference", allow_fallback=True,
+                        check_values=True, logits_soft_cap=5.0, sinks=sinks, sliding_window=24)
+        out = classes.launch(x, torch.full_like(x["query"], float("nan")))
+        assert bool(torch.isfinite(out).all()), c
+        ref = paged_attention_reference(x["query"], x["key_cache"], x["value_cache"], x["block_table"],
+                                        x["query_start_loc"], x["seq_lens"], torch.empty_like(x["query"]),
+                                        scale=sh.head_size ** -0.5, causal=True, num_tokens=x["num_tokens"],
+                                        logits_soft_cap=5.0, sinks=sinks, sliding_window=24)
+        assert torch.equal(out, ref) and torch.equal(checked, ref), c
+        if classes.true_length(sh, c) > 24:  # the features change the result: the launch passed them
+            unfeatured = dict(x, shape=plain, sinks=None)
+            assert not torch.equal(classes.launch(unfeatured, torch.empty_like(x["query"])), out), c
