@@ -658,3 +658,83 @@ def test_featured_launch_matches_the_reference_and_obeys_the_address_rule(policy
         if classes.true_length(sh, c) > 24:  # the features change the result: the launch passed them
             unfeatured = dict(x, shape=plain, sinks=None)
             assert not torch.equal(classes.launch(unfeatured, torch.empty_like(x["query"])), out), c
+
+
+def test_featured_shapes_name_the_triton_kernel(with_nvcc):
+    """The report's "Kernel path per policy and step": a featured layer runs every step on the Triton kernels
+    (the csrc kernels implement no feature), a plain one on a csrc kernel where it may."""
+    from types import SimpleNamespace
+
+    from dhp_backend.audit import classes
+
+    t = object.__new__(timing.Timer)
+    t.torch = SimpleNamespace(cuda=SimpleNamespace(get_device_capability=lambda device: (9, 0)))
+    t.device = "cuda:0"
+    for q in (1, 64):
+        batch = 16 if q == 1 else 4
+        plain = t.path_of(classes.Shape(batch=batch, q_len=q))
+        assert plain.startswith("triton") and "kernel cuda_" in plain, plain
+        for f in ({"sliding_window": 1024}, {"logits_soft_cap": 50.0}, {"sinks": True}):
+            path = t.path_of(classes.Shape(batch=batch, q_len=q, **f))
+            assert path.startswith("triton") and path.endswith("; kernel triton"), (f, path)
+
+
+def test_features_in_the_plan_rows_and_reports(tmp_path, monkeypatch, capsys):
+    """``--features``: the estimate names them, every shape carries them, rows and tables show them, and
+    featured rows merge beside the plain ones without filling the plain grid's cells."""
+    import torch
+
+    st = _settings("--features", "window=1024,sinks", "--preset", "subset")
+    assert st.features.label == "window=1024,sinks" and timing.settings_dict(st)["features"] == "window=1024,sinks"
+    for g in timing.plan(st):
+        for spec in g.specs:
+            assert (spec.shape.sliding_window, spec.shape.sinks, spec.shape.logits_soft_cap) == (1024, True, 0.0)
+    lines = []
+    timing.describe_plan(st, lines.append)
+    assert "features window=1024,sinks" in lines[0]
+    lines.clear()
+    timing.describe_plan(_settings(), lines.append)
+    assert "features none (plain attention)" in lines[0]
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    assert timing.run(ap.parse_args(["--estimate", "--features", "window=0"])) == 2
+    assert "audit timing: --features: 'window=0'" in capsys.readouterr().err
+
+    def measure(spec, modes, seed, shared):
+        rng = np.random.default_rng(seed)
+        a = rng.normal(100, 1, spec.rounds)
+        b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
+        rows = [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
+                for m in modes]
+        for r in rows:
+            r["path"] = "triton (constant-time capable): fake; kernel " + ("triton" if spec.shape.features
+                                                                           else "cuda_decode_ct")
+        return rows
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "Timer", fake_timer(measure))
+    monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"fingerprint": "x", "vllm": "fake"})
+    monkeypatch.setattr(timing.stats.verdict, "__kwdefaults__", {"threshold": 4.5, "min_samples": 1000})
+    piece = ["--samples", "2000", "--reported-samples", "500", "--control-samples", "500", "--report-dir",
+             str(tmp_path), "--steps", "decode", "--lengths", "4096", "--layouts", "churned", "--modes", "graph"]
+    assert timing.run(ap.parse_args(piece)) == 0
+    plain_doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert {r["features"] for r in plain_doc["rows"]} == {""}
+    assert timing.run(ap.parse_args(piece + ["--features", "window=1024,softcap=50"])) == 0
+    assert "window=1024,softcap=50" in capsys.readouterr().out  # the console table
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    rows = doc["rows"]
+    assert len(rows) == 2 * len(plain_doc["rows"]), "featured rows merge beside the plain ones, replacing none"
+    featured = [r for r in rows if r["features"]]
+    assert {r["features"] for r in featured} == {"window=1024,softcap=50"}
+    assert all(r["shape"].endswith("-win1024-softcap50") for r in featured)
+    assert doc["summary"]["missing"] == plain_doc["summary"]["missing"]  # no plain cell filled by them
+    assert doc["settings"]["features"] == "window=1024,softcap=50"
+    md = open(tmp_path / "g4-latest.md").read()
+    assert "| features |" in md and "| window=1024,softcap=50 |" in md
+    assert "`strict` decode (window=1024,softcap=50): triton (constant-time capable): fake; kernel triton" in md
+    assert "`strict` decode: triton (constant-time capable): fake; kernel cuda_decode_ct" in md
+    # a failing featured row fails the report's gate and names its features
+    bad = dict(featured[0], passed=False, verdict="FAIL", role="gating")
+    s = timing.summarize([bad], 1.0)
+    assert not s["gating_passed"] and "L4096 window=1024,softcap=50 " in s["failures"][0]
