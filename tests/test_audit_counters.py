@@ -258,3 +258,62 @@ def test_rule_judges_wait_sensitive_totals_per_instruction():
     # a memory count is never excused by the waits
     b_mem = [dict(b[0], metrics=dict(b[0]["metrics"], **{"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum": 1}))]
     assert not C.compare_kernels(a, b_mem)["passed"]
+
+
+# --- attention features (issue 31) ------------------------------------------------------------------
+
+
+def test_shapes_with_features():
+    plain = C.parse_shapes("B16-L4096-q1,B4-L4096-q64")
+    assert [s.key for s in plain] == ["B16-L4096-q1-h32x8-d128-bs16-bfloat16-strict-random",
+                                      "B4-L4096-q64-h32x8-d128-bs16-bfloat16-strict-random"]  # keys as before
+    shapes = C.parse_shapes("B16-L4096-q1,B4-L4096-q64-request", "window=1024,softcap=50,sinks")
+    for s, p in zip(shapes, ("strict", "request")):
+        assert (s.sliding_window, s.logits_soft_cap, s.sinks, s.policy) == (1024, 50.0, True, p)
+        assert s.features == "window=1024,softcap=50,sinks" and s.key.endswith("-win1024-softcap50-sinks")
+        assert C.parse_shape(C.shape_spec(s)) == s  # the child reads the features back from its spec
+    own = C.parse_shape("B2-L512-win128-softcap30.5")
+    assert (own.sliding_window, own.logits_soft_cap, own.sinks) == (128, 30.5, False)
+    for spec, features, why in (("B4-L4096-win1024", "sinks", "one of the two"), ("B4-win0", "", "unknown part"),
+                                ("B4-softcap0", "", "unknown part"), ("B4-win64-noncausal", "", "causal"),
+                                ("B4", "window=x", "--features: 'window=x'"), ("", "", "no shape")):
+        with pytest.raises(ValueError, match=why):
+            C.parse_shapes(spec, features)
+
+
+def test_run_refuses_bad_features_with_a_message(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(C.shutil, "which", lambda name: "/usr/bin/ncu")
+    assert C.run(_args(features="sinks,window")) == 2
+    err = capsys.readouterr().err
+    assert "audit counters: --features: 'window'" in err and "accepted: " in err
+
+
+def test_gate_rows_carry_features(tmp_path, monkeypatch):
+    """`gate` with ncu faked: each pair's row names its features, the tables show them and the kernel the
+    child ran on."""
+    import torch
+
+    kernels = [_kernel("attention_kernel", **{C.DRAM_METRIC: 1_000_000})]
+    seen = []
+
+    def profile(ncu, shape, cls, launches, timeout):
+        seen.append(shape)
+        return {"kernels": kernels, "seconds": 1.0, "profiled_kernels": 1,
+                "child": {"path": "triton", "kernel": "triton", "features": shape.features}}
+
+    monkeypatch.setattr(C, "profile", profile)
+    monkeypatch.setattr(C, "versions", lambda ncu=None: {"commit": "abc1234"})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    s = C.gate(_args(shapes="B16-L4096-q1", features="window=1024", pairs="gating", report_dir=str(tmp_path)),
+               progress=lambda m: None)
+    assert s["passed"] and {sh.sliding_window for sh in seen} == {1024}
+    assert [(r["features"], r["a"], r["b"]) for r in s["pairs"]] == [("window=1024", "short", "long"),
+                                                                     ("window=1024", "random", "random2")]
+    md = open(s["reports"][0]).read()
+    assert "| shape | features | pair |" in md and "-win1024 | window=1024 | short vs long |" in md
+    assert "| path | kernel |" in md and "| triton | triton |" in md
+    plain = C.gate(_args(shapes="B16-L4096-q1", pairs="gating"), progress=lambda m: None)
+    assert {r["features"] for r in plain["pairs"]} == {""}

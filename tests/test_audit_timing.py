@@ -571,3 +571,170 @@ def test_thin_trace_keeps_the_ends_and_at_most_the_limit():
     assert thin["n"] == sorted(thin["n"]) and thin["z"] == trace["z"]
     short = {"n": [1, 2], "t": [0.1, 0.2], "z_n": [], "z": []}
     assert timing.thin_trace(short) == short
+
+
+# ---------------------------------------------------------------- attention features (issue 31)
+
+def test_features_option_parses_strictly():
+    from dhp_backend.audit import features
+
+    f = features.parse(" sinks , window=4096,softcap=50")
+    assert (f.sliding_window, f.logits_soft_cap, f.sinks) == (4096, 50.0, True)
+    assert f.label == "window=4096,softcap=50,sinks" and f.key == "-win4096-softcap50-sinks"
+    assert features.parse(f.label) == f  # the label reads back
+    assert features.parse("softcap=30.5").label == "softcap=30.5"
+    assert features.parse("softcap=0.00001").key == "-softcap0.00001"  # no exponent, no '-' in a shape key
+    for plain in ("", "none", " NONE ", None):
+        assert features.parse(plain) == features.Features() and not features.parse(plain)
+        assert features.parse(plain).label == features.parse(plain).key == ""
+    bad = {"window": "int >= 1", "window=0": "int >= 1", "window=-1": "int >= 1", "window=4.5": "int >= 1",
+           "softcap=0": "finite number > 0", "softcap=-2": "finite number > 0", "softcap=inf": "finite number > 0",
+           "softcap=nan": "finite number > 0", "softcap=x": "finite number > 0", "sinks=1": "takes no value",
+           "window=4,window=8": "given twice", "window=4,,sinks": "empty item", "sinks,": "empty item",
+           "cap=50": "unknown item", "swa=4096": "unknown item"}
+    for text, why in bad.items():
+        with pytest.raises(ValueError, match=why) as e:
+            features.parse(text)
+        assert str(e.value).startswith("--features: ") and "accepted: " in str(e.value), text
+    with pytest.raises(ValueError, match="sliding_window"):
+        features.Features(sliding_window=-3)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        features.Features(logits_soft_cap=float("inf"))
+
+
+def test_shape_keys_unchanged_for_plain_shapes():
+    from dhp_backend.audit import classes
+
+    # the keys of reports measured before features existed (rows merge by them)
+    assert classes.Shape().key == "B16-L4096-q1-h32x8-d128-bs16-bfloat16-strict-random"
+    assert (classes.Shape(batch=4, q_len=64, policy="request", layout="churned", num_blocks=40000).key
+            == "B4-L4096-q64-h32x8-d128-bs16-bfloat16-request-churned-nb40000")
+    assert classes.Shape().features == ""
+    sh = classes.Shape(sliding_window=1024, logits_soft_cap=50.0, sinks=True)
+    assert sh.key == classes.Shape().key + "-win1024-softcap50-sinks"
+    assert sh.features == "window=1024,softcap=50,sinks"
+    assert classes.Shape(sinks=True).key.endswith("-random-sinks")
+    with pytest.raises(ValueError, match="causal"):
+        classes.Shape(sliding_window=64, causal=False)
+    with pytest.raises(ValueError, match="sliding_window"):
+        classes.Shape(sliding_window=-1)
+    # the settings of a run without --features build the shapes they always built
+    assert timing.step_shape(_settings(), "decode", 4096, "strict", "random") == classes.Shape()
+
+
+@pytest.mark.parametrize("policy", ["strict", "request", "off"])
+def test_featured_launch_matches_the_reference_and_obeys_the_address_rule(policy):
+    """A windowed, soft-capped layer with sinks: every class passes the seam's value check (pages up to the
+    bucket, distinct), and `classes.launch` gives the reference's output with the same features."""
+    from dhp_backend.audit import classes
+    from dhp_backend.ops import paged_attention
+    from dhp_backend.ops.reference import paged_attention_reference
+
+    sh = classes.Shape(batch=3, bucket=128, q_len=1, num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
+                       dtype="float32", policy=policy, layout="churned", num_blocks=40, sliding_window=24,
+                       logits_soft_cap=5.0, sinks=True)
+    plain = dataclasses.replace(sh, sliding_window=0, logits_soft_cap=0.0, sinks=False)
+    shared = {}
+    ins = {c: classes.make_inputs(sh, c, seed=1, device="cpu", shared=shared) for c in ("short", "long", "random",
+                                                                                       "random2")}
+    sinks = ins["short"]["sinks"]
+    assert sinks.dtype == torch.float32 and tuple(sinks.shape) == (4,) and bool(torch.isfinite(sinks).all())
+    assert all(x["sinks"] is sinks for x in ins.values()), "one public sinks tensor for every class"
+    assert classes.make_inputs(plain, "short", seed=1, device="cpu")["sinks"] is None
+    for c, x in ins.items():
+        # the seam's own check (the address rule under strict/request) accepts the class's table and lengths
+        checked = torch.full_like(x["query"], float("nan"))
+        paged_attention(x["query"], x["key_cache"], x["value_cache"], x["block_table"], x["query_start_loc"],
+                        x["seq_lens"], checked, scale=sh.head_size ** -0.5, causal=True, policy=policy,
+                        bucket=x["bucket"], num_tokens=x["num_tokens"], path="reference", allow_fallback=True,
+                        check_values=True, logits_soft_cap=5.0, sinks=sinks, sliding_window=24)
+        out = classes.launch(x, torch.full_like(x["query"], float("nan")))
+        assert bool(torch.isfinite(out).all()), c
+        ref = paged_attention_reference(x["query"], x["key_cache"], x["value_cache"], x["block_table"],
+                                        x["query_start_loc"], x["seq_lens"], torch.empty_like(x["query"]),
+                                        scale=sh.head_size ** -0.5, causal=True, num_tokens=x["num_tokens"],
+                                        logits_soft_cap=5.0, sinks=sinks, sliding_window=24)
+        assert torch.equal(out, ref) and torch.equal(checked, ref), c
+        if classes.true_length(sh, c) > 24:  # the features change the result: the launch passed them
+            unfeatured = dict(x, shape=plain, sinks=None)
+            assert not torch.equal(classes.launch(unfeatured, torch.empty_like(x["query"])), out), c
+
+
+def test_featured_shapes_name_the_triton_kernel(with_nvcc):
+    """The report's "Kernel path per policy and step": a featured layer runs every step on the Triton kernels
+    (the csrc kernels implement no feature), a plain one on a csrc kernel where it may."""
+    from types import SimpleNamespace
+
+    from dhp_backend.audit import classes
+
+    t = object.__new__(timing.Timer)
+    t.torch = SimpleNamespace(cuda=SimpleNamespace(get_device_capability=lambda device: (9, 0)))
+    t.device = "cuda:0"
+    for q in (1, 64):
+        batch = 16 if q == 1 else 4
+        plain = t.path_of(classes.Shape(batch=batch, q_len=q))
+        assert plain.startswith("triton") and "kernel cuda_" in plain, plain
+        for f in ({"sliding_window": 1024}, {"logits_soft_cap": 50.0}, {"sinks": True}):
+            path = t.path_of(classes.Shape(batch=batch, q_len=q, **f))
+            assert path.startswith("triton") and path.endswith("; kernel triton"), (f, path)
+
+
+def test_features_in_the_plan_rows_and_reports(tmp_path, monkeypatch, capsys):
+    """``--features``: the estimate names them, every shape carries them, rows and tables show them, and
+    featured rows merge beside the plain ones without filling the plain grid's cells."""
+    import torch
+
+    st = _settings("--features", "window=1024,sinks", "--preset", "subset")
+    assert st.features.label == "window=1024,sinks" and timing.settings_dict(st)["features"] == "window=1024,sinks"
+    for g in timing.plan(st):
+        for spec in g.specs:
+            assert (spec.shape.sliding_window, spec.shape.sinks, spec.shape.logits_soft_cap) == (1024, True, 0.0)
+    lines = []
+    timing.describe_plan(st, lines.append)
+    assert "features window=1024,sinks" in lines[0]
+    lines.clear()
+    timing.describe_plan(_settings(), lines.append)
+    assert "features none (plain attention)" in lines[0]
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    assert timing.run(ap.parse_args(["--estimate", "--features", "window=0"])) == 2
+    assert "audit timing: --features: 'window=0'" in capsys.readouterr().err
+
+    def measure(spec, modes, seed, shared):
+        rng = np.random.default_rng(seed)
+        a = rng.normal(100, 1, spec.rounds)
+        b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
+        rows = [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
+                for m in modes]
+        for r in rows:
+            r["path"] = "triton (constant-time capable): fake; kernel " + ("triton" if spec.shape.features
+                                                                           else "cuda_decode_ct")
+        return rows
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "Timer", fake_timer(measure))
+    monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"fingerprint": "x", "vllm": "fake"})
+    monkeypatch.setattr(timing.stats.verdict, "__kwdefaults__", {"threshold": 4.5, "min_samples": 1000})
+    piece = ["--samples", "2000", "--reported-samples", "500", "--control-samples", "500", "--report-dir",
+             str(tmp_path), "--steps", "decode", "--lengths", "4096", "--layouts", "churned", "--modes", "graph"]
+    assert timing.run(ap.parse_args(piece)) == 0
+    plain_doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert {r["features"] for r in plain_doc["rows"]} == {""}
+    assert timing.run(ap.parse_args(piece + ["--features", "window=1024,softcap=50"])) == 0
+    assert "window=1024,softcap=50" in capsys.readouterr().out  # the console table
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    rows = doc["rows"]
+    assert len(rows) == 2 * len(plain_doc["rows"]), "featured rows merge beside the plain ones, replacing none"
+    featured = [r for r in rows if r["features"]]
+    assert {r["features"] for r in featured} == {"window=1024,softcap=50"}
+    assert all(r["shape"].endswith("-win1024-softcap50") for r in featured)
+    assert doc["summary"]["missing"] == plain_doc["summary"]["missing"]  # no plain cell filled by them
+    assert doc["settings"]["features"] == "window=1024,softcap=50"
+    md = open(tmp_path / "g4-latest.md").read()
+    assert "| features |" in md and "| window=1024,softcap=50 |" in md
+    assert "`strict` decode (window=1024,softcap=50): triton (constant-time capable): fake; kernel triton" in md
+    assert "`strict` decode: triton (constant-time capable): fake; kernel cuda_decode_ct" in md
+    # a failing featured row fails the report's gate and names its features
+    bad = dict(featured[0], passed=False, verdict="FAIL", role="gating")
+    s = timing.summarize([bad], 1.0)
+    assert not s["gating_passed"] and "L4096 window=1024,softcap=50 " in s["failures"][0]

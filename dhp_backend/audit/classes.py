@@ -23,6 +23,17 @@ shape:
   ``zeros`` and ``constant`` by default, ``extreme`` (large magnitudes) and
   ``skewed`` (one key dominates every softmax row) on request.
 
+A shape may carry a layer's attention features (`audit.features`: a sliding
+window, a logits soft-cap, attention sinks), public model configuration that
+selects the binary (such layers run the Triton kernels, `plan.step_kernel`).
+The classes do not change with them: under ``strict``/``request`` a windowed
+layer's kernel walks the whole bucket as a plain one does (docs/kernels.md
+section 6), so every request still reserves its bucket in distinct pages (what
+the seam's value check demands of windowed layers too), and the short and long
+classes put the window at different secret positions in the same walk. The
+sinks are one seeded ``[num_heads]`` float32 tensor per shape (`sinks`), shared
+by every class: a model weight.
+
 `make_inputs` builds one input set on a device; `launch` runs it through the
 seam exactly as the vLLM adapter does (no host-side value checks, the bucket
 from the policy, computed once per input set: under ``request`` a persistent
@@ -35,6 +46,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from dhp_backend.audit import features as feats
 
 GATING_PAIRS = (("short", "long"), ("random", "random2"))
 REPORTED_PAIRS = (("random", "zeros"), ("random", "constant"))
@@ -74,6 +87,15 @@ class Shape:
     causal: bool = True
     layout: str = "random"  # the physical page layout of the block table (testing.pages.LAYOUTS)
     num_blocks: int = 0  # blocks in the cache; 0 = default_num_blocks
+    # The layer's attention features (public model configuration, `audit.features`); zero = none.
+    sliding_window: int = 0  # W: the row at position q sees keys q - W < p <= q (causal only)
+    logits_soft_cap: float = 0.0  # C: scores become C tanh(s / C)
+    sinks: bool = False  # a seeded per-head sink logit (`sinks`), the same for every class
+
+    def __post_init__(self):
+        if feats.of(self).sliding_window and not self.causal:  # validates the three fields, too
+            raise ValueError(f"sliding_window is {self.sliding_window} with causal=False; accepted: a window on "
+                             "causal attention only")
 
     @property
     def blocks(self) -> int:
@@ -92,7 +114,12 @@ class Shape:
     def key(self) -> str:
         return (f"B{self.batch}-L{self.bucket}-q{self.q_len}-h{self.num_heads}x{self.num_kv_heads}-d{self.head_size}"
                 f"-bs{self.block_size}-{self.dtype}-{self.policy}-{self.layout}"
-                + (f"-nb{self.num_blocks}" if self.num_blocks else ""))
+                + (f"-nb{self.num_blocks}" if self.num_blocks else "") + feats.of(self).key)
+
+    @property
+    def features(self) -> str:
+        """The features as ``--features`` spells them, "" for none (a report row's ``features``)."""
+        return feats.of(self).label
 
 
 def _next_pow2(n: int) -> int:
@@ -203,10 +230,33 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
     T = shape.batch * shape.q_len
     qsl = torch.arange(0, T + 1, shape.q_len, dtype=torch.int32, device=device)
     sl = torch.full((shape.batch,), true_length(shape, cls), dtype=torch.int32, device=device)
+    skey = ("sinks", shape.num_heads, seed, dev)
+    if shape.sinks and skey not in shared:
+        shared[skey] = sinks(shape, seed=seed, device=device)
     inputs = {"query": q, "key_cache": k, "value_cache": v, "block_table": shared[tkey], "query_start_loc": qsl,
-              "seq_lens": sl, "num_tokens": T, "shape": shape, "cls": cls}
+              "seq_lens": sl, "num_tokens": T, "shape": shape, "cls": cls,
+              "sinks": shared[skey] if shape.sinks else None}
     inputs["bucket"] = bucket(inputs)
     return inputs
+
+
+def sinks(shape: Shape, *, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The shape's per-head sink logits, ``[num_heads]`` float32, seeded: a model weight (public), the same
+    tensor for every class of a shape."""
+    gen = torch.Generator(device=device).manual_seed(seed + 104_729)
+    return torch.randn((shape.num_heads,), generator=gen, device=device, dtype=torch.float32)
+
+
+def problem_spec(shape: Shape, *, device_type: str = "cuda", device_capability=None):
+    """The seam's `ProblemSpec` of a shape's launches (its features included), for the gates that say which
+    path and kernel ran (`dispatch.choose_path`, `plan.step_kernel`)."""
+    from dhp_backend.ops import dispatch
+
+    return dispatch.ProblemSpec(device_type=device_type, dtype=shape.dtype, head_size=shape.head_size,
+                                num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                block_size=shape.block_size, causal=shape.causal, device_capability=device_capability,
+                                logits_soft_cap=shape.logits_soft_cap or None, sinks=shape.sinks,
+                                sliding_window=shape.sliding_window or None)
 
 
 def bucket(inputs: dict):
@@ -227,7 +277,9 @@ def launch(inputs: dict, out: torch.Tensor, *, path: str = "auto", bucket_value=
     return paged_attention(inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_table"],
                            inputs["query_start_loc"], inputs["seq_lens"], out,
                            scale=shape.head_size ** -0.5, causal=shape.causal, policy=shape.policy, bucket=b,
-                           num_tokens=inputs["num_tokens"], path=path, allow_fallback=True, check_values=False)
+                           num_tokens=inputs["num_tokens"], path=path, allow_fallback=True, check_values=False,
+                           logits_soft_cap=shape.logits_soft_cap or None, sinks=inputs.get("sinks"),
+                           sliding_window=shape.sliding_window or None)
 
 
 def empty_out(inputs: dict) -> torch.Tensor:

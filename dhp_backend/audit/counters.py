@@ -1,6 +1,7 @@
 """G1 counters gate (design.md section 3): hardware counters under ``ncu`` are equal across secret classes.
 
-    dhp-backend audit counters [--shapes SPEC,SPEC...] [--pairs all|gating|A:B,C:D] [--launches 3]
+    dhp-backend audit counters [--shapes SPEC,SPEC...] [--features window=W,softcap=C,sinks]
+                               [--pairs all|gating|A:B,C:D] [--launches 3]
                                [--report-dir DIR] [--json] [--ncu PATH] [--timeout 300]
 
 Inputs obey the address rule (design.md section 2) through `classes.make_inputs`:
@@ -21,10 +22,21 @@ data) are listed with their verdicts but do not fail it.
 Arguments:
     --shapes     comma-separated shape specs: ``B16-L4096-q1`` style tokens (``B`` requests,
                  ``L`` bucket, ``q`` query tokens per request, optional ``h32x8``, ``d128``,
-                 ``bs16``, a dtype, a policy, a page layout and ``nb<blocks>``; omitted parts are
-                 `classes.Shape` defaults). Default: decode B=16 L=4096, B=64 L=4096, B=16 L=32768,
+                 ``bs16``, a dtype, a policy, a page layout, ``nb<blocks>`` and the features
+                 ``win<W>``, ``softcap<C>``, ``sinks``; omitted parts are `classes.Shape`
+                 defaults). Default: decode B=16 L=4096, B=64 L=4096, B=16 L=32768,
                  prefill chunk B=4 q=64; strict; random page layout; the cache size of
                  `classes.default_num_blocks` (at least 25,000 blocks).
+    --features   attention features of every shape (issue 31; `audit.features`):
+                 ``window=W``, ``softcap=C``, ``sinks``, comma-separated (default none). Such
+                 layers run the Triton kernels (`plan.step_kernel`), whose constant-time walk
+                 of a windowed layer is the whole bucket (docs/kernels.md section 6): the
+                 classes are the plain ones. Each pair's row carries ``features`` ("" for
+                 plain attention); the ncu runs table names the path and kernel of each child.
+                 The next GPU session's command for the feature binaries: ``dhp-backend audit
+                 counters --features window=1024,softcap=50,sinks --shapes
+                 B16-L4096-q1,B4-L4096-q64,B16-L4096-q1-request --pairs gating``
+                 (3 shapes x 4 classes = 12 ncu runs, about 2 minutes).
     --dram-tolerance  relative DRAM-bytes tolerance of the rule (default 0.01, design.md section 3).
     --pairs      ``all`` (default: gating + reported), ``gating``, or explicit ``A:B`` pairs.
     --launches   launches per child; the last one is compared (default 3).
@@ -51,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -62,6 +75,7 @@ import tempfile
 import time
 
 from dhp_backend.audit import counters_pc
+from dhp_backend.audit import features as feats
 from dhp_backend.audit.provenance import device_slug, report_stem, versions, write_report_files
 
 METRICS = (
@@ -123,11 +137,38 @@ def parse_shape(spec: str):
             kw["num_blocks"] = int(m[1])
         elif tok in ("causal", "noncausal"):
             kw["causal"] = tok == "causal"
+        elif m := re.fullmatch(r"win([1-9]\d*)", tok):
+            kw["sliding_window"] = int(m[1])
+        elif (m := re.fullmatch(r"softcap(\d+(?:\.\d*)?)", tok)) and float(m[1]) > 0:
+            kw["logits_soft_cap"] = float(m[1])
+        elif tok == "sinks":
+            kw["sinks"] = True
         else:
             raise ValueError(f"shape spec {spec!r}: unknown part {tok!r} (expected B<n>, L<n>, q<n>, h<n>x<n>, "
                              f"d<n>, bs<n>, a dtype, a policy ({', '.join(classes.POLICIES)}), a layout "
-                             f"({', '.join(classes.LAYOUTS)}), nb<n>, causal/noncausal)")
-    return classes.Shape(**kw)
+                             f"({', '.join(classes.LAYOUTS)}), nb<n>, causal/noncausal, win<n> (n >= 1), softcap<x> (x > 0), sinks)")
+    try:
+        return classes.Shape(**kw)
+    except ValueError as e:
+        raise ValueError(f"shape spec {spec!r}: {e}") from None
+
+
+def parse_shapes(shapes: str, features: str = ""):
+    """The shapes of ``--shapes``, each with the attention features of ``--features`` (`audit.features`;
+    a shape may name its own features in its spec instead, not both)."""
+    extra = feats.parse(features)
+    out = []
+    for spec in (x for x in shapes.split(",") if x.strip()):
+        shape = parse_shape(spec)
+        if extra:
+            if shape.features:
+                raise ValueError(f"shape spec {spec!r} names features ({shape.features}) and --features gives "
+                                 f"{extra.label}; accepted: features in one of the two")
+            shape = dataclasses.replace(shape, **extra.shape_fields())
+        out.append(shape)
+    if not out:
+        raise ValueError("--shapes: no shape given")
+    return out
 
 
 def shape_spec(shape) -> str:
@@ -305,24 +346,22 @@ def _child(spec: str, cls: str, launches: int, sidecar: str | None) -> int:
 
     from dhp_backend.audit import classes
     from dhp_backend.ops import dispatch
-    from dhp_backend.ops.attention import _DTYPE_NAMES
+    from dhp_backend.ops.plan import step_kernel
 
     shape = parse_shape(spec)
     inputs = classes.make_inputs(shape, cls, device="cuda")
     out = classes.empty_out(inputs)
-    q = inputs["query"]
-    spec = dispatch.ProblemSpec(device_type="cuda", dtype=_DTYPE_NAMES[q.dtype], head_size=shape.head_size,
-                                num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                block_size=shape.block_size, causal=shape.causal,
-                                device_capability=torch.cuda.get_device_capability())
+    spec = classes.problem_spec(shape, device_capability=torch.cuda.get_device_capability())
     choice = dispatch.choose_path(spec, shape.policy, allow_fallback=True)
+    kernel = step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
     torch.cuda.synchronize()
     for _ in range(launches):
         classes.launch(inputs, out)
     torch.cuda.synchronize()
     if sidecar:
         with open(sidecar, "w") as f:
-            json.dump({"shape": shape.key, "cls": cls, "launches": launches, "path": choice.name,
+            json.dump({"shape": shape.key, "cls": cls, "launches": launches, "path": choice.name, "kernel": kernel,
+                       "features": shape.features,
                        "path_reason": choice.reason, "device": torch.cuda.get_device_name(),
                        "true_length": classes.true_length(shape, cls), "layout": shape.layout,
                        "num_blocks": shape.blocks, "finite": bool(torch.isfinite(out).all())}, f)
@@ -416,7 +455,7 @@ def gate(args, progress=print) -> dict:
 
     ncu = shutil.which(args.ncu or "ncu")
     tolerance = float(getattr(args, "dram_tolerance", None) or DRAM_TOLERANCE)
-    shapes = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
+    shapes = parse_shapes(args.shapes, getattr(args, "features", ""))
     pairs = parse_pairs(args.pairs)
     needed = []
     for a, b, _ in pairs:
@@ -439,7 +478,7 @@ def gate(args, progress=print) -> dict:
     for shape in shapes:
         for a, b, gating in pairs:
             pa, pb = profiles[(shape.key, a)], profiles[(shape.key, b)]
-            r = {"shape": shape.key, "a": a, "b": b, "gating": gating}
+            r = {"shape": shape.key, "features": shape.features, "a": a, "b": b, "gating": gating}
             errs = [f"{c}: {p['error']}" for c, p in ((a, pa), (b, pb)) if "error" in p]
             if errs:
                 r.update(passed=False, problems=errs, kernels=[])
@@ -493,9 +532,10 @@ def _dram_diffs(r: dict) -> str:
 def print_summary(s: dict, out=print) -> None:
     out(f"G1 counters gate: {'PASS' if s['passed'] else 'FAIL'}  ({s['device']}, {s['scope']}, "
         f"{s['seconds']} s; counts identical, DRAM bytes within {s['dram_tolerance'] * 100:g} %)")
-    out(f"  {'shape':44} {'pair':18} {'gates':5} {'result':6} DRAM diff  first difference")
+    out(f"  {'shape':44} {'features':12} {'pair':18} {'gates':5} {'result':6} DRAM diff  first difference")
     for r in s["pairs"]:
-        out(f"  {r['shape'][:44]:44} {r['a'] + ' vs ' + r['b']:18} {'yes' if r['gating'] else 'no':5} "
+        out(f"  {r['shape'][:44]:44} {r.get('features') or '-':12} {r['a'] + ' vs ' + r['b']:18} "
+            f"{'yes' if r['gating'] else 'no':5} "
             f"{'pass' if r['passed'] else 'FAIL':6} {_dram_diffs(r):10} {_first_failure(r)}")
         for w in r.get("warnings", []):
             out(f"      warning: {w}")
@@ -519,10 +559,11 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
           "per SASS instruction instead: every instruction outside the wait loops executes equally often "
           "(ncu SourceCounters; `audit/counters_pc.py`). Gating pairs decide the gate; reported pairs (degenerate "
           "data) do not.", "",
-          "## Pairs", "", "| shape | pair | gates | result | DRAM diff | first difference |",
-          "| --- | --- | --- | --- | --- | --- |"]
+          "## Pairs", "", "| shape | features | pair | gates | result | DRAM diff | first difference |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in s["pairs"]:
-        md.append(f"| {r['shape']} | {r['a']} vs {r['b']} | {'yes' if r['gating'] else 'no'} | "
+        md.append(f"| {r['shape']} | {r.get('features') or '-'} | {r['a']} vs {r['b']} | "
+                  f"{'yes' if r['gating'] else 'no'} | "
                   f"{'pass' if r['passed'] else '**FAIL**'} | {_dram_diffs(r)} | {_first_failure(r)} |")
     md += ["", "## Every kernel and metric", ""]
     for r in s["pairs"]:
@@ -539,11 +580,12 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
                     md.append(f"| {k['index']}: {k['name']} | {c['metric']} | {_fmt(c['a'])} | {_fmt(c['b'])} | "
                               f"{d} | {c['rule']} | {'ok' if c['ok'] else '**differs**'} |")
         md.append("")
-    md += ["## ncu runs", "", "| shape class | seconds | kernels profiled | path | note |",
-           "| --- | --- | --- | --- | --- |"]
+    md += ["## ncu runs", "", "| shape class | seconds | kernels profiled | path | kernel | note |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for key, p in s["profiles"].items():
         child = p.get("child") or {}
         md.append(f"| {key} | {p.get('seconds')} | {p.get('profiled_kernels', '-')} | {child.get('path', '-')} | "
+                  f"{child.get('kernel', '-')} | "
                   f"{(p.get('error') or p.get('warning') or '')[:200]} |")
     return write_report_files(stem, {"date": date, **s}, md)
 
@@ -551,6 +593,7 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                    help="comma-separated shape specs like B16-L4096-q1 (default: %(default)s)")
+    feats.add_argument(p)
     p.add_argument("--pairs", default="all", help="all | gating | A:B,C:D (default: all)")
     p.add_argument("--launches", type=int, default=3, help="launches per child; the last is compared (default 3)")
     p.add_argument("--report-dir", help="write <date>-counters-<device>.md/.json here (e.g. docs/audit)")
@@ -572,7 +615,7 @@ def run(args) -> int:
         return 2
     try:
         parse_pairs(args.pairs)
-        [parse_shape(x) for x in args.shapes.split(",") if x.strip()]
+        parse_shapes(args.shapes, getattr(args, "features", ""))
     except ValueError as e:
         print(f"dhp-backend audit counters: {e}", file=sys.stderr)
         return 2

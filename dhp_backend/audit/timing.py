@@ -23,7 +23,18 @@ up to L and a short and a long request read the very same pages. The grid:
 - the **control**: policy ``off``, short vs long, per step kind and bucket (on the first
   layout of ``--layouts``), in every mode: true lengths are public there, so the harness
   must see the difference (|t| > 4.5), else "the harness cannot detect a leak" and the
-  gate fails.
+  gate fails;
+- attention features (issue 31): ``--features window=W,softcap=C,sinks`` (`audit.features`;
+  any subset) measures every shape of the run as a layer with those features (public model
+  configuration). Such layers run the Triton kernels (`plan.step_kernel`: the csrc kernels
+  implement no feature), and under ``strict``/``request`` a windowed layer walks the whole
+  bucket (docs/kernels.md section 6), so the classes are the plain ones: short and long put
+  the window at two secret positions in the same walk. Rows carry ``features`` ("" for plain
+  attention) and merge beside the plain rows; they gate like them but fill no cell of the
+  full grid (plain attention's). One device call measures a windowed layer (Gemma-3's
+  window, a quarter of the bucket) on the subset's piece: ``dhp-backend audit timing
+  --preset subset --features window=1024`` (decode, L 4096, strict and request, churned,
+  graph; ``--estimate``: ~5.0 min on an H100).
 
 How a pair is measured. Both input sets are built (tables and data shared where the
 classes have them in common), each launch is checked to give finite output, then N
@@ -60,9 +71,11 @@ of ``dhp_backend/`` and ``csrc/``, `source_hash`: pieces merge when it and the d
 ``passed`` (every cell of the full grid measured, every gating row passes, every
 control detected), ``complete, missing, gating_passed, control_detected, failures,
 messages, seconds, rows``; each row: ``pair, layout, num_blocks, mode, step, policy,
-bucket, lengths, n_per_class, diff_pct, t`` and the richer ``commit, a, b, role, shape, path,
-n, mean_us, std_us, median_us, df, cropped_t_max, cropped_quantile, paired, verdict,
-passed, detected, chunks, starved_chunks, trace, plots, error``.
+bucket, lengths, n_per_class, diff_pct, t`` and the richer ``commit, features, a, b, role, shape,
+path, n, mean_us, std_us, median_us, df, cropped_t_max, cropped_quantile, paired, verdict,
+passed, detected, chunks, starved_chunks, trace, plots, error`` (``features``: the layer's
+attention features as ``--features`` spells them, "" for none; ``path``: the dispatcher's path
+and the kernel the step runs on).
 
 Exit code of `run`: 0 when every gating pair of this run passes and the control detects
 its leak in every mode measured (``--quick``: when everything ran and the control was
@@ -86,6 +99,7 @@ import zlib
 
 import numpy as np
 
+from dhp_backend.audit import features as feats
 from dhp_backend.audit import stats
 from dhp_backend.audit.provenance import commit as source_commit
 from dhp_backend.audit.provenance import versions, write_report_files
@@ -110,7 +124,7 @@ PRESETS = {
 LATEST = "g4-latest"
 ROW_KEYS = ("pair", "layout", "num_blocks", "mode", "step", "policy", "bucket", "lengths", "n_per_class",
             "diff_pct", "t")
-RESULT_KEYS = ROW_KEYS + ("a", "b", "role", "shape", "path", "n", "mean_us", "std_us", "median_us", "df",
+RESULT_KEYS = ROW_KEYS + ("features", "a", "b", "role", "shape", "path", "n", "mean_us", "std_us", "median_us", "df",
                           "cropped_t_max", "cropped_quantile", "paired", "verdict", "passed", "detected", "chunks",
                           "starved_chunks", "trace", "plots", "error")
 REPORT_KEYS = ("gate", "date", "device", "commit", "source", "versions", "settings", "churn", "summary", "rows")
@@ -143,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "always runs off)")
     parser.add_argument("--layouts", default=None, help=f"page layouts (default {','.join(LAYOUTS)})")
     parser.add_argument("--modes", default=None, help=f"launch modes (default {','.join(MODES)})")
+    feats.add_argument(parser)
     parser.add_argument("--pairs", default="all",
                         help="all (gating + reported, default) | gating | reported | A:B,C:D (classes.CLASSES)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
@@ -203,6 +218,7 @@ class Settings:
     quick: bool
     preset: str | None
     time_budget: float = 0.0
+    features: feats.Features = feats.Features()  # every shape's (--features); none: plain attention
 
 
 def parse_pairs(text: str) -> list[tuple[str, str, str]]:
@@ -267,7 +283,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         warmup=count("warmup", 50, QUICK["warmup"]), chunk=count("chunk", 128, 128), seed=int(args.seed),
         quick=quick, preset=getattr(args, "preset", None),
         time_budget=float(getattr(args, "time_budget", None) if getattr(args, "time_budget", None) is not None
-                          else preset.get("time_budget", 0.0)))
+                          else preset.get("time_budget", 0.0)),
+        features=feats.parse(getattr(args, "features", "")))
     if st.time_budget < 0:
         raise ValueError(f"--time-budget: must be >= 0, got {st.time_budget}")
     if min(st.decode_batch, pb, pq) <= 0 or pq == 1:
@@ -284,7 +301,7 @@ def step_shape(st: Settings, step: str, bucket: int, policy: str, layout: str):
 
     batch, q = (st.decode_batch, 1) if step == "decode" else st.prefill
     return classes.Shape(batch=batch, bucket=bucket, q_len=q, policy=policy, layout=layout,
-                         num_blocks=st.num_blocks)
+                         num_blocks=st.num_blocks, **st.features.shape_fields())
 
 
 # ---------------------------------------------------------------- what to measure
@@ -378,7 +395,8 @@ def describe_plan(st: Settings, out=print) -> None:
     est = estimate_s(st)
     out(f"G4 plan: {len(groups)} cache group(s), {n} measurements (pairs x modes); steps {','.join(st.steps)}, "
         f"buckets {','.join(map(str, st.lengths))}, policies {','.join(st.policies)}, layouts "
-        f"{','.join(st.layouts)}, modes {','.join(st.modes)}; {st.samples} rounds per gating pair, "
+        f"{','.join(st.layouts)}, modes {','.join(st.modes)}; features "
+        f"{st.features.label or 'none (plain attention)'}; {st.samples} rounds per gating pair, "
         f"{st.reported_samples} per reported pair, {st.control_samples} for the control"
         + (" (quick: not a gate verdict)" if st.quick else ""))
     for (name, s), g in zip(est["groups"], groups):
@@ -450,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
 def settings_dict(st: Settings) -> dict:
     d = dataclasses.asdict(st)
     d["pairs"] = [f"{a}:{b}" for a, b, _ in st.pairs]
+    d["features"] = st.features.label
     return d
 
 
@@ -610,14 +629,16 @@ def row_fields(spec: PairSpec, mode: str, path: str | None = None) -> dict:
 
     sh = spec.shape
     return {"pair": spec.label, "layout": sh.layout, "num_blocks": sh.blocks, "mode": mode, "step": sh.step,
-            "policy": sh.policy, "bucket": sh.bucket,
+            "policy": sh.policy, "bucket": sh.bucket, "features": sh.features,
             "lengths": [classes.true_length(sh, spec.a), classes.true_length(sh, spec.b)],
             "a": spec.a, "b": spec.b, "role": spec.role, "shape": sh.key, "path": path}
 
 
 def row_key(r: dict) -> tuple:
-    """What a row measured: rows of two runs with equal keys replace each other in a merged report."""
-    return (r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"], r["role"])
+    """What a row measured: rows of two runs with equal keys replace each other in a merged report (rows of
+    reports from before ``features`` existed are plain attention)."""
+    return (r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"], r["role"],
+            r.get("features") or "")
 
 
 def error_result(spec: PairSpec, mode: str, why: str) -> dict:
@@ -678,12 +699,10 @@ class Timer:
     def path_of(self, shape) -> str:
         """The path the dispatcher runs for this shape (a gating pair on the reference path proves little)."""
         try:
+            from dhp_backend.audit import classes
             from dhp_backend.ops import dispatch
 
-            spec = dispatch.ProblemSpec(device_type="cuda", dtype=shape.dtype, head_size=shape.head_size,
-                                        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                        block_size=shape.block_size, causal=shape.causal,
-                                        device_capability=self.torch.cuda.get_device_capability(self.device))
+            spec = classes.problem_spec(shape, device_capability=self.torch.cuda.get_device_capability(self.device))
             path = dispatch.choose_path(spec, shape.policy, allow_fallback=True).describe()
         except Exception as e:  # noqa: BLE001 - informational only
             return f"unknown ({type(e).__name__}: {e})"
@@ -980,26 +999,30 @@ def full_grid() -> list[tuple]:
 def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
     """Verdicts over ``rows``: ``passed`` is the gate's (the full grid measured, every gating row passing,
     the control detected in every step kind, bucket and mode of the grid); ``run_passed`` judges these
-    rows only (a piece of the grid)."""
+    rows only (a piece of the grid). Rows of layers with features (``features``) gate as the others do, but
+    fill no cell of the full grid: that grid is plain attention's."""
     gating = [r for r in rows if r["role"] == "gating"]
     controls = [r for r in rows if r["role"] == "control"]
     gating_passed = bool(gating) and all(r["passed"] for r in gating)
     control_detected = all(r["detected"] for r in controls) if controls else None
-    have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating}
+    have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating
+            if not r.get("features")}
     missing = [c for c in full_grid() if c not in have]
-    ctl_have = {(r["step"], r["bucket"], r["mode"]) for r in controls}
+    ctl_have = {(r["step"], r["bucket"], r["mode"]) for r in controls if not r.get("features")}
     missing_ctl = [(s, L, m) for s in STEPS for L in LENGTHS for m in MODES if (s, L, m) not in ctl_have]
     messages = []
     if control_detected is False:
-        bad = ", ".join(f"{r['step']} L{r['bucket']} {r['mode']} (|t| = {_f(r['t'])}"
+        bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['mode']} (|t| = {_f(r['t'])}"
                         f"{'; ' + r['error'] if r['error'] else ''})" for r in controls if not r["detected"])
         messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) was not "
                         f"detected in {bad}")
     if quick:
         messages.append("quick run: too few samples for a gate verdict (a smoke test of the harness)")
-    failures = [f"{r['pair']} [{r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}]: {r['verdict']}"
+    failures = [f"{r['pair']} [{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['layout']} {r['mode']}]: "
+                f"{r['verdict']}"
                 + (f" ({r['error']})" if r["error"] else "") for r in gating if not r["passed"]]
-    side = [f"{r['pair']} [{r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}]: t = {_f(r['t'])}, "
+    side = [f"{r['pair']} [{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['layout']} {r['mode']}]: "
+            f"t = {_f(r['t'])}, "
             f"{_f(r['diff_pct'], '+.3f')} %" for r in rows if r["role"] == "reported" and r["verdict"] == "differs"]
     if side:
         messages.append("reported (not gating) pairs that differ: " + "; ".join(side))
@@ -1013,6 +1036,11 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
             "messages": messages, "seconds": round(seconds, 1), "rows": len(rows)}
 
 
+def _feat(r: dict) -> str:
+    """" <features>" for a row of a layer with features, "" for plain attention (names in messages)."""
+    return f" {r['features']}" if r.get("features") else ""
+
+
 def _f(x, spec: str = "+.2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -1022,13 +1050,13 @@ def print_summary(s: dict, rows: list[dict], out=print) -> None:
     out(f"G4 timing gate, this run: {verdict}  (control "
         f"{ {True: 'detects its leak', False: 'NOT DETECTED', None: 'not measured'}[s['control_detected']] }; "
         f"{s['rows']} rows, {s['seconds']} s)")
-    out(f"  {'role':9} {'pair':18} {'step':7} {'L':>6} {'policy':8} {'layout':11} {'mode':6} {'n':>7} {'Δ%':>8} "
-        f"{'t':>8} {'paired z':>8}  verdict")
+    out(f"  {'role':9} {'pair':18} {'step':7} {'L':>6} {'features':12} {'policy':8} {'layout':11} {'mode':6} "
+        f"{'n':>7} {'Δ%':>8} {'t':>8} {'paired z':>8}  verdict")
     for r in rows:
         z = r["paired"]["z_max"] if r.get("paired") else None
-        out(f"  {r['role']:9} {r['pair']:18} {r['step']:7} {r['bucket']:>6} {r['policy']:8} {r['layout']:11} "
-            f"{r['mode']:6} {r['n_per_class']:>7} {_f(r['diff_pct'], '+.3f'):>8} {_f(r['t']):>8} {_f(z, '.2f'):>8}  "
-            f"{r['verdict']}")
+        out(f"  {r['role']:9} {r['pair']:18} {r['step']:7} {r['bucket']:>6} {r.get('features') or '-':12} "
+            f"{r['policy']:8} {r['layout']:11} {r['mode']:6} {r['n_per_class']:>7} {_f(r['diff_pct'], '+.3f'):>8} "
+            f"{_f(r['t']):>8} {_f(z, '.2f'):>8}  {r['verdict']}")
     for m in s["messages"]:
         out(f"  NOTE: {m}")
     for f in s["failures"]:
@@ -1051,7 +1079,8 @@ def renderer() -> str:
 
 
 def _row_name(r: dict) -> str:
-    return _safe(f"{r['step']}-L{r['bucket']}-{r['policy']}-{r['layout']}-{r['mode']}-{r['a']}-vs-{r['b']}")
+    feat = f"-{r['features']}" if r.get("features") else ""
+    return _safe(f"{r['step']}-L{r['bucket']}{feat}-{r['policy']}-{r['layout']}-{r['mode']}-{r['a']}-vs-{r['b']}")
 
 
 def plot_pair(r: dict, stem: str) -> list[str]:
@@ -1059,7 +1088,7 @@ def plot_pair(r: dict, stem: str) -> list[str]:
     a, b = r["_samples"]
     base = f"{stem}-{_row_name(r)}"
     hist, tplot = base + "-hist.png", base + "-t.png"
-    title = f"{r['pair']} ({r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']})"
+    title = f"{r['pair']} ({r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['layout']} {r['mode']})"
     if renderer() == "matplotlib":
         import matplotlib
         matplotlib.use("Agg")
@@ -1233,9 +1262,15 @@ def _markdown(doc: dict) -> list[str]:
                f"BlockPool, {c.get('source', 'live')} (seed {c.get('seed')}; {c.get('requests')} requests, "
                f"{c.get('preemptions')} preemptions, {c.get('handed_out')} blocks handed out over {c.get('steps')} "
                "steps).", ""]
-    paths = sorted({f"`{r['policy']}` {r['step']}: {r['path']}" for r in doc["rows"] if r.get("path")})
+    paths = sorted({f"`{r['policy']}` {r['step']}{' (' + r['features'] + ')' if r.get('features') else ''}: "
+                    f"{r['path']}" for r in doc["rows"] if r.get("path")})
     if paths:
         md += ["Kernel path per policy and step (from the dispatcher): " + "; ".join(paths) + ".", ""]
+    featured = sorted({r["features"] for r in doc["rows"] if r.get("features")})
+    if featured:
+        md += ["Rows with `features` (" + ", ".join(f"`{f}`" for f in featured) + ") measure layers with those "
+               "attention features (public model configuration, `--features`): they gate like the others but fill "
+               "no cell of the full grid, which is plain attention's.", ""]
     for m in s["messages"]:
         md += [f"**Note:** {m}", ""]
     titles = {"control": "Control (must detect: policy off, true lengths public)", "gating": "Gating pairs",
@@ -1245,14 +1280,15 @@ def _markdown(doc: dict) -> list[str]:
         if not rs:
             continue
         md += [f"## {titles[role]}", "",
-               "| pair | lengths | step | L | policy | layout | blocks | mode | n per class | mean A µs | mean B µs "
-               "| Δ % | t | cropped max \\|t\\| | paired \\|z\\| | starved | verdict |",
-               "|" + " --- |" * 17]
+               "| pair | lengths | step | L | features | policy | layout | blocks | mode | n per class | mean A µs "
+               "| mean B µs | Δ % | t | cropped max \\|t\\| | paired \\|z\\| | starved | verdict |",
+               "|" + " --- |" * 18]
         for r in rs:
             p = r.get("paired") or {}
             ma, mb = (r.get("mean_us") or [None, None])
             lens = "/".join(map(str, r.get("lengths") or []))
-            md.append(f"| {r['pair']} | {lens} | {r['step']} | {r['bucket']} | {r['policy']} | {r['layout']} | "
+            md.append(f"| {r['pair']} | {lens} | {r['step']} | {r['bucket']} | {r.get('features') or '-'} | "
+                      f"{r['policy']} | {r['layout']} | "
                       f"{r['num_blocks']} | {r['mode']} | {r['n_per_class']} | {_f(ma, '.3f')} | {_f(mb, '.3f')} | "
                       f"{_f(r['diff_pct'], '+.3f')} | {_f(r['t'])} | {_f(r.get('cropped_t_max'), '.2f')} | "
                       f"{_f(p.get('z_max'), '.2f')} | {r.get('starved_chunks')}/{r.get('chunks')} | {r['verdict']}"
@@ -1265,6 +1301,6 @@ def _markdown(doc: dict) -> list[str]:
     if plots:
         md += ["## Plots", ""]
         for r, p in plots:
-            md.append(f"- {r['pair']} ({r['step']} L{r['bucket']} {r['policy']} {r['layout']} {r['mode']}): "
+            md.append(f"- {r['pair']} ({r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['layout']} {r['mode']}): "
                       f"[{os.path.basename(p)}](timing-plots/{os.path.basename(p)})")
     return md
