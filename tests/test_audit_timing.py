@@ -460,6 +460,12 @@ def test_timing_loop_pairs_rounds_correctly():
     first_a = np.array(clock["calls"][0::2]) == "a"
     assert 400 < first_a.sum() < 600 and np.all((np.round(a) == 100) == first_a)
     assert len(lines) == 8 and "100%" in lines[-1]  # every chunk crosses a 10 % step here
+    # --idle-after-us: one GPU spin queued after every timed launch, outside its events
+    sleeps = []
+    t.torch = SimpleNamespace(cuda=SimpleNamespace(Event=Event, synchronize=lambda: None, _sleep=sleeps.append))
+    t.idle_after_ms = 0.05
+    t._time(fns, 256, np.random.default_rng(1), timing.PairStats(), "a vs b")
+    assert sleeps.count(int(0.05 * 1e6)) == 2 * 256
 
 
 def fake_timer(measure):
@@ -468,8 +474,8 @@ def fake_timer(measure):
     class FakeTimer:
         device_name, cycles_per_ms = "NVIDIA H100 80GB HBM3", 1.9e6
 
-        def __init__(self, chunk, warmup, progress):
-            pass
+        def __init__(self, chunk, warmup, progress, idle_after_us=0.0):
+            FakeTimer.idle_after_us = idle_after_us
 
         def pad_note(self):
             return "fake"
@@ -528,6 +534,18 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
                                              "--layouts", "random", "--no-control"])) == 0
     doc = json.load(open(tmp_path / "g4-latest.json"))
     assert len(doc["summary"]["missing"]) == missing_before - 4 and not doc["summary"]["passed"]
+    # --idle-after-us: a diagnostic of the card's power management; the timer idles the GPU, the rows go to a
+    # report of their own (the gate's report is untouched, even when asked to merge) and give no verdict
+    before = (tmp_path / "g4-latest.json").read_bytes()
+    assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
+                                             "--layouts", "churned", "--idle-after-us", "200", "--merge",
+                                             str(tmp_path / "g4-latest.json")])) == 0
+    assert timing.Timer.idle_after_us == 200.0 and (tmp_path / "g4-latest.json").read_bytes() == before
+    diag = json.load(open(tmp_path / f"{timing.DIAGNOSTIC}.json"))
+    assert len(diag["rows"]) == 9 and diag["settings"]["idle_after_us"] == 200.0 and not diag["summary"]["passed"]
+    assert "diagnostic" in (tmp_path / f"{timing.DIAGNOSTIC}.md").read_text().splitlines()[2]
+    with pytest.raises(ValueError, match="--idle-after-us"):
+        timing.settings_from_args(ap.parse_args(["--idle-after-us", "-5"]))
 
 
 def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):

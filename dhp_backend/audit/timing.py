@@ -61,7 +61,10 @@ Selecting a piece of the grid. Every axis is an option (``--steps``, ``--lengths
 piece that fits one ~8-minute device call on an H100 (decode, both buckets, strict,
 churned, graph replay), ``--estimate`` prints the plan and its expected wall time and
 exits (no GPU needed), ``--quick`` is a smoke run (few samples, every layout; not a
-gate verdict). Each run merges its rows into ``<report-dir>/g4-latest.json`` (or the
+gate verdict), ``--idle-after-us X`` a diagnostic of the card's power management (the GPU
+idles X us after every timed launch, so its average power drops; a difference that shrinks
+as X grows is the clock control reacting to the data, not the kernel's work; its report is
+``g4-idle-diagnostic.json/.md``, never merged into the gate's). Each run merges its rows into ``<report-dir>/g4-latest.json`` (or the
 ``--merge`` file) when that file is of the same code (`source_hash`) and device, so the
 full grid can be measured in pieces; the summary there says which cells are still missing.
 
@@ -122,6 +125,7 @@ PRESETS = {
                "modes": "graph", "time_budget": 540.0},
 }
 LATEST = "g4-latest"
+DIAGNOSTIC = "g4-idle-diagnostic"  # the report of an --idle-after-us run
 ROW_KEYS = ("pair", "layout", "num_blocks", "mode", "step", "policy", "bucket", "lengths", "n_per_class",
             "diff_pct", "t")
 RESULT_KEYS = ROW_KEYS + ("features", "a", "b", "role", "shape", "path", "n", "mean_us", "std_us", "median_us", "df",
@@ -182,6 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "subset: 540, under the device's 10-minute command limit); the report is written "
                              "after every cache group either way")
     parser.add_argument("--chunk", type=int, default=128, help="rounds between synchronisations")
+    parser.add_argument("--idle-after-us", type=float, default=0.0,
+                        help="diagnostic: the GPU idles this long (a spin, outside the timed events) after every "
+                             "timed launch, lowering its average power; a difference that shrinks as the idle "
+                             "time grows comes from the card's power management, not from the kernel's work. Not "
+                             f"a gate verdict: written to <report-dir>/{DIAGNOSTIC}.json/.md, never merged into "
+                             "the gate's report (default 0)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds before timing (default 50)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the launch order, the page layouts and the data (default 0)")
@@ -219,6 +229,16 @@ class Settings:
     preset: str | None
     time_budget: float = 0.0
     features: feats.Features = feats.Features()  # every shape's (--features); none: plain attention
+    idle_after_us: float = 0.0  # diagnostic (--idle-after-us): GPU idle after each timed launch
+
+    @property
+    def diagnostic(self) -> str:
+        """Why this run gives no gate verdict ("" when it does)."""
+        if self.quick:
+            return "quick: not a gate verdict"
+        if self.idle_after_us:
+            return f"the GPU idles {self.idle_after_us:g} us after every launch: a diagnostic, not a gate verdict"
+        return ""
 
 
 def parse_pairs(text: str) -> list[tuple[str, str, str]]:
@@ -284,7 +304,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         quick=quick, preset=getattr(args, "preset", None),
         time_budget=float(getattr(args, "time_budget", None) if getattr(args, "time_budget", None) is not None
                           else preset.get("time_budget", 0.0)),
-        features=feats.parse(getattr(args, "features", "")))
+        features=feats.parse(getattr(args, "features", "")),
+        idle_after_us=float(getattr(args, "idle_after_us", 0.0) or 0.0))
+    if not 0 <= st.idle_after_us <= 1e5:
+        raise ValueError(f"--idle-after-us: {st.idle_after_us:g} us; accepted: 0 (none) to 100000")
     if st.time_budget < 0:
         raise ValueError(f"--time-budget: must be >= 0, got {st.time_budget}")
     if min(st.decode_batch, pb, pq) <= 0 or pq == 1:
@@ -383,7 +406,9 @@ def estimate_s(st: Settings) -> dict:
     """Estimated wall seconds of the plan on an H100: per group and total."""
     per_group, total = [], FIRST_COMPILE_S
     for g in plan(st):
-        s = GROUP_SETUP_S + sum(pair_estimate_s(spec, st.modes) for spec in g.specs)
+        s = GROUP_SETUP_S + sum(pair_estimate_s(spec, st.modes)
+                                # --idle-after-us: two idle spins per round, per mode
+                                + 2 * spec.rounds * len(st.modes) * st.idle_after_us / 1e6 for spec in g.specs)
         per_group.append((f"{g.step} L{g.bucket} {g.layout}", s))
         total += s
     return {"total_s": total, "groups": per_group}
@@ -398,7 +423,7 @@ def describe_plan(st: Settings, out=print) -> None:
         f"{','.join(st.layouts)}, modes {','.join(st.modes)}; features "
         f"{st.features.label or 'none (plain attention)'}; {st.samples} rounds per gating pair, "
         f"{st.reported_samples} per reported pair, {st.control_samples} for the control"
-        + (" (quick: not a gate verdict)" if st.quick else ""))
+        + (f" ({st.diagnostic})" if st.diagnostic else ""))
     for (name, s), g in zip(est["groups"], groups):
         shape = g.specs[0].shape if g.specs else None
         blocks = f", {shape.blocks} blocks" if shape else ""
@@ -429,11 +454,15 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     describe_plan(st, log)
-    timer = Timer(chunk=st.chunk, warmup=st.warmup, progress=log)
+    timer = Timer(chunk=st.chunk, warmup=st.warmup, progress=log, idle_after_us=st.idle_after_us)
     log(f"G4 timing gate on {timer.device_name}: GPU spin {timer.cycles_per_ms / 1e6:.2f} Gcycles/s"
         if timer.cycles_per_ms else
         f"G4 timing gate on {timer.device_name}: torch.cuda._sleep missing, no host pad (see starved chunks)")
     merge = "auto" if args.merge is None else (args.merge or None)
+    if st.idle_after_us:  # a diagnostic's rows never join (or replace) a gate's
+        if args.merge:
+            log(f"--idle-after-us: not merged into {args.merge} (a diagnostic run's rows stay in their own report)")
+        merge = None
     ver = versions()
 
     source = source_hash()
@@ -448,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
             write_reports(args.report_dir, rows, meta(churn, time.time() - t0), merge_from=merge)
 
     rows, churn, skipped = measure_plan(timer, st, log, checkpoint=checkpoint, started=t0)
-    s = summarize(rows, time.time() - t0, quick=st.quick)
+    s = summarize(rows, time.time() - t0, quick=st.quick, diagnostic=st.diagnostic)
     if skipped:
         s["messages"].append(f"time budget {st.time_budget:.0f} s: {len(skipped)} measurements not started ("
                              + "; ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else "") + ")")
@@ -462,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_jsonable(s), indent=2, default=str))
     else:
         print_summary(s, rows)
-    return exit_code(s, st.quick)
+    return exit_code(s, bool(st.diagnostic))
 
 
 def settings_dict(st: Settings) -> dict:
@@ -472,8 +501,10 @@ def settings_dict(st: Settings) -> dict:
     return d
 
 
-def exit_code(s: dict, quick: bool) -> int:
-    if quick:
+def exit_code(s: dict, diagnostic: bool) -> int:
+    """A gate run: 0 when its rows pass. A diagnostic (quick, idle gaps): 0 when it ran and the control,
+    where measured, was detected."""
+    if diagnostic:
         return 0 if s["control_detected"] is not False and not s["errors"] else 1
     return 0 if s["run_passed"] else 1
 
@@ -674,11 +705,13 @@ class Timer:
 
     SLEEP_MARGIN = 1.5
     MAX_SLEEP_MS = 250.0
+    idle_after_ms = 0.0  # GPU idle queued after every timed launch (--idle-after-us; a diagnostic)
 
-    def __init__(self, chunk: int = 128, warmup: int = 50, progress=print) -> None:
+    def __init__(self, chunk: int = 128, warmup: int = 50, progress=print, idle_after_us: float = 0.0) -> None:
         import torch
 
         self.torch, self.chunk, self.warmup, self.progress = torch, chunk, warmup, progress
+        self.idle_after_ms = idle_after_us / 1e3
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.cycles_per_ms = self._calibrate_sleep()
@@ -921,6 +954,7 @@ class Timer:
                     starts[2 * r + j].record()
                     fns[c]()
                     ends[2 * r + j].record()
+                    self._pad(self.idle_after_ms)  # --idle-after-us (0: nothing queued)
             host_ms = (time.perf_counter() - t) * 1e3
             ends[2 * k - 1].synchronize()
             us = np.array([starts[i].elapsed_time(ends[i]) for i in range(2 * k)]) * 1e3
@@ -996,7 +1030,7 @@ def full_grid() -> list[tuple]:
             for lay in LAYOUTS for mode in MODES for a, b in classes.GATING_PAIRS]
 
 
-def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
+def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnostic: str = "") -> dict:
     """Verdicts over ``rows``: ``passed`` is the gate's (the full grid measured, every gating row passing,
     the control detected in every step kind, bucket and mode of the grid); ``run_passed`` judges these
     rows only (a piece of the grid). Rows of layers with features (``features``) gate as the others do, but
@@ -1018,6 +1052,8 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
                         f"detected in {bad}")
     if quick:
         messages.append("quick run: too few samples for a gate verdict (a smoke test of the harness)")
+    elif diagnostic:
+        messages.append(diagnostic)
     failures = [f"{r['pair']} [{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['layout']} {r['mode']}]: "
                 f"{r['verdict']}"
                 + (f" ({r['error']})" if r["error"] else "") for r in gating if not r["passed"]]
@@ -1027,7 +1063,8 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False) -> dict:
     if side:
         messages.append("reported (not gating) pairs that differ: " + "; ".join(side))
     complete = not missing and not missing_ctl
-    return {"gate": "G4 timing", "passed": complete and gating_passed and control_detected is True,
+    return {"gate": "G4 timing", "passed": (complete and gating_passed and control_detected is True
+                                            and not (quick or diagnostic)),
             "run_passed": gating_passed and control_detected is not False,
             "complete": complete, "missing": [" ".join(map(str, c[:5])) + f" {c[5]} vs {c[6]}" for c in missing]
             + [f"control {s} {L} {m}" for s, L, m in missing_ctl],
@@ -1189,7 +1226,8 @@ def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: 
     """
     os.makedirs(report_dir, exist_ok=True)
     date = date or datetime.date.today().isoformat()
-    stem = os.path.join(report_dir, LATEST)
+    # a diagnostic (GPU idle after each launch) never takes the gate report's name
+    stem = os.path.join(report_dir, DIAGNOSTIC if (meta.get("settings") or {}).get("idle_after_us") else LATEST)
     commit = (meta.get("versions") or {}).get("commit") or source_commit()
     source = meta.get("source") or source_hash()
     if plots:
@@ -1220,7 +1258,9 @@ def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: 
     merged.sort(key=lambda r: (STEPS.index(r["step"]) if r["step"] in STEPS else 9, r["bucket"],
                                {"control": 0, "gating": 1, "reported": 2}.get(r["role"], 3), r["policy"],
                                LAYOUTS.index(r["layout"]) if r["layout"] in LAYOUTS else 9, r["pair"], r["mode"]))
-    s = summarize(merged, float(meta.get("seconds") or 0.0))
+    idle = float((meta.get("settings") or {}).get("idle_after_us") or 0.0)
+    s = summarize(merged, float(meta.get("seconds") or 0.0), diagnostic=(
+        f"the GPU idled {idle:g} us after every launch: a diagnostic, not a gate verdict" if idle else ""))
     s["merge"] = how
     churn = dict((previous or {}).get("churn") or {}) if how.startswith("merged") else {}
     churn.update(meta.get("churn") or {})
@@ -1235,6 +1275,8 @@ def _markdown(doc: dict) -> list[str]:
     s, v, st = doc["summary"], doc["versions"], doc["settings"]
     verdict = "PASS" if s["passed"] else ("FAIL" if s["failures"] or s["control_detected"] is False else
                                           "not complete")
+    if st.get("idle_after_us"):
+        verdict = f"diagnostic (GPU idle {st['idle_after_us']:g} us after every launch; no gate verdict)"
     control = {True: "detects its leak", False: "**does not detect its leak**", None: "not measured"}
     grid = "the full grid is measured" if s["complete"] else f"{len(s['missing'])} cells of the full grid missing"
     gating = "all pass" if s["gating_passed"] else "**not all pass**"
