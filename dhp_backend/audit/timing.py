@@ -207,6 +207,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
 
 
+def idle_diagnostic(idle_after_us: float) -> str:
+    """What a run with ``--idle-after-us`` is ("" for none): said in the plan, the summary and the report."""
+    return (f"the GPU idles {idle_after_us:g} us after every launch: a diagnostic, not a gate verdict"
+            if idle_after_us else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     steps: tuple
@@ -236,8 +242,7 @@ class Settings:
         """Why this run gives no gate verdict ("" when it does)."""
         if self.quick:
             return "quick: not a gate verdict"
-        if self.idle_after_us:
-            return f"the GPU idles {self.idle_after_us:g} us after every launch: a diagnostic, not a gate verdict"
+        return idle_diagnostic(self.idle_after_us)
         return ""
 
 
@@ -1258,9 +1263,8 @@ def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: 
     merged.sort(key=lambda r: (STEPS.index(r["step"]) if r["step"] in STEPS else 9, r["bucket"],
                                {"control": 0, "gating": 1, "reported": 2}.get(r["role"], 3), r["policy"],
                                LAYOUTS.index(r["layout"]) if r["layout"] in LAYOUTS else 9, r["pair"], r["mode"]))
-    idle = float((meta.get("settings") or {}).get("idle_after_us") or 0.0)
-    s = summarize(merged, float(meta.get("seconds") or 0.0), diagnostic=(
-        f"the GPU idled {idle:g} us after every launch: a diagnostic, not a gate verdict" if idle else ""))
+    s = summarize(merged, float(meta.get("seconds") or 0.0),
+                  diagnostic=idle_diagnostic(float((meta.get("settings") or {}).get("idle_after_us") or 0.0)))
     s["merge"] = how
     churn = dict((previous or {}).get("churn") or {}) if how.startswith("merged") else {}
     churn.update(meta.get("churn") or {})
@@ -1276,7 +1280,7 @@ def _markdown(doc: dict) -> list[str]:
     verdict = "PASS" if s["passed"] else ("FAIL" if s["failures"] or s["control_detected"] is False else
                                           "not complete")
     if st.get("idle_after_us"):
-        verdict = f"diagnostic (GPU idle {st['idle_after_us']:g} us after every launch; no gate verdict)"
+        verdict = f"diagnostic ({idle_diagnostic(st['idle_after_us'])})"
     control = {True: "detects its leak", False: "**does not detect its leak**", None: "not measured"}
     grid = "the full grid is measured" if s["complete"] else f"{len(s['missing'])} cells of the full grid missing"
     gating = "all pass" if s["gating_passed"] else "**not all pass**"
