@@ -27,6 +27,7 @@ Llama's WordLevel tokenizer.
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from integration.tiny_gemma2 import fill_gemma_like
@@ -94,6 +95,51 @@ def build(out: str | Path, arch: str, *, seed: int = 0, window: int | None = Non
     else:
         fill_llama_like(model, seed)
     return save(model, out, stamp_file, stamp)
+
+
+def with_routed_expert_names(src: str | Path, out: str | Path) -> Path:
+    """A copy of the gpt-oss checkpoint ``src`` whose expert tensors are named ``mlp.experts.routed_experts.*``.
+
+    Why: vLLM 0.24 keeps a MoE layer's expert weights one module deeper
+    (``MoERunner.routed_experts``) and its other models remap checkpoint names
+    (``weight_utils.maybe_remap_moe_expert_param_name``; gpt-oss too from 0.32 on), but its gpt-oss loader
+    for unquantized weights (``GptOssModel._load_weights_other``) does not: a
+    checkpoint with the released names fails there with KeyError
+    'layers.0.mlp.experts.w2_weight' on every attention backend. The real
+    checkpoints are MXFP4 and take another loader. Only the names change; the
+    tensors are the same bytes.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {k.replace(".mlp.experts.", ".mlp.experts.routed_experts.", 1): v for k, v in tensors.items()}
+    if renamed.keys() == tensors.keys():
+        raise ValueError(f"{src}: no tensor named *.mlp.experts.*; is it a gpt-oss checkpoint?")
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def vllm_needs_routed_expert_names() -> bool:
+    """True where the installed vLLM's unquantized gpt-oss loader misses the routed-experts remap
+    (`with_routed_expert_names` says why); read from its source, without importing vLLM."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(list(spec.submodule_search_locations)[0])
+    model = root / "model_executor" / "models" / "gpt_oss.py"
+    runner = root / "model_executor" / "layers" / "fused_moe" / "runner" / "moe_runner.py"
+    if not (model.exists() and runner.exists()) or "self.routed_experts = " not in runner.read_text():
+        return False
+    text = model.read_text()
+    other = text.split("def _load_weights_other", 1)[1].split("\n    def ", 1)[0] if "def _load_weights_other" in text else ""
+    return bool(other) and "remap_moe_expert" not in other  # 0.32+: remap_moe_expert_weights
 
 
 def main() -> None:

@@ -183,14 +183,37 @@ def test_compare_greedy_tells_a_near_tie_from_an_error():
     assert compare_greedy(a, absent)["near_tie"] is False
 
 
-# gpt-oss is left out on the GPU: vLLM 0.24's CUDA gpt-oss loader takes the released checkpoint's expert
-# layout (it raised KeyError 'layers.0.mlp.experts.w2_weight' on the transformers-saved tiny one, H200).
-GPU_ARCHS = tuple(a for a in ARCHS if a != "gpt_oss")
+def test_routed_expert_names_rename_only_the_expert_tensors(models, tmp_path):
+    """The GPU run's gpt-oss checkpoint for vLLM 0.24: the same tensors, bit for bit, only the experts'
+    names one module deeper; the installed vLLM (0.32 here) remaps the released names itself."""
+    from safetensors.torch import load_file
+
+    from integration.tiny_windowed import vllm_needs_routed_expert_names, with_routed_expert_names
+
+    src = load_file(os.path.join(models["gpt_oss"], "model.safetensors"))
+    out = load_file(str(with_routed_expert_names(models["gpt_oss"], tmp_path) / "model.safetensors"))
+    expected = {k.replace(".mlp.experts.", ".mlp.experts.routed_experts."): k for k in src}
+    assert set(out) == set(expected) and sum(".routed_experts." in k for k in out) == 8
+    assert all(out[k].dtype == src[v].dtype and out[k].equal(src[v]) for k, v in expected.items())
+    assert vllm_needs_routed_expert_names() is False
+    with pytest.raises(ValueError, match="no tensor named"):
+        with_routed_expert_names(models["mistral"], tmp_path / "mistral")
+
+
+GPU_ARCHS = ARCHS
 
 
 @pytest.fixture(scope="module")
-def gpu_models(models):
-    return {arch: models[arch] for arch in GPU_ARCHS}
+def gpu_models(models, tmp_path_factory):
+    """The CPU tests' checkpoints; gpt-oss's with its expert tensors renamed where vLLM 0.24's unquantized
+    gpt-oss loader needs it (`integration.tiny_windowed.with_routed_expert_names` says why)."""
+    from integration.tiny_windowed import vllm_needs_routed_expert_names, with_routed_expert_names
+
+    chosen = {arch: models[arch] for arch in GPU_ARCHS}
+    if vllm_needs_routed_expert_names():
+        chosen["gpt_oss"] = str(with_routed_expert_names(models["gpt_oss"],
+                                                         tmp_path_factory.mktemp("gpt-oss-routed")))
+    return chosen
 
 
 @pytest.fixture(scope="module")
