@@ -54,7 +54,7 @@ def build_set(c: C.Case, gen: torch.Generator, device: torch.device) -> InputSet
     # them under strict (the address rule: DHP reads them all under a constant-time
     # policy, the other anchors stop at seq_len). The largest reservation any
     # policy makes, so one table serves every policy.
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen).item())
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device=gen.device).item())
     table = reserved_table([c.max_model_len] * c.num_reqs, block_size=bs, num_blocks=nb, width=width,
                            layout="random", seed=seed, device=device)
     qsl = [0]

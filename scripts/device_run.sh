@@ -28,7 +28,7 @@
 #   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
 #   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS)
 #   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
-# Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer]
+# Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer] [.gpu-stack/send/moe, in a later call]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -40,10 +40,13 @@ export PYTHONUNBUFFERED=1
 # call and flashinfer in the next while the machine is warm (staged parts stay in
 # /root/gpu-stack/parts, and install.sh installs every family staged).
 parts=""
-for p in core flashinfer; do [ -d .gpu-stack/send/$p ] && parts="$parts .gpu-stack/send/$p"; done
+# The moe family (_moe_C, 18.8 MiB: MoE models such as the tiny gpt-oss of `windowed`) goes over the same
+# way, in a call of its own after core's (prepare.sh --with moe).
+for p in core flashinfer moe; do [ -d .gpu-stack/send/$p ] && parts="$parts .gpu-stack/send/$p"; done
 need=0
 [ -f /root/gpu-stack/env.sh ] || need=1
 [ -d .gpu-stack/send/flashinfer ] && [ ! -f /root/gpu-stack/env-flashinfer.sh ] && need=1
+[ -d .gpu-stack/send/moe ] && ! ls /root/gpu-stack/site/vllm/_moe_C*.so >/dev/null 2>&1 && need=1
 if [ $need = 1 ]; then
   { [ -z "$parts" ] || bash .gpu-stack/bin/stage.sh $parts >"$OUT/stage.log" 2>&1; } \
     && GPU_STACK_NO_CHECK=1 bash .gpu-stack/bin/install.sh >"$OUT/install.log" 2>&1 \
