@@ -233,11 +233,17 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 //     Which pages hold real positions is never asked: the true length only masks;
 //   - Q rows come by ordinary loads at in-range addresses (row mod q_rows): a TMA
 //     box at the step's end would be clipped, and a clipped box reads fewer bytes;
-//   - V rows at positions >= the true length are zeroed in every stage by two
-//     producer warps (clean_v_ct) that rewrite the whole tile in place (load, AND
-//     with a mask from the length, store to the same address), so the consumers
-//     never branch on the length and 0 * NaN never reaches the output;
-//   - every score is masked by select (the off binary masks only the last steps).
+//   - V rows at positions >= the true length are zeroed in the step that holds the
+//     true length's end by two producer warps (clean_v_ct) that rewrite the whole
+//     tile of every stage in place (load, AND with a mask from the length, store to
+//     the same address), so the consumers never branch on the length and 0 * NaN
+//     never reaches the output;
+//   - every score is masked by select (the off binary masks only the last steps),
+//     except in the dead steps (every position past the true length): those run
+//     unmasked on the rows their pages hold and their contribution is dropped by
+//     selection (consume_compat), so the tensor cores get a live step's operands
+//     rather than masked zeros, whose lower power moved the step's time with the
+//     true length (G4, H200: short vs long +0.104 % with zeros, +0.037 % now).
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
@@ -369,8 +375,9 @@ __device__ __forceinline__ uint32_t v_clean(const Barriers<STAGES>& bar, int s) 
 }
 constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 
-// Zero the V rows at positions >= seq_len of every stage by rewriting the whole
-// tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
+// Zero the V rows at positions >= seq_len of the step holding the true length's end
+// (a dead step's rows stay as read: consume_compat drops its product) by rewriting
+// every stage's whole tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
 // and stores each back to the same address, ANDed with a mask that is all ones for
 // a real row and zero for padding. Every address and the count of loads and stores
 // are the tile's, whatever the true length (the address rule reaches shared memory:
@@ -391,6 +398,9 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
     const int s = t % STAGES;
     mbar_wait(bar.v_full(s), (t / STAGES) & 1);
     uint4* tile = reinterpret_cast<uint4*>(smem_ptr + L::kOffV + s * kTileBytes);
+    // A dead step (every position past the true length) keeps its rows as read: its
+    // product is computed on them and thrown away (consume_compat: the dead steps).
+    const bool dead = t * kCols >= w.seq_len;
     for (int it = 0; it < kPieces; it += kCleanBatch) {
       uint4 v[kCleanBatch];
 #pragma unroll
@@ -399,7 +409,7 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
       for (int c = 0; c < kCleanBatch; ++c) {
         const int idx = (it + c) * kCleanThreads + tid;  // 16-byte piece: [half][row][8 pieces]
         const int row = (idx / 8) % kRows;
-        const uint32_t keep = 0u - static_cast<uint32_t>(t * kCols + row < w.seq_len);  // ~0u real, 0 padding
+        const uint32_t keep = 0u - static_cast<uint32_t>((t * kCols + row < w.seq_len) | dead);  // ~0u kept, 0 zeroed
         tile[idx] = make_uint4(v[c].x & keep, v[c].y & keep, v[c].z & keep, v[c].w & keep);
       }
     }
@@ -772,14 +782,30 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
 
     const int kv0 = t * kCols;
     float aa_lo, aa_hi, ab_lo, ab_hi;
+    // CT, the dead steps: a step whose positions are all past the true length runs as a live one:
+    // unmasked, on the rows its pages hold (V uncleaned, clean_v_ct), its split's state
+    // evolving. Masked steps fed the tensor cores zeros (P, V) and a frozen
+    // accumulator, whose lower power moved the step's time with the true length (G4,
+    // issue 28). What a dead step adds never reaches the output: the split's state is
+    // folded into the running one at its last live step (the commit below), and the
+    // fold at the split's end is then dropped by selection. Dead steps are a suffix
+    // of the walk and exact no-ops of the masked form, so the commit folds the very
+    // state the split's end folded before: the same bits.
+    // Rows outside the request (surplus and padding tiles; q_len is public) stay masked in
+    // every step, as in a long request's walk: unmasking them too made every dead step
+    // of a short request heavier than a live step of a long one (+0.002 % of the step's
+    // time per dead step, H200).
+    const bool dead = CT && kv0 >= w.seq_len;
+    const int lo_s = CT ? select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo) : lim_lo;
+    const int hi_s = CT ? select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi) : lim_hi;
     // CT: every step masked (the mask is a select; which steps need it is secret).
-    compat_softmax(sa, kv0, lim_lo, lim_hi, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
+    compat_softmax(sa, kv0, lo_s, hi_s, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
                    aa_lo, aa_hi);
     // CT: the second half waits for the first (its scale carries + 0 * l, l finite): with
     // every step masked the two halves are straight-line code that ptxas interleaves
     // into local-memory spills; the off binary's mask branch keeps them apart.
     const float scale_b = CT ? __fadd_rn(p.scale_log2, __fmul_rn(l_lo, 0.f)) : p.scale_log2;
-    compat_softmax(sb, kv0 + 64, lim_lo, lim_hi, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
+    compat_softmax(sb, kv0 + 64, lo_s, hi_s, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
                    l_hi, ab_lo, ab_hi);
     pack_p<BF16, 32>(sa, pa);
     pack_p<BF16, 32>(sb, pb);
@@ -816,18 +842,27 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     __syncwarp();
     if (lane == 0) mbar_arrive(bar.v_empty(st));
 
-    if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
-      if constexpr (CT) {  // fold_rows, element for element, on the shared-memory state
-        const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+    if constexpr (CT) {  // the commit: a fold after every step, kept at a split's last live step
+      const bool split_end = ((t + 1) % (kSplitKV / kCols) == 0) | (t + 1 == w.n_steps);
+      const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
+      float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+      const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, l_lo), hi = fold_stats(mf_hi, lf_hi, m_hi, l_hi);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float4 r = run_smem[128 * i];
-          run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
-                                          fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
-        }
-      } else {
-        fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
+      for (int i = 0; i < 16; ++i) {
+        const float4 r = run_smem[128 * i];
+        const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
+        const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
+        run_smem[128 * i] = make_float4(commit ? x : r.x, commit ? y : r.y, commit ? z : r.z, commit ? u : r.w);
       }
+      mr_lo = commit ? mf_lo : mr_lo;
+      lr_lo = commit ? lf_lo : lr_lo;
+      mr_hi = commit ? mf_hi : mr_hi;
+      lr_hi = commit ? lf_hi : lr_hi;
+    }
+
+    if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
+      // (CT: committed above, at this split's last live step, or never for a dead split)
+      if constexpr (!CT) fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
       m_lo = m_hi = kMInit;
