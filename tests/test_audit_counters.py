@@ -226,6 +226,25 @@ def test_per_instruction_parser_and_wait_loops():
     assert counters_pc.wait_instructions(sass_, offsets) == {1, 2, 6, 7, 8, 9, 10, 11, 12}
 
 
+def test_a_retry_loop_that_reloads_the_phase_is_a_wait_loop():
+    """The CT prefill binary's out-of-line mbarrier retry (H200 G1, 2026-11-26): ptxas moves the phase
+    into the wait's register inside the loop, so that move runs once per retry, as timing decides; a
+    move into any other register, or one outside the loop, still counts."""
+    from dhp_backend.audit import counters_pc
+
+    def code(move):
+        return ["NOP", move, "SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR8+0x28048], R24", "@!P3 BRA .+0x10",
+                "BRA .+0x60", "FFMA R2, R3, R4, R5", "IMAD.U32 R7, RZ, RZ, UR18", "EXIT"]
+
+    offsets = [16 * i for i in range(8)]
+    assert counters_pc.wait_instructions(code("IMAD.U32 R24, RZ, RZ, UR18"), offsets) == {1, 2, 3, 4}
+    assert counters_pc.wait_instructions(code("MOV R24, UR18"), offsets) == {1, 2, 3, 4}
+    # not the wait's operand, or not a pure move: the loop is not only a wait, its move counts
+    assert 1 not in counters_pc.wait_instructions(code("IMAD.U32 R9, RZ, RZ, UR18"), offsets)
+    assert 1 not in counters_pc.wait_instructions(code("IMAD R24, R3, R4, UR18"), offsets)
+    assert counters_pc.wait_instructions(code("IMAD.U32 R24, RZ, RZ, UR18")) == {2, 3, 4}  # no offsets: the chain
+
+
 def test_per_instruction_rule_spins_differ_work_does_not():
     from dhp_backend.audit import counters_pc
 

@@ -18,8 +18,9 @@ as often in both classes, and only the wait loops' own instructions may differ.
 Which instructions are wait loops is read from the SASS text ncu prints
 (`wait_instructions`): a SYNCS.PHASECHK or USETMAXREG, a PLOP3 that copies its
 predicate, a branch on that predicate, and the unconditional branch right after a
-retry branch (the jump back out of the out-of-line retry block). Nothing else is
-excluded; the G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same
+retry branch (the jump back out of the out-of-line retry block); with the branch
+targets, every loop that holds a wait and nothing else but such instructions and
+moves into the wait's own operand registers. Nothing else is excluded; the G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same
 loops at compile time.
 """
 
@@ -118,9 +119,37 @@ def wait_instructions(sass: list[str], offsets: list[int] | None = None) -> set[
                 continue
             body = range(j, i + 1)
             ops_in = [_parts(sass[k])[1] for k in body]
-            if any(o.startswith(_WAIT_OPS) for o in ops_in) and all(o.startswith(_WAIT_BODY_OPS) for o in ops_in):
+            if not any(o.startswith(_WAIT_OPS) for o in ops_in):
+                continue
+            operands = _wait_operand_registers([sass[k] for k in body])
+            if all(o.startswith(_WAIT_BODY_OPS) or _is_move_into(sass[k], operands) for o, k in zip(ops_in, body)):
                 waits.update(body)
     return waits
+
+
+_REGISTER = re.compile(r"\bU?R[0-9]+\b")
+
+
+def _wait_operand_registers(body: list[str]) -> set[str]:
+    """The registers the waits of a loop body read (the mbarrier address and the phase)."""
+    regs: set[str] = set()
+    for text in body:
+        _, op, ops = _parts(text)
+        if op.startswith(_WAIT_OPS):
+            for o in ops[1:]:
+                regs.update(_REGISTER.findall(o))
+    return regs
+
+
+def _is_move_into(text: str, registers: set[str]) -> bool:
+    """A pure register move (MOV, or IMAD of RZ * RZ + x) whose destination a wait of the same loop
+    reads: ptxas reloads the phase into the wait's operand inside some retry loops (prefill CT,
+    ``IMAD.U32 R24, RZ, RZ, UR18`` before ``SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR8+...], R24``), so it
+    runs once per retry, as the wait does."""
+    guard, op, ops = _parts(text)
+    if guard is not None or not ops or ops[0] not in registers:
+        return False
+    return op.startswith("MOV") or (op.startswith("IMAD") and len(ops) == 4 and ops[1] == ops[2] == "RZ")
 
 
 def _wait_chain(sass: list[str]) -> set[int]:
