@@ -138,7 +138,9 @@ def vllm_needs_routed_expert_names() -> bool:
     if not (model.exists() and runner.exists()) or "self.routed_experts = " not in runner.read_text():
         return False
     text = model.read_text()
-    other = text.split("def _load_weights_other", 1)[1].split("\n    def ", 1)[0] if "def _load_weights_other" in text else ""
+    if "def _load_weights_other" not in text:
+        return False
+    other = text.split("def _load_weights_other", 1)[1].split("\n    def ", 1)[0]
     return bool(other) and "remap_moe_expert" not in other  # 0.32+: remap_moe_expert_weights
 
 

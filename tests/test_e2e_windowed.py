@@ -221,19 +221,21 @@ def gpu_runs(gpu_models):
     native, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend",
                       "native", *GPU_COMMON], gpu_engine_env())
     dhp, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(gpu_models), "--backend", "DHP",
-                   "--policy", "strict", "--allow-fallback", "0", *GPU_COMMON], gpu_engine_env(DHP_CHECK_VALUES="1"))
-    return {run["model"]: run for run in native["runs"]}, {run["model"]: run for run in dhp["runs"]}
+                   "--policy", "strict,off", "--allow-fallback", "0", *GPU_COMMON], gpu_engine_env(DHP_CHECK_VALUES="1"))
+    return {run["model"]: run for run in native["runs"]}, {(run["model"], run["policy"]): run for run in dhp["runs"]}
 
 
 @pytest.mark.gpu
-def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs):
-    """bf16 on the GPU: DHP (strict; the Triton kernels, windows as selections over the whole bucket) gives
-    the greedy tokens of vLLM's own backend for the platform (FLASH_ATTN on Hopper), logprobs within bf16's
-    reach; the trace shows the kernel path, not the reference, with each model's windows."""
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs, policy):
+    """bf16 on the GPU: DHP (the Triton kernels; under strict windows as selections over the whole bucket,
+    under off a walk of the window only) gives the greedy tokens of vLLM's own backend for the platform
+    (FLASH_ATTN on Hopper), logprobs within bf16's reach; the trace shows the kernel path, not the
+    reference, with each model's windows."""
     native, dhp = gpu_runs
     got = {}
     for arch, path in gpu_models.items():
-        n, d = native[path], dhp[path]
+        n, d = native[path], dhp[(path, policy)]
         assert n["dhp_trace"] == [], arch
         assert {(t["backend"], t["path"]) for t in d["dhp_trace"]} == {("DHP", "triton")}, (arch, d["dhp_trace"])
         # the forward events name the layer's window (the kernel events name the kernels that ran)
@@ -246,3 +248,13 @@ def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs):
     assert not bad, f"(model, prompt length): comparison {bad}; all: {got}"
     parted = [k for k, v in got.items() if v["parted_at"] is not None]
     assert len(parted) <= len(got) // 8, f"greedy tokens parted (near ties) on too many prompts: {parted}; all: {got}"
+
+
+@pytest.mark.gpu
+def test_strict_and_off_give_the_same_bits_on_the_gpu(gpu_models, gpu_runs):
+    """The policy never shows in a row's bits on the GPU kernels either (windows, soft-cap, sinks)."""
+    _, dhp = gpu_runs
+    for arch, path in gpu_models.items():
+        strict, off = dhp[(path, "strict")]["outputs"], dhp[(path, "off")]["outputs"]
+        assert [o["token_ids"] for o in strict] == [o["token_ids"] for o in off], arch
+        assert [o["logprobs"] for o in strict] == [o["logprobs"] for o in off], arch

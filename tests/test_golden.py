@@ -147,6 +147,15 @@ def test_selfcheck_every_invariance_holds_for_dhp(model_dir):
     assert report["DHP"]["prefix_warm"]["cache_hits"] == len(SHARED), report
 
 
+def test_a_gpu_check_under_another_step_budget_says_so():
+    assert golden.budget_hint(None, 64, gpu=True).startswith(
+        "; note: recorded with max_num_batched_tokens none, checked with 64: on the GPU")
+    assert golden.budget_hint(64, None, gpu=True).startswith(
+        "; note: recorded with max_num_batched_tokens 64, checked with none")
+    assert golden.budget_hint(64, 64, gpu=True) == ""  # the same budget: nothing to add
+    assert golden.budget_hint(None, 8, gpu=False) == ""  # the CPU engine keeps the bits under any budget
+
+
 def test_selfcheck_refuses_unknown_backends(model_dir):
     with pytest.raises(golden.BadInput, match=r"backends \['FA'\]; accepted: a non-empty subset of"):
         golden.selfcheck(model_dir, SHARED, backends=("FA",))

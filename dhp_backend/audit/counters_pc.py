@@ -19,9 +19,10 @@ Which instructions are wait loops is read from the SASS text ncu prints
 (`wait_instructions`): a SYNCS.PHASECHK or USETMAXREG, a PLOP3 that copies its
 predicate, a branch on that predicate, and the unconditional branch right after a
 retry branch (the jump back out of the out-of-line retry block); with the branch
-targets, every loop that holds a wait and nothing else but such instructions and
-moves into the wait's own operand registers. Nothing else is excluded; the G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same
-loops at compile time.
+targets, every loop that holds a wait and nothing else but such instructions
+and moves into the wait's own operand registers. Nothing else is excluded; the
+G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same loops at compile
+time.
 """
 
 from __future__ import annotations
