@@ -410,6 +410,10 @@ class Difference:
     prompts_differing: int
     prompts_total: int
 
+    def first(self) -> tuple:
+        """Where the runs part and how: (prompt id, step, golden token, new token, their logprobs as hex)."""
+        return (self.prompt_id, self.step, self.golden_token, self.new_token, self.golden_logprob, self.new_logprob)
+
     def describe(self) -> str:
         def tok(t, lp):
             return "nothing (ended)" if t is None else f"token {t} (logprob {lp} = {float.fromhex(lp)!r})"
@@ -516,8 +520,7 @@ def budget_hint(recorded: int | None, checked: int | None, *, gpu: bool) -> str:
     2026-11-26: the same first difference with the same bits), so a different budget alone can part them."""
     if not gpu or recorded == checked:
         return ""
-    said = lambda b: "none" if b is None else str(b)  # noqa: E731 - one line
-    return (f"; note: recorded with max_num_batched_tokens {said(recorded)}, checked with {said(checked)}: on "
+    return (f"; note: recorded with max_num_batched_tokens {recorded or 'none'}, checked with {checked or 'none'}: on "
             f"the GPU, vLLM moves the bits under another step budget with any attention backend (README, "
             f"'Golden outputs'); check with the recorded budget")
 
@@ -543,7 +546,8 @@ def selfcheck(model: str | os.PathLike, prompts: Sequence[Mapping], *, max_token
     ``cache_hits`` counts the prompts that read cached prefix tokens, so a
     workload whose prompts are shorter than a KV block shows that it tested
     nothing). ``backends``: a subset of `BACKENDS`.
-    Returns ``{"DHP": {invariance: {"holds", "detail"}}, "engine default": ...}``.
+    Returns ``{"DHP": {invariance: {"holds", "detail", "first"}}, "engine default": ...}`` (``first``:
+    `Difference.first`, None where the invariance holds).
     """
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
@@ -579,7 +583,8 @@ def selfcheck(model: str | os.PathLike, prompts: Sequence[Mapping], *, max_token
         for name in INVARIANCES:
             diff = compare(solo, results[name])
             report[label][name] = {"holds": diff is None,
-                                   "detail": "bitwise equal to solo" if diff is None else diff.describe()}
+                                   "detail": "bitwise equal to solo" if diff is None else diff.describe(),
+                                   "first": None if diff is None else diff.first()}
         hits = sum(1 for r in results["prefix_warm"] if (r.get("num_cached_tokens") or 0) > 0)
         report[label]["prefix_warm"]["cache_hits"] = hits
         report[label]["prefix_warm"]["detail"] += f" ({hits} of {n} prompts read cached prefix tokens)"
