@@ -249,7 +249,9 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 //     selects values;
 //   - every score is masked by select, and every V operand at a position >= the true
 //     length is zeroed in registers after its ldmatrix (pv_step_mma), where the off
-//     binaries zero the last page's tail in shared memory behind a branch;
+//     binaries zero the last page's tail in shared memory behind a branch; except in
+//     the dead steps (every position past the row's end: step_role), which run unmasked
+//     on the rows their pages hold and whose contribution is dropped by selection;
 //   - the padding pseudo-request (index num_seqs) reads the last request's line, with
 //     that request's page count (walk 1: its L pages, re-reads; walk 2: no step, its
 //     walk is 0 as the Triton launcher's pad_l), true length 0: its rows come out as 0.
@@ -297,6 +299,30 @@ __device__ __forceinline__ Work work_ct(const Params& p, int t, int chunk, bool 
 // each of its splits s; a running step count k indexes the stage ring.
 __device__ __forceinline__ int split_first(int s) { return s * kStepsPerSplit; }
 __device__ __forceinline__ int split_end(const Work& w, int s) { return min((s + 1) * kStepsPerSplit, w.n_kv); }
+// CT binaries, the dead steps: a step whose positions all lie at or past the row's
+// attendable end (w.ext) is dead. It runs as a live one: unmasked, V not zeroed, on
+// the rows its reserved pages hold, the split's state evolving. Masked dead steps fed
+// the tensor cores zeros (P and V) and kept the accumulator frozen, which draws less
+// power than a live step, and the step's time then followed the true length through
+// the card's clock (G4 decode strict L 32768 short vs long, H200: +0.019 %, t -11;
+// the CT prefill's same remedy, prefill_sm90.cu consume_compat, cut its +0.1 % to
+// 0.03-0.06 %). What a dead step adds never reaches the output: the split's state at
+// its last live step (commit) is kept by selection (consume_mma_pipe: stored in split
+// mode, folded into the running state in fold mode), and a dead split keeps the neutral
+// state. Dead steps are a suffix of the walk and exact no-ops of the masked form
+// (alpha selected to exactly 1, P = 0), so the committed state is the state the split's
+// end stored or folded before: the same bits. dead and commit are compared with the
+// secret length and only feed selects (SEL), never a branch (G2) or a count (G1).
+struct StepRole {
+  bool dead, commit;
+};
+template <int OPT>
+__device__ __forceinline__ StepRole step_role(const Work& w, int j, int je) {
+  const int kv0 = j * kStep;
+  const bool dead = kWalk<OPT> != 0 && kv0 >= w.ext;
+  const bool commit = !dead & ((j + 1 == je) | (kv0 + kStep >= w.ext));
+  return {dead, commit};
+}
 // The number of steps the CTA walks (its last split may be short).
 __device__ __forceinline__ int cta_steps(const Work& w) {
   if (w.s_lo >= w.s_end) return 0;
@@ -882,6 +908,8 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
     for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
       enter_split<WRITE_PARTIALS>(w, sp);
       float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
+      // CT: the split's committed (m, l): its state at its last live step (the dead steps below)
+      float mc_lo = kMInit, mc_hi = kMInit, lc_lo = 0.f, lc_hi = 0.f;
       const int je = split_end(w, sp);
       for (int j = split_first(sp); j < je; ++j, ++k) {
         const int st = k % STAGES, b = k % 2;
@@ -906,8 +934,10 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
         if (lane == 0) mbar_arrive(bar.k_empty(st));
         const int kv0 = j * kStep;
         const bool masked = kWalk<OPT> != 0 || kv0 + kStep > w.ext;  // CT: every step, by select
+        const StepRole role = step_role<OPT>(w, j, je);
+        const int lim_s = kWalk<OPT> != 0 ? ct::select_int(role.dead, INT_MAX, lim) : lim;  // dead: unmasked
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) scale_mask_group(s, nt, kv0 + 32 * ws + 8 * nt + c2, lim, lim, masked, p.qk_scale);
+        for (int nt = 0; nt < 4; ++nt) scale_mask_group(s, nt, kv0 + 32 * ws + 8 * nt + c2, lim_s, lim_s, masked, p.qk_scale);
         float mx_lo = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5]));
         float mx_hi = fmaxf(fmaxf(s[2], s[3]), fmaxf(s[6], s[7]));
         mx_lo = fmaxf(mx_lo, fmaxf(fmaxf(s[8], s[9]), fmaxf(s[12], s[13])));
@@ -950,6 +980,27 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
           rv[kPipeAlpha + 16 * b + r_lo] = a_lo;
           rv[kPipeAlpha + 16 * b + r_hi] = a_hi;
         }
+        if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
+          if constexpr (WRITE_PARTIALS) {
+            mc_lo = role.commit ? m_lo : mc_lo;
+            mc_hi = role.commit ? m_hi : mc_hi;
+            lc_lo = role.commit ? l_lo : lc_lo;
+            lc_hi = role.commit ? l_hi : lc_hi;
+          } else {  // the fold of this step's state, computed every step, kept at the commit
+            float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+            const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, l_lo), c_hi = fold_stats(mf_hi, lf_hi, m_hi, l_hi);
+            mr_lo = role.commit ? mf_lo : mr_lo;
+            lr_lo = role.commit ? lf_lo : lr_lo;
+            mr_hi = role.commit ? mf_hi : mr_hi;
+            lr_hi = role.commit ? lf_hi : lr_hi;
+            if (ws == 0 && lane % 4 == 0) {
+              rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
+              rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
+              rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
+              rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
+            }
+          }
+        }
         if (j + 1 == je) {  // the split's end: what the PV pair needs to fold or store it
           if constexpr (WRITE_PARTIALS) {
 #pragma unroll
@@ -957,16 +1008,25 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
               if (ws != 0 || lane % 4 != 0 || !(h == 0 ? ok_lo : ok_hi)) continue;
               const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                   (h == 0 ? head_lo : head_hi);
-              p.ws_m[row] = h == 0 ? m_lo : m_hi;
-              p.ws_l[row] = h == 0 ? l_lo : l_hi;
+              if constexpr (kWalk<OPT> != 0) {  // CT: the committed state (neutral for a dead split)
+                p.ws_m[row] = h == 0 ? mc_lo : mc_hi;
+                p.ws_l[row] = h == 0 ? lc_lo : lc_hi;
+              } else {
+                p.ws_m[row] = h == 0 ? m_lo : m_hi;
+                p.ws_l[row] = h == 0 ? l_lo : l_hi;
+              }
             }
           } else {
-            const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+            if constexpr (kWalk<OPT> == 0) {  // (CT: folded and committed above)
+              const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
+              if (ws == 0 && lane % 4 == 0) {
+                rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
+                rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
+                rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
+                rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
+              }
+            }
             if (ws == 0 && lane % 4 == 0) {
-              rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
-              rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
-              rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
-              rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
               if (last_split(w, sp)) {
                 rv[kPipeInv + r_lo] = finalize_inv(lr_lo);
                 rv[kPipeInv + r_hi] = finalize_inv(lr_hi);
@@ -994,11 +1054,17 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
       if (ok_hi) store_out_half<BF16, 8>(p, t, head_hi, 64 * wv + c2, run, 1, inv_hi);
     }
   };
+  // CT split mode: the split's committed accumulator (its value at its last live step).
+  float acc_c[(kWalk<OPT> != 0 && WRITE_PARTIALS) ? 32 : 1];
   int k = 0;
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
     enter_split<WRITE_PARTIALS>(w, sp);
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    if constexpr (kWalk<OPT> != 0 && WRITE_PARTIALS) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc_c[i] = 0.f;
+    }
     const int je = split_end(w, sp);
     for (int j = split_first(sp); j < je; ++j, ++k) {
       const int st = k % STAGES, b = k % 2;
@@ -1013,10 +1079,32 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
                                  (OPT & kPairedV) ? p.box_rows : kStep);
       }
       scale_rows(acc, a_lo, a_hi);
-      // this warp's 64 columns (CT: V past seq_len zeroed in the fragments)
-      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, j * kStep, w.seq_len);
+      // this warp's 64 columns (CT: V past seq_len zeroed in the fragments, but for a dead step)
+      const StepRole role = step_role<OPT>(w, j, je);
+      const int v_len = kWalk<OPT> != 0 ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
+      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, j * kStep, v_len);
       __syncwarp();
       if (lane == 0) mbar_arrive(bar.v_empty(st));
+      if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
+        if constexpr (WRITE_PARTIALS) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc_c[i] = role.commit ? acc[i] : acc_c[i];
+        } else {  // the fold the S pair computed for this step, kept at the commit
+          const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
+          const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float f0 = fold_value(run[4 * i], acc[4 * i], c_lo);
+            const float f1 = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
+            const float f2 = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
+            const float f3 = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
+            run[4 * i] = role.commit ? f0 : run[4 * i];
+            run[4 * i + 1] = role.commit ? f1 : run[4 * i + 1];
+            run[4 * i + 2] = role.commit ? f2 : run[4 * i + 2];
+            run[4 * i + 3] = role.commit ? f3 : run[4 * i + 3];
+          }
+        }
+      }
       if (j + 1 == je) {
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
@@ -1024,9 +1112,12 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
             if (h == 0 ? !ok_lo : !ok_hi) continue;
             const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                 (h == 0 ? head_lo : head_hi);
-            store_split_half<8>(p, row, 64 * wv + c2, acc, h);
+            if constexpr (kWalk<OPT> != 0)
+              store_split_half<8>(p, row, 64 * wv + c2, acc_c, h);
+            else
+              store_split_half<8>(p, row, 64 * wv + c2, acc, h);
           }
-        } else {
+        } else if constexpr (kWalk<OPT> == 0) {  // (CT: committed above)
           const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
           const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
           fold_values(run, acc, c_lo, c_hi);
