@@ -184,6 +184,44 @@ def test_bits_equal_across_policies_and_modes():
         assert torch.equal(bits(outs[0]), bits(o))
 
 
+def test_constant_time_split_states_of_idle_rows_are_not_zeros(monkeypatch):
+    """Under a constant-time policy in split mode, a row's split that holds none of its
+    positions stores the neutral m and l with |q| as its accumulator, not zeros (zeros
+    written and read back for one length class only were a timing signal of the csrc
+    decode kernel, docs/kernels.md section 2); padding rows keep zeros; the output keeps
+    policy off's bits (the merge multiplies the filler by +0)."""
+    from dhp_backend.ops import geometry
+
+    step = _build([1, 1], [7, 300], H=4, Hkv=2, seed=11, pad_tokens=1)
+    states = {}
+    real_split_states = geometry.split_states
+
+    def spy(ws, n_split_grid, num_tokens, num_heads, head_size):
+        got = real_split_states(ws, n_split_grid, num_tokens, num_heads, head_size)
+        states.update(n=n_split_grid, T=num_tokens, H=num_heads, D=head_size, views=got)
+        return got
+
+    monkeypatch.setattr(geometry, "split_states", spy)
+    out = _run(step, policy="strict", mode="split")
+    n, T, H, D = states["n"], states["T"], states["H"], states["D"]
+    acc_v, m_v, l_v = states["views"]
+    acc = acc_v[: n * T * H * D].view(n, T, H, D)
+    m, l = m_v[: n * T * H].view(n, T, H), l_v[: n * T * H].view(n, T, H)
+    assert n >= 3 and T == 3, (n, T)
+    q_abs = step.query[:T].float().abs()
+    # token 0: length 7, every split after the first holds none of its positions
+    assert torch.all(m[1:, 0] == -3.4028234663852886e38) and torch.all(l[1:, 0] == 0)
+    assert torch.equal(acc[1:, 0], q_abs[0].expand(n - 1, H, D)), "idle splits must store |q|, not zeros"
+    assert torch.count_nonzero(acc[1:, 0]) > 0
+    # token 1: length 300 spans splits 0-2 (SPLIT 128): real states there
+    assert torch.all(m[:3, 1] > -1e38) and torch.all(l[:3, 1] > 0)
+    assert torch.equal(acc[3:, 1], q_abs[1].expand(n - 3, H, D))
+    # token 2: padding (outside every request): zeros
+    assert torch.count_nonzero(acc[:, 2]) == 0 and torch.all(l[:, 2] == 0)
+    off = _run(step, policy="off", mode="split")
+    assert torch.equal(bits(out[: step.num_tokens]), bits(off[: step.num_tokens]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_batch_invariance(dtype):
     rng = random.Random(8)

@@ -522,6 +522,23 @@ def attention_kernel(
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:
             base = split_stride * s
+            if CONST_TIME:
+                # A row that attends no position of this split (it lies past the row's end,
+                # or below its window) stores the neutral m = M_INIT and l = 0 with |q| in
+                # place of its zero accumulator: `fold` multiplies it by beta = 0 when a
+                # live split has moved the max (a row with positions always has one), or
+                # a live split's alpha = 0 wipes it when it came first (a window's dead
+                # prefix); non-negative and finite, so every product is +0 as with zeros:
+                # the same bits. Zeros written and read back for one length class only
+                # made the csrc CT decode's short request faster than a long one (G4,
+                # H200, +0.017 %, t -9; docs/kernels.md section 2). Rows outside the
+                # request (limit 0) keep zeros: public, and their merge has no live split.
+                idle = limit <= j_split * BLOCK_N
+                if WINDOW > 0:
+                    idle = idle | (lo >= j_hi * BLOCK_N)
+                q_abs = tl.abs(q.to(tl.float32))
+                q_abs = tl.where(q_abs <= 3.4028234663852886e38, q_abs, 0.0)
+                acc = tl.where((idle & (limit > 0))[:, None], q_abs, acc)
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
                               sink_acc)
             store_rows(a_ptrs, acc, HEAD, HEAD_PAD)
