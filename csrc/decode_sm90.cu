@@ -301,12 +301,15 @@ __device__ __forceinline__ int split_first(int s) { return s * kStepsPerSplit; }
 __device__ __forceinline__ int split_end(const Work& w, int s) { return min((s + 1) * kStepsPerSplit, w.n_kv); }
 // CT binaries, the dead steps: a step whose positions all lie at or past the row's
 // attendable end (w.ext) is dead. It runs as a live one: unmasked, V not zeroed, on
-// the rows its reserved pages hold, the split's state evolving. Masked dead steps fed
-// the tensor cores zeros (P and V) and kept the accumulator frozen, which draws less
-// power than a live step, and the step's time then followed the true length through
-// the card's clock (G4 decode strict L 32768 short vs long, H200: +0.019 %, t -11;
-// the CT prefill's same remedy, prefill_sm90.cu consume_compat, cut its +0.1 % to
-// 0.03-0.06 %). What a dead step adds never reaches the output: the split's state at
+// the rows its reserved pages hold, the split's state evolving. Masked dead steps feed
+// the tensor cores zeros (P and V) and keep the accumulator frozen, which draws less
+// power than a live step: in the CT prefill that moved the step's time with the true
+// length (prefill_sm90.cu consume_compat: the same remedy cut G4's +0.1 % to
+// 0.03-0.06 %). In this kernel the dead steps alone left G4 decode strict L 32768 at
+// +0.017 % (H200); what made that difference was the zero partials of dead splits
+// (the filler at the split's end in consume_mma_pipe). Both are kept: a short request's
+// step then differs from a long one's in neither operands nor stored values.
+// What a dead step adds never reaches the output: the split's state at
 // its last live step (commit) is kept by selection (consume_mma_pipe: stored in split
 // mode, folded into the running state in fold mode), and a dead split keeps the neutral
 // state. Dead steps are a suffix of the walk and exact no-ops of the masked form
