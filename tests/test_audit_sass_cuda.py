@@ -193,6 +193,21 @@ def test_planted_kernel_without_rules_names_every_unexplained_branch(planted_res
     assert unexplained and all("no rule for planted.cu" in f["why"] for f in unexplained)
 
 
+def test_source_text_reads_this_checkouts_csrc_before_the_compiled_path(tmp_path):
+    """A cached cubin can name another checkout's file, which may have changed since; the line
+    text comes from this checkout's csrc/, whose contents the cubin was built from."""
+    from types import SimpleNamespace
+
+    stale = tmp_path / "decode_sm90.cu"
+    stale.write_text("// an edited copy elsewhere\n" * 40)
+    want = (cuda_build.csrc_dir() / "decode_sm90.cu").read_text().splitlines()[29].strip()
+    assert cuda_gate._source_text(SimpleNamespace(file=str(stale), line=30)) == want
+    # a file csrc/ does not hold is still read where it was compiled
+    other = tmp_path / "planted.cu"
+    other.write_text("a\n  if (x) {\n")
+    assert cuda_gate._source_text(SimpleNamespace(file=str(other), line=2)) == "if (x) {"
+
+
 def test_elf_section_rejects_non_elf():
     with pytest.raises(ValueError, match="not a 64-bit ELF"):
         cuda_gate.elf_section(b"not an elf file at all", ".text")

@@ -91,14 +91,17 @@ def function_ptx(ptx: str, name: str) -> str:
 
 
 def _source_text(src, dirs: tuple = ()) -> str:
-    """The stripped source line a location names: the path as compiled, else by basename in ``dirs``
-    (then ``csrc/``), since a cubin built in another checkout carries that checkout's paths."""
+    """The stripped source line a location names, read by basename from ``dirs``, then this
+    checkout's ``csrc/``, and only then from the path as compiled. The build cache is keyed by the
+    sources' contents and shared between checkouts, so a cubin may carry another checkout's path,
+    whose file can have changed since (a CI clone read shifted lines of the main tree's edited
+    file); this checkout's ``csrc/`` holds the very contents the cubin was built from."""
     from dhp_backend.ops.cuda_build import csrc_dir
 
     if src is None:
         return ""
     base = os.path.basename(src.file)
-    for path in (src.file, *(os.path.join(d, base) for d in dirs), str(csrc_dir() / base)):
+    for path in (*(os.path.join(d, base) for d in dirs), str(csrc_dir() / base), src.file):
         if os.path.isfile(path):
             with open(path) as f:
                 lines = f.read().splitlines()
