@@ -532,13 +532,15 @@ def attention_kernel(
                 # the same bits. Zeros written and read back for one length class only
                 # made the csrc CT decode's short request faster than a long one (G4,
                 # H200, +0.017 %, t -9; docs/kernels.md section 2). Rows outside the
-                # request (limit 0) keep zeros: public, and their merge has no live split.
+                # request store to the sink (never merged; their count in a tile follows
+                # q_len), so they get the filler too; a stored row with limit 0 (the padding
+                # pseudo-request's) has no live split to absorb it and keeps zeros.
                 idle = limit <= j_split * BLOCK_N
                 if WINDOW > 0:
                     idle = idle | (lo >= j_hi * BLOCK_N)
                 q_abs = tl.abs(q.to(tl.float32))
                 q_abs = tl.where(q_abs <= 3.4028234663852886e38, q_abs, 0.0)
-                acc = tl.where((idle & (limit > 0))[:, None], q_abs, acc)
+                acc = tl.where((idle & ((limit > 0) | ~row_valid))[:, None], q_abs, acc)
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
                               sink_acc)
             store_rows(a_ptrs, acc, HEAD, HEAD_PAD)
