@@ -548,6 +548,53 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
         timing.settings_from_args(ap.parse_args(["--idle-after-us", "-5"]))
 
 
+def test_resume_measures_only_the_cells_the_report_lacks(tmp_path, monkeypatch, capsys):
+    """--resume: a cell the merged report holds for this code and device, with at least this run's samples,
+    is not measured again; other code, another device or fewer samples measure it anew."""
+    import torch
+
+    seen = []
+
+    def measure(spec, modes, seed, shared):
+        seen.append((spec.shape.layout, spec.role, tuple(modes)))
+        rng = np.random.default_rng(seed)
+        return [timing.analyse_streams(rng.normal(100, 1, spec.rounds), rng.normal(100, 1, spec.rounds),
+                                       pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
+                for m in modes]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "Timer", fake_timer(measure))
+    monkeypatch.setattr(timing, "churn_info", lambda n, seed: {"num_blocks": n, "seed": seed, "fingerprint": "x",
+                                                                 "vllm": "fake"})
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    base = ["--samples", "1000", "--report-dir", str(tmp_path), "--steps", "decode", "--lengths", "4096",
+            "--policies", "strict", "--pairs", "short:long", "--no-control", "--modes", "graph"]
+    timing.run(ap.parse_args(base + ["--layouts", "churned"]))
+    assert seen == [("churned", "gating", ("graph",))]
+    seen.clear()
+    # the same piece and one more layout, resumed: only the new layout and the new mode run
+    timing.run(ap.parse_args(base[:-1] + ["graph,eager", "--layouts", "churned,random", "--resume"]))
+    assert seen == [("churned", "gating", ("eager",)), ("random", "gating", ("graph", "eager"))]
+    assert "in the report already" not in capsys.readouterr().out
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    assert len(doc["rows"]) == 4
+    seen.clear()
+    timing.run(ap.parse_args(base + ["--layouts", "churned,random", "--resume"]))
+    assert seen == [] and "in the report already" in capsys.readouterr().out
+    # more samples than the report's rows: measured again; without --resume: measured again
+    timing.run(ap.parse_args(["--samples", "2000"] + base[2:] + ["--layouts", "random", "--resume"]))
+    timing.run(ap.parse_args(base + ["--layouts", "random"]))
+    assert seen == [("random", "gating", ("graph",))] * 2
+    # another code's report: nothing is skipped
+    doc = json.load(open(tmp_path / "g4-latest.json"))
+    doc["source"] = "0" * 16
+    (tmp_path / "g4-latest.json").write_text(json.dumps(doc))
+    seen.clear()
+    timing.run(ap.parse_args(base + ["--layouts", "churned", "--resume"]))
+    assert seen == [("churned", "gating", ("graph",))] and "every measurement runs" in capsys.readouterr().out
+
+
 def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
     """A run cut short keeps the rows of the groups it finished; a time budget skips what would not fit."""
     import torch

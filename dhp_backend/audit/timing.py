@@ -67,6 +67,9 @@ as X grows is the clock control reacting to the data, not the kernel's work; its
 ``g4-idle-diagnostic.json/.md``, never merged into the gate's). Each run merges its rows into ``<report-dir>/g4-latest.json`` (or the
 ``--merge`` file) when that file is of the same code (`source_hash`) and device, so the
 full grid can be measured in pieces; the summary there says which cells are still missing.
+With ``--resume`` a run skips the pairs and modes that file already holds (same code and
+device, at least this run's samples), so a piece can name whole axes and a device call
+spends its time only on the cells still missing.
 
 Output: ``<report-dir>/g4-latest.json`` and ``g4-latest.md``. JSON: top level ``gate,
 date, device, commit, source, versions, settings, churn, summary, rows`` (``source``: a digest
@@ -201,6 +204,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"merge this run's rows into the rows of this report (default: <report-dir>/{LATEST}"
                              ".json when it exists); rows of other code (dhp_backend/ and csrc/ differ) or another "
                              "device are dropped; '' = no merge")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip every measurement that the report this run merges into (--merge) already holds "
+                             "for this code and device with at least this run's samples: a grid filled over several "
+                             "device calls measures no cell twice")
     parser.add_argument("--plots", action="store_true", help="also write PNG plots to <report-dir>/timing-plots/")
     parser.add_argument("--save-samples", action="store_true",
                         help=f"also write every raw sample to <report-dir>/{LATEST}-samples.npz")
@@ -471,6 +478,11 @@ def run(args: argparse.Namespace) -> int:
     ver = versions()
 
     source = source_hash()
+    have: dict = {}
+    if getattr(args, "resume", False):
+        path = os.path.join(args.report_dir or ".", LATEST + ".json") if merge == "auto" else merge
+        have, how = measured_cells(path, device=timer.device_name, source=source)
+        log(f"--resume: {how}")
 
     def meta(churn, seconds):
         return {"device": timer.device_name, "versions": ver, "source": source, "churn": churn,
@@ -481,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report_dir and rows:
             write_reports(args.report_dir, rows, meta(churn, time.time() - t0), merge_from=merge)
 
-    rows, churn, skipped = measure_plan(timer, st, log, checkpoint=checkpoint, started=t0)
+    rows, churn, skipped = measure_plan(timer, st, log, checkpoint=checkpoint, started=t0, have=have)
     s = summarize(rows, time.time() - t0, quick=st.quick, diagnostic=st.diagnostic)
     if skipped:
         s["messages"].append(f"time budget {st.time_budget:.0f} s: {len(skipped)} measurements not started ("
@@ -514,14 +526,35 @@ def exit_code(s: dict, diagnostic: bool) -> int:
     return 0 if s["run_passed"] else 1
 
 
-def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | None = None):
+def measured_cells(path: str | None, *, device: str, source: str) -> tuple[dict, str]:
+    """The cells a report already holds for this device and code (`source_hash`), as {`row_key`: samples
+    per class} (``--resume``), and what was found."""
+    if not path or not os.path.exists(path):
+        return {}, f"no report at {path}: every measurement runs"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        return {}, f"{path} unreadable ({e}): every measurement runs"
+    if doc.get("device") != device or doc.get("source") != source:
+        return {}, (f"{path} is of {doc.get('device')} at code {doc.get('source')} (this run: {device}, code "
+                    f"{source}): every measurement runs")
+    cells = {row_key(r): int(r.get("n_per_class") or 0) for r in doc.get("rows", []) if r.get("verdict") != "error"}
+    return cells, f"{len(cells)} cells of {path} are of this code and device; those with enough samples are skipped"
+
+
+def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | None = None,
+                 have: dict | None = None):
     """Every group of the plan on the GPU: (rows, churn info per cache size, skipped measurements).
 
     With ``st.time_budget``, a pair whose estimated time (`launch_us`) would end past the budget
-    (counted from ``started``) is not started; ``checkpoint(rows, churn)`` runs after every group."""
+    (counted from ``started``) is not started; ``checkpoint(rows, churn)`` runs after every group.
+    ``have`` (`measured_cells`): the modes of a pair already measured with at least its rounds are not
+    measured again."""
     groups = plan(st)
     total = sum(len(g.specs) for g in groups) * len(st.modes)
     done, rows, churn, skipped = 0, [], {}, []
+    have = have or {}
     t0 = time.time()
     started = t0 if started is None else started
     for gi, g in enumerate(groups, 1):
@@ -537,13 +570,17 @@ def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | 
         shared: dict = {}
         for spec in g.specs:
             done += len(st.modes)
-            if st.time_budget and time.time() - started + pair_estimate_s(spec, st.modes) > st.time_budget:
-                skipped += [f"{spec.label} {spec.shape.step} L{spec.shape.bucket} {spec.shape.policy} "
-                            f"{spec.shape.layout} {m}" for m in st.modes]
-                log(f"  [time budget] not starting {spec.label} {spec.shape.key} "
-                    f"(~{pair_estimate_s(spec, st.modes):.0f} s)")
+            modes = tuple(m for m in st.modes if have.get(row_key(row_fields(spec, m)), 0) < spec.rounds)
+            if not modes:
+                log(f"  [resume] {spec.label} {spec.shape.key} {','.join(st.modes)}: in the report already")
                 continue
-            rows += timer.measure_pair(spec, st.modes, seed=st.seed, shared=shared)
+            if st.time_budget and time.time() - started + pair_estimate_s(spec, modes) > st.time_budget:
+                skipped += [f"{spec.label} {spec.shape.step} L{spec.shape.bucket} {spec.shape.policy} "
+                            f"{spec.shape.layout} {m}" for m in modes]
+                log(f"  [time budget] not starting {spec.label} {spec.shape.key} "
+                    f"(~{pair_estimate_s(spec, modes):.0f} s)")
+                continue
+            rows += timer.measure_pair(spec, modes, seed=st.seed, shared=shared)
             el = time.time() - t0
             log(f"  [{done}/{total} measurements, {el / 60:.1f} min; ~{el / done * (total - done) / 60:.1f} min left]")
         del shared
