@@ -198,6 +198,20 @@ def test_enumeration_counts_distinct_binaries():
     assert len({v.key for v in vs}) == len(vs)
 
 
+def test_interpreted_kernels_get_a_clear_error(monkeypatch):
+    """Kernels imported under TRITON_INTERPRET=1 cannot be compiled: the gate says so instead of an
+    AttributeError deep in the enumeration."""
+    from types import SimpleNamespace
+
+    from dhp_backend.audit import variants
+    from dhp_backend.ops.triton import kernels
+
+    v = variants.enumerate_variants(groups=(4,), dtypes=("bfloat16",), heads=(128,))[0]
+    monkeypatch.setattr(kernels, v.kernel, SimpleNamespace(arg_names=[]))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        variants.compile_inputs(v)
+
+
 # --- the SASS predicate slice (branches ptxas makes without a PTX counterpart) ---------------
 def _fn(lines, labels=None):
     """Instructions from 'text' lines (guard predicate inline, as nvdisasm prints it)."""

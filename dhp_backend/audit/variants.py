@@ -167,6 +167,10 @@ def compile_inputs(v: Variant):
             const["sinks_ptr"] = None
         opts = dict(num_warps=MERGE_WARPS)
         floats = set()
+    if not hasattr(fn, "do_not_specialize"):  # an InterpretedFunction: nothing to compile
+        raise RuntimeError(
+            "the SASS gate compiles the Triton kernels, but they were imported under TRITON_INTERPRET=1 in this "
+            f"process ({type(fn).__name__}); run the gate in a process without TRITON_INTERPRET")
     dns = set(fn.do_not_specialize) if all(isinstance(x, str) for x in fn.do_not_specialize) else {
         fn.arg_names[i] for i in fn.do_not_specialize}
     sig, attrs = {}, {}
