@@ -467,6 +467,12 @@ def attention_kernel(
     m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc_run = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    if WRITE_PARTIALS:
+        if CONST_TIME:
+            # What an idle row of a split stores instead of a zero accumulator (the split loop
+            # below): |q|, finite. The same for every split of the program, so made once.
+            q_filler = tl.abs(q.to(tl.float32))
+            q_filler = tl.where(q_filler <= 3.4028234663852886e38, q_filler, 0.0)
     row_out = tok.to(tl.int64) * num_heads + head
     # Rows outside the request are not masked off at the stores: they are sent to
     # a scratch "sink" instead, so every tile executes the same stores with all
@@ -538,9 +544,7 @@ def attention_kernel(
                 idle = limit <= j_split * BLOCK_N
                 if WINDOW > 0:
                     idle = idle | (lo >= j_hi * BLOCK_N)
-                q_abs = tl.abs(q.to(tl.float32))
-                q_abs = tl.where(q_abs <= 3.4028234663852886e38, q_abs, 0.0)
-                acc = tl.where((idle & ((limit > 0) | ~row_valid))[:, None], q_abs, acc)
+                acc = tl.where((idle & ((limit > 0) | ~row_valid))[:, None], q_filler, acc)
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
                               sink_acc)
             store_rows(a_ptrs, acc, HEAD, HEAD_PAD)
