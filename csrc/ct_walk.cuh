@@ -24,6 +24,25 @@ __device__ __forceinline__ uint64_t select_u64(bool c, uint64_t a, uint64_t b) {
   return b ^ ((a ^ b) & (0ull - static_cast<uint64_t>(c)));
 }
 
+// c ? a : b for a float, by its bits (select_int), for a choice made on a secret. Written as a
+// ternary, `c ? f(x) : b` lets ptxas predicate f's last instruction on c (a prefill commit's fold
+// became 66 FFMAs guarded by the commit), and an instruction predicated off costs the SM less than
+// one that runs: the G4 timing gate measured it (prefill chunk, H200, short vs long +0.039 %,
+// t -12.8; every step committing: +0.004 %, t -1.1). The mask form leaves f's instructions
+// unguarded, so they run in every step whatever c is.
+// One lop3 on the bits, inside the asm: the operands and the result stay f32 registers in the
+// PTX, so a select on a loop-carried float keeps that value's register apart from the
+// integer ones (a select_int on the bits made nvcc carry the float as a b32 register shared
+// with the loop counters' zero, and the PTX taint of the G2 gate then saw memory in the loop bounds).
+__device__ __forceinline__ float select_f32(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  float r;
+  asm("{\n\t.reg .b32 ta, tb, tr;\n\tmov.b32 ta, %1;\n\tmov.b32 tb, %2;\n\t"
+      "lop3.b32 tr, ta, tb, %3, 0xE4;\n\tmov.b32 %0, tr;\n\t}"  // (a & m) | (b & ~m)
+      : "=f"(r) : "f"(a), "f"(b), "r"(m));
+  return r;
+}
+
 // kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).
 __device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t magic) {
   uint32_t y = x - __umulhi(x, magic) * n;

@@ -985,17 +985,17 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
         }
         if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
           if constexpr (WRITE_PARTIALS) {
-            mc_lo = role.commit ? m_lo : mc_lo;
-            mc_hi = role.commit ? m_hi : mc_hi;
-            lc_lo = role.commit ? l_lo : lc_lo;
-            lc_hi = role.commit ? l_hi : lc_hi;
+            mc_lo = ct::select_f32(role.commit, m_lo, mc_lo);
+            mc_hi = ct::select_f32(role.commit, m_hi, mc_hi);
+            lc_lo = ct::select_f32(role.commit, l_lo, lc_lo);
+            lc_hi = ct::select_f32(role.commit, l_hi, lc_hi);
           } else {  // the fold of this step's state, computed every step, kept at the commit
             float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
             const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, l_lo), c_hi = fold_stats(mf_hi, lf_hi, m_hi, l_hi);
-            mr_lo = role.commit ? mf_lo : mr_lo;
-            lr_lo = role.commit ? lf_lo : lr_lo;
-            mr_hi = role.commit ? mf_hi : mr_hi;
-            lr_hi = role.commit ? lf_hi : lr_hi;
+            mr_lo = ct::select_f32(role.commit, mf_lo, mr_lo);
+            lr_lo = ct::select_f32(role.commit, lf_lo, lr_lo);
+            mr_hi = ct::select_f32(role.commit, mf_hi, mr_hi);
+            lr_hi = ct::select_f32(role.commit, lf_hi, lr_hi);
             if (ws == 0 && lane % 4 == 0) {
               rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
               rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
@@ -1091,7 +1091,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
       if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
-          for (int i = 0; i < 32; ++i) acc_c[i] = role.commit ? acc[i] : acc_c[i];
+          for (int i = 0; i < 32; ++i) acc_c[i] = ct::select_f32(role.commit, acc[i], acc_c[i]);
         } else {  // the fold the S pair computed for this step, kept at the commit
           const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
           const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
@@ -1101,10 +1101,10 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
             const float f1 = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
             const float f2 = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
             const float f3 = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
-            run[4 * i] = role.commit ? f0 : run[4 * i];
-            run[4 * i + 1] = role.commit ? f1 : run[4 * i + 1];
-            run[4 * i + 2] = role.commit ? f2 : run[4 * i + 2];
-            run[4 * i + 3] = role.commit ? f3 : run[4 * i + 3];
+            run[4 * i] = ct::select_f32(role.commit, f0, run[4 * i]);
+            run[4 * i + 1] = ct::select_f32(role.commit, f1, run[4 * i + 1]);
+            run[4 * i + 2] = ct::select_f32(role.commit, f2, run[4 * i + 2]);
+            run[4 * i + 3] = ct::select_f32(role.commit, f3, run[4 * i + 3]);
           }
         }
       }
@@ -1121,7 +1121,7 @@ __device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w,
 #pragma unroll
           for (int i = 0; i < 32; ++i) {
             const float a = fabsf(acc[i]);
-            acc_c[i] = filler ? (a <= 3.4028234663852886e38f ? a : 0.f) : acc_c[i];
+            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
           }
         }
         if constexpr (WRITE_PARTIALS) {

@@ -852,12 +852,13 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
         const float4 r = run_smem[128 * i];
         const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
         const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
-        run_smem[128 * i] = make_float4(commit ? x : r.x, commit ? y : r.y, commit ? z : r.z, commit ? u : r.w);
+        run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
+                                        select_f32(commit, z, r.z), select_f32(commit, u, r.w));
       }
-      mr_lo = commit ? mf_lo : mr_lo;
-      lr_lo = commit ? lf_lo : lr_lo;
-      mr_hi = commit ? mf_hi : mr_hi;
-      lr_hi = commit ? lf_hi : lr_hi;
+      mr_lo = select_f32(commit, mf_lo, mr_lo);
+      lr_lo = select_f32(commit, lf_lo, lr_lo);
+      mr_hi = select_f32(commit, mf_hi, mr_hi);
+      lr_hi = select_f32(commit, lf_hi, lr_hi);
     }
 
     if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold

@@ -189,8 +189,53 @@ def test_planted_kernel_secret_branches_fail_public_loops_pass(planted_result):
 
 def test_planted_kernel_without_rules_names_every_unexplained_branch(planted_result):
     r = planted_result(())
-    unexplained = [f for f in r["failures"] if f["index"] is not None]
+    unexplained = [f for f in r["failures"] if f["index"] is not None and "guarded floating-point" not in f["why"]]
     assert unexplained and all("no rule for planted.cu" in f["why"] for f in unexplained)
+
+
+def test_planted_kernel_data_ternary_guarded_arithmetic_fails(planted_result):
+    """`acc == v ? 1.f : ex2(acc - v)`: ptxas runs the ex2 (MUFU) under a guard on loaded data, so
+    one input does the work and another skips it. The gate names it, whatever the branch rules say;
+    the loop's public guards pass."""
+    r = planted_result(_PLANTED_RULES)
+    guarded = [f for f in r["failures"] if "guarded floating-point" in f["why"]]
+    assert guarded, r["guarded_data_ops"]
+    assert any(f["instr"].split()[1].startswith("MUFU") for f in guarded)
+    assert all(f["instr"].startswith("@") for f in guarded)
+    assert r["guarded_data_ops"].get("FAIL") == len(guarded)
+
+
+def test_guarded_data_op_rules_on_ptx_snippets():
+    """The PTX side of the guarded-arithmetic rule: a branch-skipped block on a public predicate
+    vouches for the guard; a result that feeds a select on loaded data in its block does not."""
+    text = "\n".join([
+        ".visible .entry k(.param .u32 k_param_0)", "{",
+        "ld.param.u32 %r1, [k_param_0];",
+        "mov.u32 %r2, %tid.x;",
+        "ld.global.f32 %f1, [%rd1];",
+        "setp.lt.s32 %p1, %r2, 1;",
+        "setp.gt.f32 %p2, %f1, 0f00000000;",
+        "@%p1 bra $L__BB0_2;",
+        "max.f32 %f2, %f2, %f1;",          # line 9: skipped by a branch on tid
+        "$L__BB0_2:",
+        "@%p1 bra $L__BB0_3;",
+        "fma.rn.f32 %f3, %f1, %f1, %f2;",  # line 12: skipped by that branch, but feeds a select on data
+        "selp.f32 %f4, %f3, %f2, %p2;",
+        "$L__BB0_3:",
+        "ret;", "}"])
+    taint = ptx.Taint(text)
+    assert taint.lines[8].strip().startswith("max.f32") and taint.lines[11].strip().startswith("fma.rn")
+
+    def instr(text, pred, line):  # one guarded SASS instruction, its guard unknown to the slice
+        op = text.split()[1]
+        return sass.Instr(index=0, offset=0, predicate=pred, opcode=op, text=text, ptx_line=line)
+
+    rule, why = cuda_gate.guarded_data_op_rule(instr("@P0 FMNMX R1, R2, R1, !PT", "P0", 9), [], {}, taint)
+    assert rule == "ptx-guard", why
+    rule2, why2 = cuda_gate.guarded_data_op_rule(instr("@P1 FFMA R3, R1, R1, R2", "P1", 12), [], {}, taint)
+    assert rule2 is None and "select on ['%p2']" in why2, why2
+    ins3 = instr("@P5 FMUL R149, R149, 0.25 ;", "P5", None)
+    assert cuda_gate.guarded_data_op_rule(ins3, [ins3], {}, taint)[0] == "div-range"
 
 
 def test_source_text_reads_this_checkouts_csrc_before_the_compiled_path(tmp_path):

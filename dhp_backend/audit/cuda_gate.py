@@ -128,6 +128,97 @@ def _elect_loop(instrs: list, labels: dict, ins) -> tuple[bool, str]:
                   "and which lanes are active is decided by the gated branches before it")
 
 
+# Floating-point data-path opcodes that must not run under a guard the gate cannot prove public.
+# ptxas turns `c ? f(x) : y` into f's last instruction predicated on c; on a secret c that is work
+# done in one class and skipped in the other, which G4 measured (prefill commit: 66 guarded FFMAs,
+# H200 short vs long +0.039 %, t -12.8; ct::select_f32 in csrc/ct_walk.cuh is the cure).
+GUARDED_DATA_OPS = frozenset({"FFMA", "FADD", "FMUL", "FSEL", "FMNMX", "MUFU", "F2FP", "HGMMA", "HMMA", "FSWZADD"})
+# div.full.f32's operand range scaling (compat_arith.cuh div_full): an FMUL of the dividend and the
+# divisor by 2^-2 (divisor above 2^126) or 2^24 (below 2^-126), under a guard on the divisor's range.
+# The csrc kernels divide by a row sum l selected into [1, L] (finalize_inv: l >= 1 for a row with
+# positions, 1 for one without), a range where neither guard is ever true.
+_DIV_RANGE_SCALES = ("0.25", "16777216")
+
+
+def _ptx_branch_guard(taint, line: int) -> str | None:
+    """The predicate of the PTX branch that skips the straight-line code holding ``line``
+    (``@%p bra $L; ...line...; $L:``), which ptxas may have if-converted into guards; None when
+    the code can be entered otherwise (a label first) or no such branch precedes it."""
+    lines = taint.lines
+    k = line - 1
+    while k >= 1:
+        t = lines[k - 1].split("//")[0].strip()
+        k -= 1
+        if not t:
+            continue
+        if t.endswith(":"):
+            return None
+        if ptxmod.opcode(t).split(".")[0] == "bra":
+            g = taint.guard_register(t)
+            target = t.rstrip(" ;").split()[-1]
+            after = any(x.split("//")[0].strip() == f"{target}:" for x in lines[line:])
+            return g if g and after else None
+    return None
+
+
+def _secret_selects_of(taint, line: int) -> list[str]:
+    """Predicates, not all public, of the PTX selects (selp/slct) in the same basic block that read
+    the register the PTX instruction at ``line`` writes: the selects ptxas may fold into a guard
+    on that instruction."""
+    t = taint.lines[line - 1].split("//")[0].strip() if 0 < line <= len(taint.lines) else ""
+    parts = re.sub(r"^@!?%?[\w$]+\s+", "", t).rstrip(" ;").split(None, 1)
+    if len(parts) < 2:
+        return []
+    dest = parts[1].split(",")[0].strip()
+    out = []
+    for x in taint.lines[line:]:  # to the end of the basic block
+        u = x.split("//")[0].strip()
+        if u.endswith(":") or ptxmod.opcode(u).split(".")[0] in ("bra", "ret", "exit"):
+            break
+        if ptxmod.opcode(u).split(".")[0] not in ("selp", "slct"):
+            continue
+        ops = [o.strip() for o in u.rstrip(" ;").split(None, 1)[1].split(",")]
+        if dest in ops[1:-1]:
+            labs = {CR.label_class(y) for y in taint.labels(ops[-1])}
+            if not labs <= CR.PUBLIC:
+                out.append(ops[-1])
+    return out
+
+
+def guarded_data_op_rule(ins, instrs: list, labels: dict, taint,
+                         documented: frozenset = frozenset()) -> tuple[str | None, str]:
+    """(rule, why) for a predicated floating-point data instruction, or (None, why not), in order:
+    div.full's range scaling (a fixed pattern); a guard the SASS slice proves public; the PTX
+    line it comes from guarded (``@%p max.f32``), selecting (``selp``) or skipped by a branch
+    (``@%p bra $L; ..; $L:``) on a predicate whose labels are public (or the binary's
+    documented extra labels), with no select on a secret predicate reading its result."""
+    ops = [o.strip() for o in ins.text.split(",")]
+    if ins.base == "FMUL" and ops and ops[-1].rstrip(" ;") in _DIV_RANGE_SCALES:
+        return "div-range", "div.full operand range scaling: never taken for a row sum l in [1, L]"
+    waits: set = set()
+    proven, why = slicemod.public_predicate_cfg(instrs, labels, ins, waits=waits)
+    if proven:
+        return ("wait" if waits else "param-guard"), why
+    ptx_text = (taint.lines[ins.ptx_line - 1].split("//")[0].strip()
+                if ins.ptx_line and ins.ptx_line <= len(taint.lines) else "")
+    pred = taint.guard_register(ptx_text) if ptx_text else None
+    if pred is None and ptxmod.opcode(ptx_text).split(".")[0] in ("selp", "slct"):
+        pred = ptx_text.rstrip(" ;").split(",")[-1].strip()
+    if pred is None and ins.ptx_line:
+        pred = _ptx_branch_guard(taint, ins.ptx_line)  # `if (public) x = f(x)`, if-converted by ptxas
+    if pred:
+        labs = {CR.label_class(x) for x in taint.labels(pred)}
+        secret_selects = _secret_selects_of(taint, ins.ptx_line) if ins.ptx_line else []
+        if secret_selects:
+            return None, f"{why}; its PTX result feeds a select on {secret_selects}, not public"
+        if labs <= CR.PUBLIC:
+            return "ptx-guard", f"PTX `{ptx_text[:60]}`: predicate {pred} carries {sorted(labs)} only"
+        if labs - CR.PUBLIC <= documented:
+            return "documented", f"PTX predicate {pred} carries {sorted(labs)} (documented for this binary)"
+        why = f"{why}; PTX predicate {pred} carries {sorted(labs)}"
+    return None, f"guard not proven public ({why})"
+
+
 def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, source_dirs: tuple = ()) -> dict:
     """The gate for one kernel function of a cubin (``funcs``: `sass.disassemble`; ``ptx_all``: `embedded_ptx`)."""
     f = funcs[name]
@@ -149,9 +240,19 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
             return True, extra
         return False, extra
 
+    guarded: dict[str, int] = {}
     for ins in instrs:
         if ins.base == "FCHK" or ins.opcode.startswith(("MUFU.RCP64", "DSETP")):
             slow.append({"index": ins.index, "instr": ins.text, "what": ins.opcode})
+        if ins.predicate and ins.base in GUARDED_DATA_OPS:
+            grule, gwhy = guarded_data_op_rule(ins, instrs, labels, taint, allowed_extra)
+            guarded[grule or "FAIL"] = guarded.get(grule or "FAIL", 0) + 1
+            if grule is None:
+                failures.append({"index": ins.index, "instr": ins.text,
+                                 "source": ins.src.short() if ins.src else "no line info",
+                                 "source_text": _source_text(ins.src, source_dirs),
+                                 "why": f"guarded floating-point instruction: {gwhy}: a secret guard makes the "
+                                        "work run in one class and not the other (ct::select_f32)"})
         if not ins.is_control:
             continue
         text = _source_text(ins.src, source_dirs)
@@ -239,7 +340,7 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
         by_rule[b["rule"] or "FAIL"] = by_rule.get(b["rule"] or "FAIL", 0) + 1
     return {"function": name, "kernel": inst.kernel, "template_args": list(inst.args), "gating": inst.gating,
             "note": inst.note, "n_instructions": len(instrs), "n_control": len(branches),
-            "n_ptx_branches": ptx_branches, "by_rule": by_rule, "branches": branches,
+            "n_ptx_branches": ptx_branches, "by_rule": by_rule, "guarded_data_ops": guarded, "branches": branches,
             "documented": sorted({x for d in documented for x in d}), "failures": failures,
             "passed": not failures}
 
