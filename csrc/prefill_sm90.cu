@@ -233,11 +233,11 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 //     Which pages hold real positions is never asked: the true length only masks;
 //   - Q rows come by ordinary loads at in-range addresses (row mod q_rows): a TMA
 //     box at the step's end would be clipped, and a clipped box reads fewer bytes;
-//   - V rows at positions >= the true length are made finite (kPastEndBits: the top
-//     exponent bit cleared, not zeros) in the step that holds the true length's end by
-//     two producer warps (clean_v_ct) that rewrite the whole tile of every stage in
-//     place (load, AND with a mask from the length, store to the same address), so the
-//     consumers never branch on the length and 0 * NaN never reaches the output;
+//   - V rows at positions >= the true length are zeroed in the step that holds the
+//     true length's end by two producer warps (clean_v_ct) that rewrite the whole
+//     tile of every stage in place (load, AND with a mask from the length, store to
+//     the same address), so the consumers never branch on the length and 0 * NaN
+//     never reaches the output;
 //   - every score is masked by select (the off binary masks only the last steps),
 //     except in the dead steps (every position past the true length): those run
 //     unmasked on the rows their pages hold and their contribution is dropped by
@@ -375,11 +375,11 @@ __device__ __forceinline__ uint32_t v_clean(const Barriers<STAGES>& bar, int s) 
 }
 constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 
-// Make the V rows at positions >= seq_len of the step holding the true length's end finite
+// Zero the V rows at positions >= seq_len of the step holding the true length's end
 // (a dead step's rows stay as read: consume_compat drops its product) by rewriting
 // every stage's whole tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
 // and stores each back to the same address, ANDed with a mask that is all ones for
-// a real row and kPastEndBits for a row past the end (P is 0 there). Every address and the count of loads and stores
+// a real row and zero for padding. Every address and the count of loads and stores
 // are the tile's, whatever the true length (the address rule reaches shared memory:
 // the earlier form redirected the stores of real rows to a 1 KB scratch, and the
 // store addresses, tile or scratch, moved the step's time with the true length:
@@ -389,15 +389,6 @@ constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 // exposed (+15 % on the step). The pieces of one warp access are 512 contiguous
 // bytes: conflict-free.
 constexpr int kCleanBatch = 4;
-// A row past the end is ANDed with this: the top bit of each bf16 / fp16 element's exponent
-// cleared, so every element is finite (|x| < 2; NaN and inf included) and P = 0 times it is
-// exactly 0, while the row keeps values of the data's kind. Zeroing those rows (the earlier
-// mask) fed the tensor cores zeros in the one step where a request that ends inside a step
-// (policy request: 2049 of 4096) differs from one that ends on a step boundary: G4 prefill
-// request, H200, short vs long +0.015 to +0.018 %, t -10 on 3 layouts at 58a9f33. Keeping the
-// finite values exactly closed it but cost 37 % of the step (integer finiteness tests in the
-// cleaner, which is on the critical path); this mask costs nothing (one AND, as before).
-constexpr uint32_t kPastEndBits = 0xBFFFBFFFu;
 template <int STAGES>
 __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, const Barriers<STAGES>& bar, int tid) {
   using L = Layout<STAGES>;
@@ -418,9 +409,7 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
       for (int c = 0; c < kCleanBatch; ++c) {
         const int idx = (it + c) * kCleanThreads + tid;  // 16-byte piece: [half][row][8 pieces]
         const int row = (idx / 8) % kRows;
-        // ~0u: as read (a real row, or any row of a dead step); a row past the end keeps its
-        // bits but the top exponent bit of each 16-bit element (kPastEndBits).
-        const uint32_t keep = kPastEndBits | (0u - static_cast<uint32_t>((t * kCols + row < w.seq_len) | dead));
+        const uint32_t keep = 0u - static_cast<uint32_t>((t * kCols + row < w.seq_len) | dead);  // ~0u kept, 0 zeroed
         tile[idx] = make_uint4(v[c].x & keep, v[c].y & keep, v[c].z & keep, v[c].w & keep);
       }
     }
@@ -822,7 +811,7 @@ __device__ __forceinline__ void consume_compat(const Params& p, const Work& w, u
     pack_p<BF16, 32>(sb, pb);
 
     if constexpr (CT) {
-      mbar_wait(v_clean(bar, st), par);  // rows past the true length already made finite (clean_v_ct)
+      mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
     } else {
       mbar_wait(bar.v_full(st), par);
       const int valid = w.seq_len - kv0;
