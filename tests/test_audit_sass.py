@@ -39,6 +39,19 @@ def _at(f, name, planted):
     return f["source"].startswith(f"planted_kernels.py:{planted['lines'][name]}")
 
 
+def test_planted_secret_choice_guarded_arithmetic_fails(planted):
+    """`tl.where(secret, x * x + 1, x)`: ptxas guards the FFMA by the secret (it runs for one value and
+    not the other, with equal instruction counts); the gate names it at its line (audit/guarded.py)."""
+    r = planted["planted_guarded"]
+    assert not r["passed"] and r["guarded_data_ops"].get("FAIL", 0) >= 1
+    fails = [f for f in r["failures"] if "guarded floating-point" in f["why"]]
+    assert fails and all(f["instr"].startswith("@") for f in fails)
+    assert any(_at(f, "planted_guarded", planted) for f in fails)
+    # The clean kernel's guards (its public loop, div.full's range scaling) are all vouched for.
+    clean = planted["planted_clean_with_rule"]["guarded_data_ops"]
+    assert clean and "FAIL" not in clean
+
+
 def test_planted_secret_trip_count_fails_naming_instruction_and_line(planted):
     r = planted["planted_loop"]
     assert not r["passed"]

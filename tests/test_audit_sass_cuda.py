@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from dhp_backend.audit import cuda_gate, cuda_rules, ptx, sass, sass_slice  # noqa: E402
+from dhp_backend.audit import cuda_gate, cuda_rules, guarded, ptx, sass, sass_slice  # noqa: E402
 from dhp_backend.ops import cuda_build  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "cuda_gate")
@@ -226,16 +226,18 @@ def test_guarded_data_op_rules_on_ptx_snippets():
     taint = ptx.Taint(text)
     assert taint.lines[8].strip().startswith("max.f32") and taint.lines[11].strip().startswith("fma.rn")
 
+    judge = cuda_gate._csrc_public(frozenset())
+
     def instr(text, pred, line):  # one guarded SASS instruction, its guard unknown to the slice
         op = text.split()[1]
         return sass.Instr(index=0, offset=0, predicate=pred, opcode=op, text=text, ptx_line=line)
 
-    rule, why = cuda_gate.guarded_data_op_rule(instr("@P0 FMNMX R1, R2, R1, !PT", "P0", 9), [], {}, taint)
+    rule, why = guarded.rule(instr("@P0 FMNMX R1, R2, R1, !PT", "P0", 9), [], {}, taint, judge)
     assert rule == "ptx-guard", why
-    rule2, why2 = cuda_gate.guarded_data_op_rule(instr("@P1 FFMA R3, R1, R1, R2", "P1", 12), [], {}, taint)
+    rule2, why2 = guarded.rule(instr("@P1 FFMA R3, R1, R1, R2", "P1", 12), [], {}, taint, judge)
     assert rule2 is None and "select on ['%p2']" in why2, why2
     ins3 = instr("@P5 FMUL R149, R149, 0.25 ;", "P5", None)
-    assert cuda_gate.guarded_data_op_rule(ins3, [ins3], {}, taint)[0] == "div-range"
+    assert guarded.rule(ins3, [ins3], {}, taint, judge)[0] == "div-range"
 
 
 def test_source_text_reads_this_checkouts_csrc_before_the_compiled_path(tmp_path):

@@ -46,6 +46,7 @@ import time
 from dhp_backend.audit import cuda_rules as CR
 from dhp_backend.audit import ptx as ptxmod
 from dhp_backend.audit import sass as sassmod
+from dhp_backend.audit import guarded as guardedmod
 from dhp_backend.audit import sass_slice as slicemod
 
 # What the library build of each source uses (ops.cuda_prefill / ops.cuda_decode).
@@ -128,95 +129,15 @@ def _elect_loop(instrs: list, labels: dict, ins) -> tuple[bool, str]:
                   "and which lanes are active is decided by the gated branches before it")
 
 
-# Floating-point data-path opcodes that must not run under a guard the gate cannot prove public.
-# ptxas turns `c ? f(x) : y` into f's last instruction predicated on c; on a secret c that is work
-# done in one class and skipped in the other, which G4 measured (prefill commit: 66 guarded FFMAs,
-# H200 short vs long +0.039 %, t -12.8; ct::select_f32 in csrc/ct_walk.cuh is the cure).
-GUARDED_DATA_OPS = frozenset({"FFMA", "FADD", "FMUL", "FSEL", "FMNMX", "MUFU", "F2FP", "HGMMA", "HMMA", "FSWZADD"})
-# div.full.f32's operand range scaling (compat_arith.cuh div_full): an FMUL of the dividend and the
-# divisor by 2^-2 (divisor above 2^126) or 2^24 (below 2^-126), under a guard on the divisor's range.
-# The csrc kernels divide by a row sum l selected into [1, L] (finalize_inv: l >= 1 for a row with
-# positions, 1 for one without), a range where neither guard is ever true.
-_DIV_RANGE_SCALES = ("0.25", "16777216")
-
-
-def _ptx_branch_guard(taint, line: int) -> str | None:
-    """The predicate of the PTX branch that skips the straight-line code holding ``line``
-    (``@%p bra $L; ...line...; $L:``), which ptxas may have if-converted into guards; None when
-    the code can be entered otherwise (a label first) or no such branch precedes it."""
-    lines = taint.lines
-    k = line - 1
-    while k >= 1:
-        t = lines[k - 1].split("//")[0].strip()
-        k -= 1
-        if not t:
-            continue
-        if t.endswith(":"):
-            return None
-        if ptxmod.opcode(t).split(".")[0] == "bra":
-            g = taint.guard_register(t)
-            target = t.rstrip(" ;").split()[-1]
-            after = any(x.split("//")[0].strip() == f"{target}:" for x in lines[line:])
-            return g if g and after else None
-    return None
-
-
-def _secret_selects_of(taint, line: int) -> list[str]:
-    """Predicates, not all public, of the PTX selects (selp/slct) in the same basic block that read
-    the register the PTX instruction at ``line`` writes: the selects ptxas may fold into a guard
-    on that instruction."""
-    t = taint.lines[line - 1].split("//")[0].strip() if 0 < line <= len(taint.lines) else ""
-    parts = re.sub(r"^@!?%?[\w$]+\s+", "", t).rstrip(" ;").split(None, 1)
-    if len(parts) < 2:
-        return []
-    dest = parts[1].split(",")[0].strip()
-    out = []
-    for x in taint.lines[line:]:  # to the end of the basic block
-        u = x.split("//")[0].strip()
-        if u.endswith(":") or ptxmod.opcode(u).split(".")[0] in ("bra", "ret", "exit"):
-            break
-        if ptxmod.opcode(u).split(".")[0] not in ("selp", "slct"):
-            continue
-        ops = [o.strip() for o in u.rstrip(" ;").split(None, 1)[1].split(",")]
-        if dest in ops[1:-1]:
-            labs = {CR.label_class(y) for y in taint.labels(ops[-1])}
-            if not labs <= CR.PUBLIC:
-                out.append(ops[-1])
-    return out
-
-
-def guarded_data_op_rule(ins, instrs: list, labels: dict, taint,
-                         documented: frozenset = frozenset()) -> tuple[str | None, str]:
-    """(rule, why) for a predicated floating-point data instruction, or (None, why not), in order:
-    div.full's range scaling (a fixed pattern); a guard the SASS slice proves public; the PTX
-    line it comes from guarded (``@%p max.f32``), selecting (``selp``) or skipped by a branch
-    (``@%p bra $L; ..; $L:``) on a predicate whose labels are public (or the binary's
-    documented extra labels), with no select on a secret predicate reading its result."""
-    ops = [o.strip() for o in ins.text.split(",")]
-    if ins.base == "FMUL" and ops and ops[-1].rstrip(" ;") in _DIV_RANGE_SCALES:
-        return "div-range", "div.full operand range scaling: never taken for a row sum l in [1, L]"
-    waits: set = set()
-    proven, why = slicemod.public_predicate_cfg(instrs, labels, ins, waits=waits)
-    if proven:
-        return ("wait" if waits else "param-guard"), why
-    ptx_text = (taint.lines[ins.ptx_line - 1].split("//")[0].strip()
-                if ins.ptx_line and ins.ptx_line <= len(taint.lines) else "")
-    pred = taint.guard_register(ptx_text) if ptx_text else None
-    if pred is None and ptxmod.opcode(ptx_text).split(".")[0] in ("selp", "slct"):
-        pred = ptx_text.rstrip(" ;").split(",")[-1].strip()
-    if pred is None and ins.ptx_line:
-        pred = _ptx_branch_guard(taint, ins.ptx_line)  # `if (public) x = f(x)`, if-converted by ptxas
-    if pred:
-        labs = {CR.label_class(x) for x in taint.labels(pred)}
-        secret_selects = _secret_selects_of(taint, ins.ptx_line) if ins.ptx_line else []
-        if secret_selects:
-            return None, f"{why}; its PTX result feeds a select on {secret_selects}, not public"
-        if labs <= CR.PUBLIC:
-            return "ptx-guard", f"PTX `{ptx_text[:60]}`: predicate {pred} carries {sorted(labs)} only"
-        if labs - CR.PUBLIC <= documented:
-            return "documented", f"PTX predicate {pred} carries {sorted(labs)} (documented for this binary)"
-        why = f"{why}; PTX predicate {pred} carries {sorted(labs)}"
-    return None, f"guard not proven public ({why})"
+def _csrc_public(documented: frozenset):
+    """The csrc gate's verdict on a PTX predicate's labels for `guarded.rule`: "public", "documented"
+    (the binary's documented extra labels) or None."""
+    def judge(labs) -> str | None:
+        classes = {CR.label_class(x) for x in labs}
+        if classes <= CR.PUBLIC:
+            return "public"
+        return "documented" if classes - CR.PUBLIC <= documented else None
+    return judge
 
 
 def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, source_dirs: tuple = ()) -> dict:
@@ -244,8 +165,8 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
     for ins in instrs:
         if ins.base == "FCHK" or ins.opcode.startswith(("MUFU.RCP64", "DSETP")):
             slow.append({"index": ins.index, "instr": ins.text, "what": ins.opcode})
-        if ins.predicate and ins.base in GUARDED_DATA_OPS:
-            grule, gwhy = guarded_data_op_rule(ins, instrs, labels, taint, allowed_extra)
+        if ins.predicate and ins.base in guardedmod.DATA_OPS:
+            grule, gwhy = guardedmod.rule(ins, instrs, labels, taint, _csrc_public(allowed_extra))
             guarded[grule or "FAIL"] = guarded.get(grule or "FAIL", 0) + 1
             if grule is None:
                 failures.append({"index": ins.index, "instr": ins.text,

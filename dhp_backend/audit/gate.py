@@ -31,6 +31,7 @@ import linecache
 import os
 import re
 
+from dhp_backend.audit import guarded as guardedmod
 from dhp_backend.audit import ptx as ptxmod
 from dhp_backend.audit import rules as R
 from dhp_backend.audit import sass as sassmod
@@ -131,6 +132,12 @@ def _check_source_rule(rule, ctl_by_scn, spec, where) -> tuple[bool, list[str], 
     return not fails, fails, notes
 
 
+def _lane_public(labs) -> str | None:
+    """`guarded.rule`'s verdict on a PTX predicate's labels: public when every label is a thread or
+    program index or a kernel parameter (the lane guards' rule), else None."""
+    return "public" if all(x.startswith(R.LANE_GUARD_ALLOWED_PREFIXES) for x in labs) else None
+
+
 def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dict | None = None) -> dict:
     """The gate for one compiled kernel. ``kernel``: the function name (its spec in `rules`)."""
     spec = R.spec_for(kernel)
@@ -147,10 +154,20 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
     last_exit = max((i.index for i in instrs if i.base == "EXIT" and not i.predicate), default=-1)
 
     branches, failures, notes, slow = [], [], [], []
+    guarded: dict[str, int] = {}
     for ins in instrs:
         if ins.base == "FCHK" or ins.opcode.startswith("MUFU.RCP64") or ins.opcode.startswith("DSETP"):
             slow.append({"where": "sass", "index": ins.index, "instr": ins.text, "what": ins.opcode,
                          "at": _where(ins.src)["at"]})
+        if ins.predicate and ins.base in guardedmod.DATA_OPS:  # guarded arithmetic (audit/guarded.py)
+            grule, gwhy = guardedmod.rule(ins, instrs, labels, ptaint, _lane_public)
+            guarded[grule or "FAIL"] = guarded.get(grule or "FAIL", 0) + 1
+            if grule is None:
+                w = _where(ins.src)
+                failures.append({"kernel": kernel, "index": ins.index, "instr": ins.text, "source": w["at"],
+                                 "source_text": w["text"],
+                                 "why": f"guarded floating-point instruction: {gwhy}: a secret guard makes the "
+                                        "work run in one class and not the other"})
         if not ins.is_control:
             continue
         w = _where(ins.src)
@@ -228,6 +245,7 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
                              "source": s.get("at") or f"ptx:{s.get('ptx_line')}", "source_text": "",
                              "why": f"slow path: {s['what']}" + (f" ({s['why']})" if s.get("why") else "")})
     return {"kernel": kernel, "variant": variant or {}, "n_instructions": len(instrs), "branches": branches,
+            "guarded_data_ops": guarded,
             "slow_paths": slow, "documented_leaks": notes, "failures": failures, "passed": not failures,
             "counts": {"mufu_ex2": sum(i.opcode.startswith("MUFU.EX2") for i in instrs),
                        "mufu_rcp": sum(i.opcode.startswith("MUFU.RCP") for i in instrs),

@@ -47,9 +47,18 @@ def planted_clean(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc / tl.where(acc > 0, acc, 1.0))
 
 
+@triton.jit
+def planted_guarded(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    keep = tl.load(out_ptr + BLOCK) > 0  # a secret choice: ptxas guards the FFMA by it
+    tl.store(out_ptr + offs, tl.where(keep, x * x + 1.0, x))
+
+
 # Source lines the test expects findings at.
 LINES = {"planted_loop": planted_loop.fn.__code__.co_firstlineno + 4,
-         "planted_if": planted_if.fn.__code__.co_firstlineno + 3}
+         "planted_if": planted_if.fn.__code__.co_firstlineno + 3,
+         "planted_guarded": planted_guarded.fn.__code__.co_firstlineno + 5}
 
 
 def _compile(fn, x):
@@ -68,7 +77,8 @@ def main():
     from dhp_backend.audit import rules as R
 
     out = {"lines": LINES}
-    for fn, x in ((planted_loop, "*i32"), (planted_if, "*i32"), (planted_div, "*fp32"), (planted_clean, "*fp32")):
+    for fn, x in ((planted_loop, "*i32"), (planted_if, "*i32"), (planted_div, "*fp32"), (planted_clean, "*fp32"),
+                  (planted_guarded, "*fp32")):
         ck = _compile(fn, x)
         out[fn.__name__] = gate.audit_compiled(ck, fn.__name__)
     # The clean kernel's loop is public only through a rule that says so.
