@@ -24,16 +24,17 @@ __device__ __forceinline__ uint64_t select_u64(bool c, uint64_t a, uint64_t b) {
   return b ^ ((a ^ b) & (0ull - static_cast<uint64_t>(c)));
 }
 
-// c ? a : b for a float, by its bits (select_int), for a choice made on a secret. Written as a
-// ternary, `c ? f(x) : b` lets ptxas predicate f's last instruction on c (a prefill commit's fold
-// became 66 FFMAs guarded by the commit), and an instruction predicated off costs the SM less than
-// one that runs: the G4 timing gate measured it (prefill chunk, H200, short vs long +0.039 %,
-// t -12.8; every step committing: +0.004 %, t -1.1). The mask form leaves f's instructions
-// unguarded, so they run in every step whatever c is.
-// One lop3 on the bits, inside the asm: the operands and the result stay f32 registers in the
-// PTX, so a select on a loop-carried float keeps that value's register apart from the
-// integer ones (a select_int on the bits made nvcc carry the float as a b32 register shared
-// with the loop counters' zero, and the PTX taint of the G2 gate then saw memory in the loop bounds).
+// c ? a : b for a float, by its bits, for a choice made on a secret. Written as a ternary,
+// `c ? f(x) : b` lets ptxas guard f's last instruction by c (a prefill commit's fold became 66
+// FFMAs guarded by the commit), and an instruction guarded off costs the SM less than one that
+// runs: the G4 timing gate measured it (prefill chunk, H200, short vs long +0.039 %, t -12.8;
+// every step committing: +0.004 %, t -1.1). The mask form leaves f's instructions unguarded, so
+// they run in every step whatever c is; G2 fails a guarded floating-point instruction on a
+// guard it cannot prove public (dhp_backend/audit/guarded.py).
+// One lop3 inside an asm block: the operands and the result stay f32 registers in the PTX, so
+// a loop-carried float keeps its own register (select_int on the bits made nvcc carry it as a
+// b32 register shared with the loop counters' zero, and G2's PTX taint then saw memory in the
+// loop bounds).
 __device__ __forceinline__ float select_f32(bool c, float a, float b) {
   const uint32_t m = 0u - static_cast<uint32_t>(c);
   float r;
