@@ -375,6 +375,13 @@ def test_classes_lengths_share_the_bucket():
                     assert short == step_q
                 mid = classes.true_length(sh, "random")
                 assert next_pow2(mid) == L and mid == classes.true_length(sh, "random2")
+                # the diagnostic class: short rounded up to a step boundary, same bucket (request: 2112 of 4096)
+                aligned = classes.true_length(sh, "short_aligned")
+                assert aligned % classes.STEP_POSITIONS == 0 and short <= aligned < short + classes.STEP_POSITIONS
+                assert next_pow2(aligned) == L if policy == "request" else aligned <= L
+                assert classes.reserved_tokens(sh) == reserved_tokens(policy, aligned, L) == L
+                if policy == "request":
+                    assert aligned == L // 2 + classes.STEP_POSITIONS
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "random", "churned"])
@@ -394,6 +401,7 @@ def test_make_inputs_obey_the_address_rule_and_share_pages(layout):
             assert x["seq_lens"].tolist() == [classes.true_length(sh, c)] * 3
         # short, long and random differ in lengths only: the very same tensors
         assert ins["short"]["key_cache"] is ins["long"]["key_cache"] is ins["random"]["key_cache"]
+        assert ins["short_aligned"]["key_cache"] is ins["short"]["key_cache"]
         assert not torch.equal(ins["random"]["key_cache"], ins["random2"]["key_cache"])
         assert bool((ins["zeros"]["value_cache"] == 0).all())
         assert bool((ins["constant"]["query"] == classes.CONSTANT).all())
