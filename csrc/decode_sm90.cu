@@ -255,6 +255,11 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 //   - the padding pseudo-request (index num_seqs) reads the last request's line, with
 //     that request's page count (walk 1: its L pages, re-reads; walk 2: no step, its
 //     walk is 0 as the Triton launcher's pad_l), true length 0: its rows come out as 0.
+//   - every choice made on the true length whose result is a float (the commit, the
+//     dead split's filler) is a select on the bits (ct::select_f32), never a ternary:
+//     ptxas guards a ternary's last FFMA/FSEL by the predicate, and a guarded-off
+//     instruction costs less than one that runs (G2 fails such a guard:
+//     dhp_backend/audit/guarded.py);
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under walk 2), num_seqs, num_tokens, the step geometry, block size, group.
 template <int WALK>

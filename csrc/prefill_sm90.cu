@@ -244,6 +244,11 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 //     selection (consume_compat), so the tensor cores get a live step's operands
 //     rather than masked zeros, whose lower power moved the step's time with the
 //     true length (G4, H200: short vs long +0.104 % with zeros, +0.037 % now).
+//   - every choice made on the true length whose result is a float (the commit of a
+//     split's state at its last live step) is a select on the bits (ct::select_f32),
+//     never a ternary: ptxas guards a ternary's last FFMA by the predicate, and a
+//     guarded-off instruction costs less than one that runs (G4, H200: +0.039 %, t -12.8;
+//     G2 fails such a guard: dhp_backend/audit/guarded.py);
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
