@@ -44,9 +44,9 @@ import sys
 import time
 
 from dhp_backend.audit import cuda_rules as CR
+from dhp_backend.audit import guarded as guardedmod
 from dhp_backend.audit import ptx as ptxmod
 from dhp_backend.audit import sass as sassmod
-from dhp_backend.audit import guarded as guardedmod
 from dhp_backend.audit import sass_slice as slicemod
 
 # What the library build of each source uses (ops.cuda_prefill / ops.cuda_decode).
@@ -162,18 +162,16 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
         return False, extra
 
     guarded: dict[str, int] = {}
+    judge_guard = _csrc_public(allowed_extra)
     for ins in instrs:
         if ins.base == "FCHK" or ins.opcode.startswith(("MUFU.RCP64", "DSETP")):
             slow.append({"index": ins.index, "instr": ins.text, "what": ins.opcode})
         if ins.predicate and ins.base in guardedmod.DATA_OPS:
-            grule, gwhy = guardedmod.rule(ins, instrs, labels, taint, _csrc_public(allowed_extra))
-            guarded[grule or "FAIL"] = guarded.get(grule or "FAIL", 0) + 1
-            if grule is None:
+            why = guardedmod.check(ins, instrs, labels, taint, judge_guard, guarded)
+            if why:
                 failures.append({"index": ins.index, "instr": ins.text,
                                  "source": ins.src.short() if ins.src else "no line info",
-                                 "source_text": _source_text(ins.src, source_dirs),
-                                 "why": f"guarded floating-point instruction: {gwhy}: a secret guard makes the "
-                                        "work run in one class and not the other (ct::select_f32)"})
+                                 "source_text": _source_text(ins.src, source_dirs), "why": why})
         if not ins.is_control:
             continue
         text = _source_text(ins.src, source_dirs)

@@ -160,14 +160,11 @@ def audit_artefacts(kernel: str, ttir: str, ptx: str, cubin: bytes, variant: dic
             slow.append({"where": "sass", "index": ins.index, "instr": ins.text, "what": ins.opcode,
                          "at": _where(ins.src)["at"]})
         if ins.predicate and ins.base in guardedmod.DATA_OPS:  # guarded arithmetic (audit/guarded.py)
-            grule, gwhy = guardedmod.rule(ins, instrs, labels, ptaint, _lane_public)
-            guarded[grule or "FAIL"] = guarded.get(grule or "FAIL", 0) + 1
-            if grule is None:
+            why = guardedmod.check(ins, instrs, labels, ptaint, _lane_public, guarded)
+            if why:
                 w = _where(ins.src)
                 failures.append({"kernel": kernel, "index": ins.index, "instr": ins.text, "source": w["at"],
-                                 "source_text": w["text"],
-                                 "why": f"guarded floating-point instruction: {gwhy}: a secret guard makes the "
-                                        "work run in one class and not the other"})
+                                 "source_text": w["text"], "why": why})
         if not ins.is_control:
             continue
         w = _where(ins.src)

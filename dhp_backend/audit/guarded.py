@@ -106,3 +106,14 @@ def rule(ins, instrs: list, labels: dict, taint, judge: Callable) -> tuple[str |
             return "documented", f"PTX predicate {pred} carries {sorted(labs)[:6]} (documented for this binary)"
         why = f"{why}; PTX predicate {pred} carries {sorted(labs)[:6]}"
     return None, f"guard not proven public ({why})"
+
+
+def check(ins, instrs: list, labels: dict, taint, judge: Callable, counts: dict) -> str | None:
+    """`rule` for one guarded floating-point instruction of a gate, tallied in ``counts`` by rule
+    ("FAIL" when none applies): the failure's reason, or None when a rule vouches for the guard."""
+    r, why = rule(ins, instrs, labels, taint, judge)
+    counts[r or "FAIL"] = counts.get(r or "FAIL", 0) + 1
+    if r:
+        return None
+    return (f"guarded floating-point instruction: {why}: a secret guard makes the work run in one class and not "
+            "the other (a select on the bits instead: ct::select_f32)")
