@@ -375,14 +375,20 @@ def test_classes_lengths_share_the_bucket():
                     assert short == step_q
                 mid = classes.true_length(sh, "random")
                 assert next_pow2(mid) == L and mid == classes.true_length(sh, "random2")
-                # the diagnostic class: short rounded up to a step boundary, same bucket (request: 2112 of 4096)
-                aligned = classes.true_length(sh, "short_aligned")
-                assert aligned % classes.STEP_POSITIONS == 0 and short <= aligned < short + classes.STEP_POSITIONS
-                assert next_pow2(aligned) == L if policy == "request" else aligned <= L
-                assert classes.reserved_tokens(sh) == reserved_tokens(policy, aligned, L) == L
-                if policy == "request":
-                    assert aligned == L // 2 + classes.STEP_POSITIONS
+                # the diagnostic length classes at<N>: any length that shares the bucket, nothing outside it
+                for n in (short, (short + long_) // 2, long_):
+                    assert classes.true_length(sh, f"at{n}") == n
+                    assert classes.reserved_tokens(sh) == reserved_tokens(policy, n, L) == L
+                for bad in [long_ + 1] + ([short - 1] if short > 1 else []):
+                    with pytest.raises(ValueError, match=f"at{bad}.*outside"):
+                        classes.true_length(sh, f"at{bad}")
+    assert classes.is_class("at2176") and not classes.is_class("at") and not classes.is_class("at-3")
+    assert not classes.is_class("at0") and not classes.is_class("short_aligned")
+    from dhp_backend.audit.timing import parse_pairs
 
+    assert parse_pairs("at2176:long,short:long") == [("at2176", "long", "reported"), ("short", "long", "gating")]
+    with pytest.raises(ValueError, match="at<N>"):
+        parse_pairs("atx:long")
 
 @pytest.mark.parametrize("layout", ["consecutive", "random", "churned"])
 def test_make_inputs_obey_the_address_rule_and_share_pages(layout):
@@ -401,7 +407,8 @@ def test_make_inputs_obey_the_address_rule_and_share_pages(layout):
             assert x["seq_lens"].tolist() == [classes.true_length(sh, c)] * 3
         # short, long and random differ in lengths only: the very same tensors
         assert ins["short"]["key_cache"] is ins["long"]["key_cache"] is ins["random"]["key_cache"]
-        assert ins["short_aligned"]["key_cache"] is ins["short"]["key_cache"]
+        at = classes.make_inputs(sh, "at100", seed=1, device="cpu", shared=shared)
+        assert at["key_cache"] is ins["short"]["key_cache"] and at["seq_lens"].tolist() == [100] * 3
         assert not torch.equal(ins["random"]["key_cache"], ins["random2"]["key_cache"])
         assert bool((ins["zeros"]["value_cache"] == 0).all())
         assert bool((ins["constant"]["query"] == classes.CONSTANT).all())

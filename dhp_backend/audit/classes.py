@@ -52,13 +52,29 @@ from dhp_backend.audit import features as feats
 GATING_PAIRS = (("short", "long"), ("random", "random2"))
 REPORTED_PAIRS = (("random", "zeros"), ("random", "constant"))
 EXTRA_PAIRS = (("random", "extreme"), ("random", "skewed"))  # reported when asked for
-CLASSES = ("random", "random2", "short", "short_aligned", "long", "long2", "zeros", "constant", "extreme", "skewed")
-# A diagnostic class, in no default pair: "short" with its true length rounded up to a multiple of
-# STEP_POSITIONS, so a prefill chunk of that many tokens ends on a step boundary as "long"'s does
-# (under request, 2049 -> 2112 of 4096). G4 prefill request short vs long fails at +0.015 % (H200,
-# 58a9f33) while strict, whose short and long are both aligned, passes: `--pairs short_aligned:long`
-# tells whether the chunk straddling a step boundary (one more step of masked P) is the cause.
-STEP_POSITIONS = 64  # the csrc kernels' KV step
+CLASSES = ("random", "random2", "short", "long", "long2", "zeros", "constant", "extreme", "skewed")
+# Diagnostic length classes, in no default pair: ``at<N>`` is "random"'s data with true length N
+# (N inside the bucket; under request with the bucket's power of two). They place a short
+# request's end anywhere in the walk: e.g. prefill request's short (2049 of 4096, q 64) ends one
+# position into a 128-position step of the csrc prefill binary and its chunk straddles the step
+# boundary, where ``at2176`` ends on one as "long" does (`--pairs at2176:long`).
+AT_PREFIX = "at"
+
+
+def is_class(cls: str) -> bool:
+    """A class name: one of `CLASSES` or ``at<N>`` (N a positive integer)."""
+    return cls in CLASSES or _at_length(cls) is not None
+
+
+def _at_length(cls: str) -> int | None:
+    rest = cls[len(AT_PREFIX):] if cls.startswith(AT_PREFIX) else ""
+    return int(rest) if rest.isdigit() and int(rest) > 0 else None
+
+
+def accepted_classes() -> str:
+    return ", ".join(CLASSES) + f", {AT_PREFIX}<N> (true length N, random data)"
+
+
 # The null pair: "long2" is "long" again (same data, lengths, table; its own length
 # tensor, output buffer and CUDA graph). What the harness measures between them is
 # what separate buffers and graphs cost, not a secret: the floor under every pair.
@@ -145,9 +161,13 @@ def true_length(shape: Shape, cls: str) -> int:
         if shape.policy == "request":
             return max(shape.q_len, _next_pow2(shape.bucket) // 2 + 1)
         return shape.q_len
-    if cls == "short_aligned":
-        s = true_length(shape, "short")
-        return min(shape.bucket, -(-s // STEP_POSITIONS) * STEP_POSITIONS)
+    n = _at_length(cls)
+    if n is not None:
+        lo, hi = true_length(shape, "short"), shape.bucket
+        if not lo <= n <= hi:
+            raise ValueError(f"class {cls!r}: true length {n} outside [{lo}, {hi}], the lengths that share this "
+                             f"shape's bucket under policy {shape.policy!r}")
+        return n
     if cls in ("long", "long2"):
         return shape.bucket
     return max(shape.q_len, (3 * shape.bucket) // 4)
@@ -169,8 +189,8 @@ def block_table(shape: Shape, *, seed: int = 0, device: str | torch.device = "cp
 
 
 def data_key(cls: str) -> str:
-    """Classes with the same data: short, short_aligned, long and random differ only in lengths."""
-    return "random" if cls in ("short", "short_aligned", "long", "long2") else cls
+    """Classes with the same data: short, long, at<N> and random differ only in lengths."""
+    return "random" if cls in ("short", "long", "long2") or _at_length(cls) is not None else cls
 
 
 def data_copy_bytes(shape: Shape) -> int:
@@ -221,8 +241,8 @@ def make_inputs(shape: Shape, cls: str, *, seed: int = 0, device: str | torch.de
     and data between calls, so classes of one shape (and shapes that differ only in
     the policy) use the very same tensors: nothing here writes them.
     """
-    if cls not in CLASSES:
-        raise ValueError(f"class {cls!r}; accepted: {', '.join(CLASSES)}")
+    if not is_class(cls):
+        raise ValueError(f"class {cls!r}; accepted: {accepted_classes()}")
     if shape.policy not in POLICIES:
         raise ValueError(f"policy {shape.policy!r}; accepted: {', '.join(POLICIES)}")
     shared = {} if shared is None else shared

@@ -189,8 +189,8 @@ def parse_pairs(text: str) -> list[tuple[str, str, bool]]:
     for item in (x for x in text.split(",") if x.strip()):
         a, _, b = item.strip().partition(":")
         for c in (a, b):
-            if c not in classes.CLASSES:
-                raise ValueError(f"--pairs: class {c!r}; accepted: {', '.join(classes.CLASSES)}")
+            if not classes.is_class(c):
+                raise ValueError(f"--pairs: class {c!r}; accepted: {classes.accepted_classes()}")
         out.append((a, b, (a, b) in classes.GATING_PAIRS or (b, a) in classes.GATING_PAIRS))
     if not out:
         raise ValueError("--pairs: no pair given")

@@ -268,8 +268,8 @@ def parse_pairs(text: str) -> list[tuple[str, str, str]]:
     for item in (x.strip() for x in text.split(",") if x.strip()):
         a, _, b = item.partition(":")
         for c in (a, b):
-            if c not in classes.CLASSES:
-                raise ValueError(f"--pairs: class {c!r} in {item!r}; accepted: {', '.join(classes.CLASSES)}")
+            if not classes.is_class(c):
+                raise ValueError(f"--pairs: class {c!r} in {item!r}; accepted: {classes.accepted_classes()}")
         gate = (a, b) in classes.GATING_PAIRS or (b, a) in classes.GATING_PAIRS
         out.append((a, b, "gating" if gate else "reported"))
     if not out:
