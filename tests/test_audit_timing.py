@@ -481,6 +481,52 @@ def test_timing_loop_pairs_rounds_correctly():
     t.idle_after_ms = 0.05
     t._time(fns, 256, np.random.default_rng(1), timing.PairStats(), "a vs b")
     assert sleeps.count(int(0.05 * 1e6)) == 2 * 256
+    # every launch's preparation reads the slot its chunk staged for it, with its own class's values
+    staged, preps = [], []
+    for c, f in zip("ab", fns):
+        f.prep = lambda slot, c=c: preps.append((c, slot))
+        f.stage = lambda order: staged.append(list(order))
+    clock["calls"].clear()
+    t.idle_after_ms = 0.0
+    t._time(fns, 300, np.random.default_rng(2), timing.PairStats(), "a vs b")
+    chunks = staged[1:]  # the first stage is the warm-up's (0, 1), then one per chunk
+    assert [len(o) for o in chunks] == [256, 256, 88]
+    timed = preps[-600:]
+    assert [c for c, _ in timed] == clock["calls"][-600:]
+    k = 0
+    for order in chunks:
+        for slot, want in enumerate(order):
+            c, got = timed[k]
+            assert got == slot and "ab"[want] == c
+            k += 1
+
+
+def test_slot_staging_copies_each_class_values_from_the_launch_slot():
+    """`timing.SlotStaging`: a launch's lengths come from its slot of one staging tensor (its address follows
+    the launch's position, not its class); slot None copies the class's own tensors (the one-off checks)."""
+    import torch
+
+    dst_len, dst_bucket = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    own = [(torch.full((3,), 5, dtype=torch.int32), torch.full((3,), 8, dtype=torch.int32)),
+           (torch.full((3,), 7, dtype=torch.int32), torch.full((3,), 8, dtype=torch.int32))]
+    st = timing.SlotStaging([[(dst_len, ln), (dst_bucket, b)] for ln, b in own], 6)
+    order = [1, 0, 0, 1, 1]
+    st.stage(order)
+    for slot, c in enumerate(order):
+        st.copy(c, slot)
+        assert dst_len.tolist() == own[c][0].tolist() and dst_bucket.tolist() == [8] * 3
+    own[0][0].fill_(99)  # staged values, not the class's tensor, feed a slotted copy
+    st.copy(0, 1)
+    assert dst_len.tolist() == [5] * 3
+    st.copy(0, None)
+    assert dst_len.tolist() == [99] * 3
+    with pytest.raises(ValueError, match="7 launches staged, 6 slots"):
+        st.stage([0] * 7)
+    with pytest.raises(ValueError, match="one dtype"):
+        timing.SlotStaging([[(dst_len, own[0][0].long())], [(dst_len, own[1][0])]], 2)
+    empty = timing.SlotStaging([[], []], 4)  # nothing small to copy: staging is a no-op
+    empty.stage([0, 1])
+    empty.copy(1, 0)
 
 
 def fake_timer(measure):

@@ -813,7 +813,9 @@ class Timer:
         (random vs random2, degenerate data) its Q rows and the K/V pages the step reads (the table's, all
         distinct). So the two classes differ in their secret values only, not in where their buffers sit:
         with a buffer set (and a graph) per class, a null pair of identical inputs measured 0.09 % apart
-        (t 16, H200), the size of what a gate must see. Rows say ``buffers: "shared"`` or ``"shared, data
+        (t 16, H200), the size of what a gate must see. The lengths come from slots of one staging tensor,
+        not from each class's own tensors (`SlotStaging`: with class sources the null pair's second class
+        ran 0.018 % slower under request). Rows say ``buffers: "shared"`` or ``"shared, data
         copied"``; ``"per class"`` remains for inputs that do not share a table (none the harness builds)."""
         from dhp_backend.audit import classes
 
@@ -882,34 +884,17 @@ class Timer:
                 # classes' launches the same L2 contents.
                 c.append(("flush", self._l2_flush_buffer()))
         out = classes.empty_out(base)
-        import os
-        slotted = os.environ.get("DHP_G4_STAGING", "class") == "slot"
-        small = [[c for c in copies[i] if len(c) == 2 and not isinstance(c[0], str)] for i in (0, 1)]
-        slots = None
-        if slotted:
-            dt = small[0][0][1].dtype
-            assert all(src.dtype == dt for i in (0, 1) for _, src in small[i]), "one dtype: a plain memcpy per copy"
-            packed = torch.stack([torch.cat([src.reshape(-1) for _, src in small[i]]) for i in (0, 1)])
-            slots = torch.empty((2 * self.chunk, packed.shape[1]), dtype=dt, device=packed.device)
-
-        def stage(order):
-            idx = torch.tensor(list(order), dtype=torch.long, device=slots.device)
-            torch.index_select(packed, 0, idx, out=slots[:len(idx)])
+        # The lengths (and request's bucket) reach the shared tensors from slots of one staging tensor
+        # (`SlotStaging`), never from each class's own tensors.
+        staging = SlotStaging([[c for c in copies[i] if len(c) == 2] for i in (0, 1)], 2 * self.chunk)
 
         def prep_for(i):
             def prep(slot=None):
-                off = 0
+                staging.copy(i, slot)
                 for c in copies[i]:
                     if isinstance(c[0], str):  # ("flush", buffer)
                         c[1].sum()  # a read of every byte: the L2 then holds this buffer's lines only
-                    elif len(c) == 2:
-                        if slot is None or slots is None:
-                            c[0].copy_(c[1], non_blocking=True)
-                        else:
-                            n = c[0].numel()
-                            c[0].copy_(slots[slot, off:off + n].view(c[0].shape), non_blocking=True)
-                            off += n
-                    else:
+                    elif len(c) == 3:
                         c[0].index_copy_(0, c[1], c[2])
             return prep
 
@@ -935,8 +920,7 @@ class Timer:
         for i in (0, 1):
             fn = (lambda r=run: r())
             fn.prep = prep_for(i)
-            if slotted:
-                fn.stage = stage
+            fn.stage = staging.stage
             fns.append(fn)
         for x, cls, fn in zip(inputs, (spec.a, spec.b), fns):
             out.fill_(float("nan"))  # a launch that writes nothing must not pass as finite
@@ -1077,6 +1061,57 @@ class Timer:
                 torch.cuda.synchronize()
         del inputs
         return out
+
+
+class SlotStaging:
+    """Where each launch's small secrets (true lengths; under request the bucket) are copied from: slot j of
+    one staging tensor, for launch j of a chunk, filled before the chunk (outside the timed events) with the
+    values of the class that launch j runs.
+
+    Why: copied from each class's own tensors, every launch of one class read the same source addresses
+    and every launch of the other class other ones, and that alone timed apart. The null pair long vs
+    long2 (identical inputs) measured the pair's second class slower: +0.018 % (t -12, 10^5 per class)
+    on the prefill chunk under request (two copies per launch: lengths and bucket), +0.010 % and +0.004 %
+    with the classes swapped (5x10^4), and that floor was the whole of request's prefill "failure"
+    (short vs long +0.015 %). With slots: null pairs +0.001 % and -0.002 %, short vs long -0.002 %
+    (H200, 2026-11-26). Now a launch's source address depends on its position in the chunk only.
+
+    ``copies[i]``: class i's ``(destination, source)`` pairs, in the same order and of one dtype for both
+    classes (each copy stays a plain memcpy). ``copy(i, slot)`` with ``slot=None`` copies from class i's
+    own tensors: the one-off launches that check each class's output."""
+
+    def __init__(self, copies: list, n_slots: int) -> None:
+        import torch
+
+        self.copies = copies
+        self.packed = self.slots = None
+        if not copies[0]:
+            return
+        dtype = copies[0][0][1].dtype
+        if any(src.dtype != dtype or dst.dtype != dtype for c in copies for dst, src in c):
+            raise ValueError("SlotStaging: the copies' tensors must share one dtype (a plain memcpy each)")
+        if [dst for dst, _ in copies[0]] != [dst for dst, _ in copies[1]]:
+            raise ValueError("SlotStaging: both classes copy into the same destinations, in one order")
+        self.packed = torch.stack([torch.cat([src.reshape(-1) for _, src in c]) for c in copies])
+        self.slots = torch.empty((n_slots, self.packed.shape[1]), dtype=dtype, device=self.packed.device)
+
+    def stage(self, order) -> None:
+        """Slot j gets the values of class ``order[j]`` (0 or 1)."""
+        if self.slots is None:
+            return
+        import torch
+
+        idx = torch.tensor(list(order), dtype=torch.long, device=self.slots.device)
+        if len(idx) > self.slots.shape[0]:
+            raise ValueError(f"SlotStaging: {len(idx)} launches staged, {self.slots.shape[0]} slots")
+        torch.index_select(self.packed, 0, idx, out=self.slots[:len(idx)])
+
+    def copy(self, i: int, slot: int | None) -> None:
+        off = 0
+        for dst, src in self.copies[i]:
+            n = dst.numel()
+            dst.copy_(src if slot is None else self.slots[slot, off:off + n].view(dst.shape), non_blocking=True)
+            off += n
 
 
 def _prep(fn, slot=None) -> None:
