@@ -554,13 +554,14 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
     """`run` end to end (arguments, plan, merged reports, exit codes) with the GPU measurement faked."""
     import torch
 
-    seen = []
+    seen, floor = [], {"offset": 0.0}
 
     def measure(spec, modes, seed, shared):
         seen.append((spec, shared is not None))
         rng = np.random.default_rng(seed)
         a = rng.normal(100, 1, spec.rounds)
         b = rng.normal(100, 1, spec.rounds) + (20 if spec.role == "control" else 0)
+        b += floor["offset"] if spec.role == "null" else 0.0
         return [timing.analyse_streams(a, b, pair=(spec.a, spec.b), role=spec.role, mode=m, shape=spec.shape)
                 for m in modes]
 
@@ -575,9 +576,14 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
              str(tmp_path)]
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "eager"])) == 1
     out = capsys.readouterr().out
-    assert "G4 timing gate, this run: FAIL" in out and "too few samples" in out and "[8/25 measurements" in out
+    assert "G4 timing gate, this run: FAIL" in out and "too few samples" in out and "/27 measurements" in out
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert len(doc["rows"]) == 25 and doc["summary"]["control_detected"] is True  # 1 + 3 x (2 x 2 + 2 x 2)
+    # 1 control + 2 null pairs (first layout, per policy) + 3 layouts x (2 x 2 gating + 2 x 2 reported)
+    assert len(doc["rows"]) == 27 and doc["summary"]["control_detected"] is True
+    nulls = [r for r in doc["rows"] if r["role"] == "null"]
+    assert {(r["policy"], r["layout"], r["a"], r["b"]) for r in nulls} == {
+        (p, timing.LAYOUTS[0], "long", "long2") for p in ("strict", "request")}
+    assert all(r["n_per_class"] == 2000 and r["passed"] is None for r in nulls)
     assert {r["layout"] for r in doc["rows"]} == set(timing.LAYOUTS) and {r["mode"] for r in doc["rows"]} == {"eager"}
     assert doc["churn"]["25000"]["fingerprint"] == "x" and all(sh for _, sh in seen)
     # --quick: a smoke run exits 0 when everything ran and the control was detected
@@ -589,7 +595,10 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
                                              "--layouts", "churned"])) == 0
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert len(doc["rows"]) == 25 + 9 and {r["mode"] for r in doc["rows"]} == {"eager", "graph"}
+    assert len(doc["rows"]) == 27 + 11 and {r["mode"] for r in doc["rows"]} == {"eager", "graph"}
+    # the eager null rows of the first run had too few samples: the floor is not established, not unclean
+    assert {r["verdict"] for r in doc["rows"] if r["role"] == "null" and r["mode"] == "graph"} == {"no difference seen"}
+    assert doc["summary"]["floor_clean"] is None and "floor not established" in (tmp_path / "g4-latest.md").read_text()
     missing_before = len(doc["summary"]["missing"])
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
                                              "--layouts", "random", "--no-control"])) == 0
@@ -603,10 +612,27 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
                                              str(tmp_path / "g4-latest.json")])) == 0
     assert timing.Timer.idle_after_us == 200.0 and (tmp_path / "g4-latest.json").read_bytes() == before
     diag = json.load(open(tmp_path / f"{timing.DIAGNOSTIC}.json"))
-    assert len(diag["rows"]) == 9 and diag["settings"]["idle_after_us"] == 200.0 and not diag["summary"]["passed"]
+    assert len(diag["rows"]) == 11 and diag["settings"]["idle_after_us"] == 200.0 and not diag["summary"]["passed"]
     assert "diagnostic" in (tmp_path / f"{timing.DIAGNOSTIC}.md").read_text().splitlines()[2]
     with pytest.raises(ValueError, match="--idle-after-us"):
         timing.settings_from_args(ap.parse_args(["--idle-after-us", "-5"]))
+    # a null pair that differs (identical inputs timed apart: the harness's own floor) fails the run and the gate
+    floor["offset"] = 1.0
+    assert timing.run(ap.parse_args(small + ["--steps", "prefill", "--lengths", "4096", "--modes", "graph",
+                                             "--layouts", "random", "--policies", "strict", "--pairs", "short:long",
+                                             "--no-control", "--report-dir", str(tmp_path / "floor")])) == 1
+    doc = json.load(open(tmp_path / "floor" / "g4-latest.json"))
+    (null,) = [r for r in doc["rows"] if r["role"] == "null"]
+    assert null["verdict"] == "FLOOR DIFFERS" and doc["summary"]["floor_clean"] is False
+    floor["offset"] = 0.0
+    assert timing.run(ap.parse_args(small + ["--steps", "prefill", "--lengths", "4096", "--modes", "graph",
+                                             "--layouts", "random", "--policies", "strict", "--pairs", "short:long",
+                                             "--no-control", "--report-dir", str(tmp_path / "clean")])) == 0
+    clean = json.load(open(tmp_path / "clean" / "g4-latest.json"))
+    assert clean["summary"]["floor_clean"] is True
+    assert "null-pair floor clean" in (tmp_path / "clean" / "g4-latest.md").read_text()
+    assert any("floor is not clean" in m for m in doc["summary"]["messages"]) and not doc["summary"]["passed"]
+    assert "null-pair floor **not clean**" in (tmp_path / "floor" / "g4-latest.md").read_text()
 
 
 def test_resume_measures_only_the_cells_the_report_lacks(tmp_path, monkeypatch, capsys):
@@ -630,7 +656,7 @@ def test_resume_measures_only_the_cells_the_report_lacks(tmp_path, monkeypatch, 
     ap = argparse.ArgumentParser()
     timing.add_arguments(ap)
     base = ["--samples", "1000", "--report-dir", str(tmp_path), "--steps", "decode", "--lengths", "4096",
-            "--policies", "strict", "--pairs", "short:long", "--no-control", "--modes", "graph"]
+            "--policies", "strict", "--pairs", "short:long", "--no-control", "--no-null", "--modes", "graph"]
     timing.run(ap.parse_args(base + ["--layouts", "churned"]))
     assert seen == [("churned", "gating", ("graph",))]
     seen.clear()
@@ -680,7 +706,7 @@ def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         timing.run(ap.parse_args(args))
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert {r["bucket"] for r in doc["rows"]} == {4096} and len(doc["rows"]) == 2 * 5  # 1 control, 2 + 2 pairs
+    assert {r["bucket"] for r in doc["rows"]} == {4096} and len(doc["rows"]) == 2 * 6  # control, null, 2 + 2 pairs
     # a budget that nothing fits: nothing starts, the run says so and fails (no gating row measured)
     calls.clear()
     assert timing.run(ap.parse_args(args + ["--time-budget", "0.001", "--report-dir", ""])) == 1

@@ -24,6 +24,11 @@ up to L and a short and a long request read the very same pages. The grid:
   layout of ``--layouts``), in every mode: true lengths are public there, so the harness
   must see the difference (|t| > 4.5), else "the harness cannot detect a leak" and the
   gate fails;
+- the **null pair** (``--null``, default on): ``long vs long2``, identical inputs in both
+  classes, per step kind, bucket, policy and mode (on the first layout), at the gating
+  pairs' sample count: the harness's floor, which must show no difference (verdict
+  "no difference seen", else "FLOOR DIFFERS" and the gate fails). It caught the harness
+  once: class-specific copy sources made a pair's second class 0.018 % slower (`SlotStaging`);
 - attention features (issue 31): ``--features window=W,softcap=C,sinks`` (`audit.features`;
   any subset) measures every shape of the run as a layer with those features (public model
   configuration). Such layers run the Triton kernels (`plan.step_kernel`: the csrc kernels
@@ -135,8 +140,8 @@ RESULT_KEYS = ROW_KEYS + ("features", "a", "b", "role", "shape", "path", "n", "m
                           "cropped_t_max", "cropped_quantile", "paired", "verdict", "passed", "detected", "chunks",
                           "starved_chunks", "trace", "plots", "error")
 REPORT_KEYS = ("gate", "date", "device", "commit", "source", "versions", "settings", "churn", "summary", "rows")
-SUMMARY_KEYS = ("passed", "complete", "missing", "control_detected", "gating_passed", "failures", "messages",
-                "seconds", "rows")
+SUMMARY_KEYS = ("passed", "complete", "missing", "control_detected", "floor_clean", "gating_passed", "failures",
+                "messages", "seconds", "rows")
 
 
 # ---------------------------------------------------------------- command line
@@ -169,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="all (gating + reported, default) | gating | reported | A:B,C:D (classes.CLASSES)")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the control (policy off, short vs long) per step kind and bucket")
+    parser.add_argument("--null", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the null pair (long vs long2, identical inputs: the harness's floor) per step "
+                             "kind, bucket and policy")
     parser.add_argument("--decode-batch", type=int, default=16, help="requests of a decode step (default 16)")
     parser.add_argument("--prefill", default="4,64",
                         help='"B,q": requests of a prefill-chunk step and query tokens each (default 4,64)')
@@ -243,6 +251,7 @@ class Settings:
     time_budget: float = 0.0
     features: feats.Features = feats.Features()  # every shape's (--features); none: plain attention
     idle_after_us: float = 0.0  # diagnostic (--idle-after-us): GPU idle after each timed launch
+    null: bool = True  # the null pair per step kind, bucket and policy (--null)
 
     @property
     def diagnostic(self) -> str:
@@ -308,7 +317,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         policies=tuple(_csv(axis("policies", POLICIES), POLICIES, "policies")),
         layouts=tuple(_csv(axis("layouts", LAYOUTS), LAYOUTS, "layouts")),
         modes=tuple(_csv(axis("modes", MODES), MODES, "modes")), pairs=tuple(parse_pairs(args.pairs)),
-        control=bool(args.control), decode_batch=int(args.decode_batch), prefill=(pb, pq),
+        control=bool(args.control), null=bool(getattr(args, "null", True)), decode_batch=int(args.decode_batch), prefill=(pb, pq),
         num_blocks=int(args.num_blocks or 0), samples=count("samples", DEFAULT_SAMPLES, QUICK["samples"]),
         reported_samples=count("reported_samples", DEFAULT_SIDE_SAMPLES, QUICK["reported_samples"]),
         control_samples=count("control_samples", DEFAULT_SIDE_SAMPLES, QUICK["control_samples"]),
@@ -346,7 +355,7 @@ class PairSpec:
     shape: object  # classes.Shape (its policy, layout and cache size included)
     a: str
     b: str
-    role: str  # "control" | "gating" | "reported"
+    role: str  # "control" | "null" | "gating" | "reported"
     rounds: int
 
     @property
@@ -365,8 +374,10 @@ class Group:
 
 
 def plan(st: Settings) -> list[Group]:
-    """Per step kind and bucket, per layout: the control (first layout only), then the gating pairs of
-    every policy, then the reported ones."""
+    """Per step kind and bucket, per layout: the control (first layout only), then per policy the null
+    pair (first layout only) and the gating pairs, then the reported ones."""
+    from dhp_backend.audit import classes
+
     groups = []
     for step in st.steps:
         for L in st.lengths:
@@ -378,6 +389,8 @@ def plan(st: Settings) -> list[Group]:
                 for role in ("gating", "reported"):  # gating first: a time budget cuts reported pairs first
                     for policy in st.policies:
                         shape = step_shape(st, step, L, policy, layout)
+                        if role == "gating" and st.null and li == 0:
+                            specs += [PairSpec(shape, a, b, "null", st.samples) for a, b in classes.NULL_PAIRS]
                         specs += [PairSpec(shape, a, b, r, st.samples if r == "gating" else st.reported_samples)
                                   for a, b, r in st.pairs if r == role]
                 groups.append(Group(step, L, layout, specs))
@@ -655,6 +668,8 @@ class PairStats:
             verdict = "leak detected" if detected else "NOT DETECTED"
         elif role == "reported":  # not gating: say what was seen, not pass/fail
             verdict = "differs" if verdict == "FAIL" else "no difference seen"
+        elif role == "null":  # identical inputs: any difference is the harness's
+            verdict = {"FAIL": "FLOOR DIFFERS", "pass": "no difference seen"}.get(verdict, verdict)
         return {**spec_like, "n": list(self.welch.n), "n_per_class": int(min(self.welch.n)), "mean_us": [ma, mb],
                 "std_us": [math.sqrt(v) if v == v else math.nan for v in self.welch.variances],
                 "median_us": [float(np.median(a)) if a.size else math.nan, float(np.median(b)) if b.size else math.nan],
@@ -1144,8 +1159,16 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
     fill no cell of the full grid: that grid is plain attention's."""
     gating = [r for r in rows if r["role"] == "gating"]
     controls = [r for r in rows if r["role"] == "control"]
+    nulls = [r for r in rows if r["role"] == "null"]
     gating_passed = bool(gating) and all(r["passed"] for r in gating)
     control_detected = all(r["detected"] for r in controls) if controls else None
+    # clean: every null row saw no difference; not clean: one differs (or errored); None: none measured,
+    # or some with too few samples to say
+    floor_clean = (False if any(r["verdict"] != "no difference seen" and r["verdict"] != "too few samples"
+                                for r in nulls)
+                   else True if nulls and all(r["verdict"] == "no difference seen" for r in nulls) else None)
+    null_have = {(r["step"], r["bucket"], r["policy"], r["mode"]) for r in nulls if not r.get("features")}
+    missing_null = sorted({c[:3] + (c[4],) for c in full_grid()} - null_have)
     have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating
             if not r.get("features")}
     missing = [c for c in full_grid() if c not in have]
@@ -1157,6 +1180,11 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
                         f"{'; ' + r['error'] if r['error'] else ''})" for r in controls if not r["detected"])
         messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) was not "
                         f"detected in {bad}")
+    if floor_clean is False:
+        bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['mode']} ({_f(r['diff_pct'], '+.3f')} %, "
+                        f"t = {_f(r['t'])})" for r in nulls if r["verdict"] not in ("no difference seen", "too few samples"))
+        messages.append(f"the harness's floor is not clean: the null pair (identical inputs) differs in {bad}; "
+                        "no gating row of such a cell can be trusted")
     if quick:
         messages.append("quick run: too few samples for a gate verdict (a smoke test of the harness)")
     elif diagnostic:
@@ -1169,13 +1197,15 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
             f"{_f(r['diff_pct'], '+.3f')} %" for r in rows if r["role"] == "reported" and r["verdict"] == "differs"]
     if side:
         messages.append("reported (not gating) pairs that differ: " + "; ".join(side))
-    complete = not missing and not missing_ctl
+    complete = not missing and not missing_ctl and not missing_null
     return {"gate": "G4 timing", "passed": (complete and gating_passed and control_detected is True
-                                            and not (quick or diagnostic)),
-            "run_passed": gating_passed and control_detected is not False,
+                                            and floor_clean is True and not (quick or diagnostic)),
+            "run_passed": gating_passed and control_detected is not False and floor_clean is not False,
             "complete": complete, "missing": [" ".join(map(str, c[:5])) + f" {c[5]} vs {c[6]}" for c in missing]
-            + [f"control {s} {L} {m}" for s, L, m in missing_ctl],
-            "control_detected": control_detected, "gating_passed": gating_passed, "failures": failures,
+            + [f"control {s} {L} {m}" for s, L, m in missing_ctl]
+            + [f"null {s} {L} {p} {m}" for s, L, p, m in missing_null],
+            "control_detected": control_detected, "floor_clean": floor_clean, "gating_passed": gating_passed,
+            "failures": failures,
             "errors": [f"{r['pair']} [{r['shape']} {r['mode']}]: {r['error']}" for r in rows if r["error"]],
             "messages": messages, "seconds": round(seconds, 1), "rows": len(rows)}
 
@@ -1363,7 +1393,7 @@ def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: 
     if log:
         log(f"G4 report: {how}")
     merged.sort(key=lambda r: (STEPS.index(r["step"]) if r["step"] in STEPS else 9, r["bucket"],
-                               {"control": 0, "gating": 1, "reported": 2}.get(r["role"], 3), r["policy"],
+                               {"control": 0, "null": 1, "gating": 2, "reported": 3}.get(r["role"], 4), r["policy"],
                                LAYOUTS.index(r["layout"]) if r["layout"] in LAYOUTS else 9, r["pair"], r["mode"]))
     s = summarize(merged, float(meta.get("seconds") or 0.0),
                   diagnostic=idle_diagnostic(float((meta.get("settings") or {}).get("idle_after_us") or 0.0)))
@@ -1379,16 +1409,17 @@ def write_reports(report_dir: str, rows: list[dict], meta: dict, *, merge_from: 
 
 def _markdown(doc: dict) -> list[str]:
     s, v, st = doc["summary"], doc["versions"], doc["settings"]
-    verdict = "PASS" if s["passed"] else ("FAIL" if s["failures"] or s["control_detected"] is False else
-                                          "not complete")
+    verdict = "PASS" if s["passed"] else ("FAIL" if s["failures"] or s["control_detected"] is False
+                                          or s.get("floor_clean") is False else "not complete")
     if st.get("idle_after_us"):
         verdict = f"diagnostic ({idle_diagnostic(st['idle_after_us'])})"
     control = {True: "detects its leak", False: "**does not detect its leak**", None: "not measured"}
     grid = "the full grid is measured" if s["complete"] else f"{len(s['missing'])} cells of the full grid missing"
     gating = "all pass" if s["gating_passed"] else "**not all pass**"
+    floor = {True: "clean", False: "**not clean**", None: "not established"}[s.get("floor_clean")]
     md = [f"# G4 timing gate — {doc['date']}, {doc['device']}, commit {doc['commit']}", "",
           f"Result: **{verdict}** — {s['rows']} rows; gating rows {gating}; control "
-          f"{control[s['control_detected']]}; {grid} ({s.get('merge', '')}).", "",
+          f"{control[s['control_detected']]}; null-pair floor {floor}; {grid} ({s.get('merge', '')}).", "",
           f"dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')} (CUDA {v.get('cuda')}), Triton "
           f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, Python {v.get('python')}. Produced by "
           "`dhp-backend audit timing` (`dhp_backend/audit/timing.py`); `g4-latest.json` next to this file has every "
@@ -1421,9 +1452,11 @@ def _markdown(doc: dict) -> list[str]:
                "no cell of the full grid, which is plain attention's.", ""]
     for m in s["messages"]:
         md += [f"**Note:** {m}", ""]
-    titles = {"control": "Control (must detect: policy off, true lengths public)", "gating": "Gating pairs",
+    titles = {"control": "Control (must detect: policy off, true lengths public)",
+              "null": "Null pair (identical inputs in both classes: the harness's floor, must show no difference)",
+              "gating": "Gating pairs",
               "reported": "Reported pairs (degenerate data; not gating)"}
-    for role in ("control", "gating", "reported"):
+    for role in ("control", "null", "gating", "reported"):
         rs = [r for r in doc["rows"] if r["role"] == role]
         if not rs:
             continue
