@@ -524,6 +524,10 @@ def test_slot_staging_copies_each_class_values_from_the_launch_slot():
         st.stage([0] * 7)
     with pytest.raises(ValueError, match="one dtype"):
         timing.SlotStaging([[(dst_len, own[0][0].long())], [(dst_len, own[1][0])]], 2)
+    # a pair with its own data: the L2 flush and the page copies stay out of the staging
+    flush, pages = ("flush", torch.zeros(8)), (torch.zeros(4), torch.arange(2), torch.ones(2))
+    mixed = timing.SlotStaging.of([[(dst_len, own[0][0]), pages, flush], [(dst_len, own[1][0]), pages, flush]], 4)
+    assert [len(c) for c in mixed.copies] == [1, 1] and tuple(mixed.packed.shape) == (2, 3)
     empty = timing.SlotStaging([[], []], 4)  # nothing small to copy: staging is a no-op
     empty.stage([0, 1])
     empty.copy(1, 0)

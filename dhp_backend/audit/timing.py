@@ -317,7 +317,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         policies=tuple(_csv(axis("policies", POLICIES), POLICIES, "policies")),
         layouts=tuple(_csv(axis("layouts", LAYOUTS), LAYOUTS, "layouts")),
         modes=tuple(_csv(axis("modes", MODES), MODES, "modes")), pairs=tuple(parse_pairs(args.pairs)),
-        control=bool(args.control), null=bool(getattr(args, "null", True)), decode_batch=int(args.decode_batch), prefill=(pb, pq),
+        control=bool(args.control), null=bool(getattr(args, "null", True)), decode_batch=int(args.decode_batch),
+        prefill=(pb, pq),
         num_blocks=int(args.num_blocks or 0), samples=count("samples", DEFAULT_SAMPLES, QUICK["samples"]),
         reported_samples=count("reported_samples", DEFAULT_SIDE_SAMPLES, QUICK["reported_samples"]),
         control_samples=count("control_samples", DEFAULT_SIDE_SAMPLES, QUICK["control_samples"]),
@@ -901,7 +902,7 @@ class Timer:
         out = classes.empty_out(base)
         # The lengths (and request's bucket) reach the shared tensors from slots of one staging tensor
         # (`SlotStaging`), never from each class's own tensors.
-        staging = SlotStaging([[c for c in copies[i] if len(c) == 2] for i in (0, 1)], 2 * self.chunk)
+        staging = SlotStaging.of(copies, 2 * self.chunk)
 
         def prep_for(i):
             def prep(slot=None):
@@ -1095,6 +1096,15 @@ class SlotStaging:
     classes (each copy stays a plain memcpy). ``copy(i, slot)`` with ``slot=None`` copies from class i's
     own tensors: the one-off launches that check each class's output."""
 
+    @classmethod
+    def of(cls, copies: list, n_slots: int) -> "SlotStaging":
+        """The staging of a pair's per-class copy lists: their ``(destination, source)`` tensor pairs; the
+        ``("flush", buffer)`` entries and the page copies ``(destination, index, source)`` keep their own."""
+        import torch
+
+        return cls([[c for c in copies[i] if len(c) == 2 and isinstance(c[0], torch.Tensor)] for i in (0, 1)],
+                   n_slots)
+
     def __init__(self, copies: list, n_slots: int) -> None:
         import torch
 
@@ -1181,8 +1191,9 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
         messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) was not "
                         f"detected in {bad}")
     if floor_clean is False:
-        bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['mode']} ({_f(r['diff_pct'], '+.3f')} %, "
-                        f"t = {_f(r['t'])})" for r in nulls if r["verdict"] not in ("no difference seen", "too few samples"))
+        unclean = [r for r in nulls if r["verdict"] not in ("no difference seen", "too few samples")]
+        bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['mode']} "
+                        f"({_f(r['diff_pct'], '+.3f')} %, t = {_f(r['t'])})" for r in unclean)
         messages.append(f"the harness's floor is not clean: the null pair (identical inputs) differs in {bad}; "
                         "no gating row of such a cell can be trusted")
     if quick:
