@@ -1174,9 +1174,9 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
     control_detected = all(r["detected"] for r in controls) if controls else None
     # clean: every null row saw no difference; not clean: one differs (or errored); None: none measured,
     # or some with too few samples to say
-    floor_clean = (False if any(r["verdict"] != "no difference seen" and r["verdict"] != "too few samples"
-                                for r in nulls)
-                   else True if nulls and all(r["verdict"] == "no difference seen" for r in nulls) else None)
+    unclean = [r for r in nulls if r["verdict"] not in ("no difference seen", "too few samples")]
+    clean = bool(nulls) and all(r["verdict"] == "no difference seen" for r in nulls)
+    floor_clean = False if unclean else (True if clean else None)
     null_have = {(r["step"], r["bucket"], r["policy"], r["mode"]) for r in nulls if not r.get("features")}
     missing_null = sorted({c[:3] + (c[4],) for c in full_grid()} - null_have)
     have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating
@@ -1191,7 +1191,6 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
         messages.append(f"the harness cannot detect a leak: the control (policy off, short vs long) was not "
                         f"detected in {bad}")
     if floor_clean is False:
-        unclean = [r for r in nulls if r["verdict"] not in ("no difference seen", "too few samples")]
         bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['policy']} {r['mode']} "
                         f"({_f(r['diff_pct'], '+.3f')} %, t = {_f(r['t'])})" for r in unclean)
         messages.append(f"the harness's floor is not clean: the null pair (identical inputs) differs in {bad}; "
