@@ -244,7 +244,8 @@ def test_report_json_has_documented_keys(tmp_path, monkeypatch):
     assert err["verdict"] == "error" and err["policy"] == "request" and err["lengths"] == [3072, 3072]
     s = doc["summary"]
     assert s["passed"] is False and s["complete"] is False and s["control_detected"] is True
-    assert len(s["missing"]) > 100  # one decode/4096/strict/churned gating row of the full grid is there
+    # the grid: 36 length cells + 8 data cells + 6 controls + 12 null cells; one gating row is there
+    assert len(s["missing"]) == 36 + 8 + 6 + 12 - 1
     plotted = [r for r in doc["rows"] if r["plots"]]
     assert len(plotted) == 3
     for r in plotted:
@@ -303,9 +304,23 @@ def test_run_without_gpu_returns_2_and_estimate_runs_anywhere(capsys, monkeypatc
         assert "audit timing: --" in capsys.readouterr().err
     assert timing.run(ap.parse_args(["--estimate"])) == 0
     out = capsys.readouterr().out
-    assert "12 cache group(s)" in out and "estimated wall time on an H100" in out
+    assert "9 cache group(s)" in out and "estimated wall time on an H100" in out
     assert timing.run(ap.parse_args(["--estimate", "--preset", "subset"])) == 0
     assert "decode L4096 churned, 25000 blocks" in capsys.readouterr().out
+
+
+def test_full_grid_is_the_issue_s_cells():
+    grid = timing.full_grid()
+    lengths = [c for c in grid if (c[5], c[6]) == ("short", "long")]
+    data = [c for c in grid if (c[5], c[6]) == ("random", "random2")]
+    # short vs long: decode at 4096 and 32768, prefill at 4096; 2 policies x 3 layouts x 2 modes each
+    assert len(lengths) == 3 * 2 * 3 * 2 and {(c[0], c[1]) for c in lengths} == {
+        ("decode", 4096), ("decode", 32768), ("prefill", 4096)}
+    assert {c[3] for c in lengths} == set(timing.LAYOUTS)
+    # random vs random2: each step kind's smallest bucket, per policy and mode, on any one layout
+    assert len(data) == 2 * 2 * 2 and {(c[0], c[1], c[3]) for c in data} == {("decode", 4096, None),
+                                                                          ("prefill", 4096, None)}
+    assert "dhp_backend/vllm" not in timing.MEASURED_CODE and "csrc" in timing.MEASURED_CODE
 
 
 def _settings(*argv):
@@ -320,27 +335,35 @@ def test_plan_covers_the_grid_with_shared_caches():
     assert [(g.step, g.bucket, g.layout) for g in groups][:3] == [("decode", 4096, "consecutive"),
                                                                   ("decode", 4096, "random"),
                                                                   ("decode", 4096, "churned")]
-    assert len(groups) == 2 * 2 * 3
+    # decode at L 4096 and 32768, prefill at L 4096 (the gate's buckets), three layouts each
+    assert [(g.step, g.bucket) for g in groups][::3] == [("decode", 4096), ("decode", 32768), ("prefill", 4096)]
+    assert len(groups) == 3 * 3
     for g in groups:
         roles = [s.role for s in g.specs]
         first_layout = g.layout == st.layouts[0]
+        # the data pairs: on the first layout of the step kind's smallest bucket only (`timing.full_grid`)
+        data_cell = first_layout and g.bucket == 4096
         assert roles.count("control") == (1 if first_layout else 0)
         if first_layout:
             ctl = g.specs[0]
             assert ctl.shape.policy == "off" and (ctl.a, ctl.b) == ("short", "long") and ctl.rounds == 20_000
         gating = [s for s in g.specs if s.role == "gating"]
+        pairs = (("short", "long"), ("random", "random2")) if data_cell else (("short", "long"),)
         assert {(s.shape.policy, s.a, s.b) for s in gating} == {(p, a, b) for p in ("strict", "request")
-                                                              for a, b in (("short", "long"), ("random", "random2"))}
+                                                              for a, b in pairs}
         assert all(s.rounds == 100_000 for s in gating)
-        assert {(s.a, s.b) for s in g.specs if s.role == "reported"} == {("random", "zeros"), ("random", "constant")}
+        assert {(s.a, s.b) for s in g.specs if s.role == "reported"} == (
+            {("random", "zeros"), ("random", "constant")} if data_cell else set())
         for s in g.specs:  # one cache per group: every shape of it has the same table and cache size
             assert (s.shape.layout, s.shape.bucket, s.shape.step) == (g.layout, g.bucket, g.step)
             assert s.shape.blocks == g.specs[0].shape.blocks
     shapes = {(g.step, g.bucket): g.specs[0].shape for g in groups}
     assert (shapes["decode", 4096].batch, shapes["decode", 4096].q_len, shapes["decode", 4096].blocks) == (16, 1, 25000)
     assert shapes["decode", 32768].blocks == 17 * 2048  # (B + 1) * L / block_size > 25,000
-    assert (shapes["prefill", 32768].batch, shapes["prefill", 32768].q_len) == (4, 64)
-    assert shapes["prefill", 32768].blocks == 25000
+    assert (shapes["prefill", 4096].batch, shapes["prefill", 4096].q_len) == (4, 64)
+    assert ("prefill", 32768) not in shapes
+    big = {(g.step, g.bucket): g.specs[0].shape for g in timing.plan(_settings("--lengths", "4096,32768"))}
+    assert (big["prefill", 32768].batch, big["prefill", 32768].q_len, big["prefill", 32768].blocks) == (4, 64, 25000)
     # a piece of the grid, and the preset one device call runs
     sub = _settings("--preset", "subset")
     assert (sub.steps, sub.lengths, sub.policies, sub.layouts, sub.modes) == (
@@ -580,10 +603,13 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
              str(tmp_path)]
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "eager"])) == 1
     out = capsys.readouterr().out
-    assert "G4 timing gate, this run: FAIL" in out and "too few samples" in out and "/27 measurements" in out
+    assert "G4 timing gate, this run: FAIL" in out and "too few samples" in out and "/15 measurements" in out
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    # 1 control + 2 null pairs (first layout, per policy) + 3 layouts x (2 x 2 gating + 2 x 2 reported)
-    assert len(doc["rows"]) == 27 and doc["summary"]["control_detected"] is True
+    # 1 control + 2 null pairs (first layout, per policy) + 3 layouts x 2 short vs long + the data pairs on
+    # the first layout: 2 random vs random2 + 2 x 2 reported
+    assert len(doc["rows"]) == 15 and doc["summary"]["control_detected"] is True
+    data = [r for r in doc["rows"] if r["a"] == "random"]
+    assert len(data) == 6 and {r["layout"] for r in data} == {timing.LAYOUTS[0]}
     nulls = [r for r in doc["rows"] if r["role"] == "null"]
     assert {(r["policy"], r["layout"], r["a"], r["b"]) for r in nulls} == {
         (p, timing.LAYOUTS[0], "long", "long2") for p in ("strict", "request")}
@@ -599,7 +625,7 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
                                              "--layouts", "churned"])) == 0
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert len(doc["rows"]) == 27 + 11 and {r["mode"] for r in doc["rows"]} == {"eager", "graph"}
+    assert len(doc["rows"]) == 15 + 11 and {r["mode"] for r in doc["rows"]} == {"eager", "graph"}
     # the eager null rows of the first run had too few samples: the floor is not established, not unclean
     assert {r["verdict"] for r in doc["rows"] if r["role"] == "null" and r["mode"] == "graph"} == {"no difference seen"}
     assert doc["summary"]["floor_clean"] is None and "floor not established" in (tmp_path / "g4-latest.md").read_text()
@@ -607,7 +633,8 @@ def test_run_glue_with_a_fake_timer(tmp_path, monkeypatch, capsys):
     assert timing.run(ap.parse_args(small + ["--steps", "decode", "--lengths", "4096", "--modes", "graph",
                                              "--layouts", "random", "--no-control"])) == 0
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert len(doc["summary"]["missing"]) == missing_before - 4 and not doc["summary"]["passed"]
+    # its short vs long cells (random layout); its data pairs' cells were filled on the churned layout
+    assert len(doc["summary"]["missing"]) == missing_before - 2 and not doc["summary"]["passed"]
     # --idle-after-us: a diagnostic of the card's power management; the timer idles the GPU, the rows go to a
     # report of their own (the gate's report is untouched, even when asked to merge) and give no verdict
     before = (tmp_path / "g4-latest.json").read_bytes()

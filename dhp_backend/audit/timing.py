@@ -78,7 +78,7 @@ spends its time only on the cells still missing.
 
 Output: ``<report-dir>/g4-latest.json`` and ``g4-latest.md``. JSON: top level ``gate,
 date, device, commit, source, versions, settings, churn, summary, rows`` (``source``: a digest
-of ``dhp_backend/`` and ``csrc/``, `source_hash`: pieces merge when it and the device agree); ``summary``:
+of the measured code, `MEASURED_CODE`, `source_hash`: pieces merge when it and the device agree); ``summary``:
 ``passed`` (every cell of the full grid measured, every gating row passes, every
 control detected), ``complete, missing, gating_passed, control_detected, failures,
 messages, seconds, rows``; each row: ``pair, layout, num_blocks, mode, step, policy,
@@ -120,6 +120,9 @@ DEFAULT_SIDE_SAMPLES = 20_000
 QUICK = {"samples": 2_000, "reported_samples": 500, "control_samples": 1_000, "warmup": 10}
 STEPS = ("decode", "prefill")
 LENGTHS = (4096, 32768)
+# The gate's buckets per step kind (issue 28: decode B16 at L 4096 and 32768, one prefill-chunk step).
+# ``--lengths`` names the buckets of every step kind of a run instead; rows at other buckets gate too.
+GRID_LENGTHS = {"decode": (4096, 32768), "prefill": (4096,)}
 POLICIES = ("strict", "request")  # the constant-time policies; the control runs "off"
 LAYOUTS = ("consecutive", "random", "churned")
 MODES = ("eager", "graph")
@@ -163,7 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "explicitly override the preset's")
     parser.add_argument("--steps", default=None, help=f"step kinds, comma-separated (default {','.join(STEPS)})")
     parser.add_argument("--lengths", default=None,
-                        help=f"buckets L, comma-separated (default {','.join(map(str, LENGTHS))})")
+                        help="buckets L of every step kind, comma-separated (default: the gate's, "
+                             + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in GRID_LENGTHS.items()) + ")")
     parser.add_argument("--policies", default=None,
                         help=f"constant-time policies of the pairs (default {','.join(POLICIES)}; the control "
                              "always runs off)")
@@ -210,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f'write {LATEST}.json/.md here ("" = no files)')
     parser.add_argument("--merge", default=None,
                         help=f"merge this run's rows into the rows of this report (default: <report-dir>/{LATEST}"
-                             ".json when it exists); rows of other code (dhp_backend/ and csrc/ differ) or another "
+                             ".json when it exists); rows of other code (timing.MEASURED_CODE differs) or another "
                              "device are dropped; '' = no merge")
     parser.add_argument("--resume", action="store_true",
                         help="skip every measurement that the report this run merges into (--merge) already holds "
@@ -253,6 +257,10 @@ class Settings:
     idle_after_us: float = 0.0  # diagnostic (--idle-after-us): GPU idle after each timed launch
     null: bool = True  # the null pair per step kind, bucket and policy (--null)
 
+    def lengths_of(self, step: str) -> tuple:
+        """The buckets of ``step`` this run measures: ``--lengths`` when given, else the gate's."""
+        return self.lengths or GRID_LENGTHS[step]
+
     @property
     def diagnostic(self) -> str:
         """Why this run gives no gate verdict ("" when it does)."""
@@ -294,8 +302,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         v = getattr(args, name, None)
         return v if v is not None else preset.get(name, ",".join(map(str, default)))
 
-    lengths = []
-    for x in _csv(axis("lengths", LENGTHS), None, "lengths"):
+    lengths = []  # none given: each step kind's buckets of the gate (`GRID_LENGTHS`, `Settings.lengths_of`)
+    given = axis("lengths", ())
+    for x in (_csv(given, None, "lengths") if given else ()):
         if not x.isdigit() or int(x) <= 0:
             raise ValueError(f"--lengths: {x!r} is not a positive integer")
         lengths.append(int(x))
@@ -334,7 +343,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--time-budget: must be >= 0, got {st.time_budget}")
     if min(st.decode_batch, pb, pq) <= 0 or pq == 1:
         raise ValueError("--decode-batch and --prefill B,q: positive, and a prefill chunk has q > 1")
-    for shape in (step_shape(st, k, L, "strict", "random") for k in st.steps for L in st.lengths):
+    for shape in (step_shape(st, k, L, "strict", "random") for k in st.steps for L in st.lengths_of(k)):
         if st.num_blocks and st.num_blocks < shape.batch * shape.width + 1:
             raise ValueError(f"--num-blocks {st.num_blocks}: {shape.step} at L={shape.bucket} reserves "
                              f"{shape.batch * shape.width} pages (+ block 0, the null block)")
@@ -376,12 +385,14 @@ class Group:
 
 def plan(st: Settings) -> list[Group]:
     """Per step kind and bucket, per layout: the control (first layout only), then per policy the null
-    pair (first layout only) and the gating pairs, then the reported ones."""
+    pair (first layout only) and the gating pairs, then the reported ones. Pairs of classes with different
+    data (`data_pair`) run on the first layout of the step kind's smallest bucket only (`full_grid`)."""
     from dhp_backend.audit import classes
 
     groups = []
     for step in st.steps:
-        for L in st.lengths:
+        lengths = st.lengths_of(step)
+        for L in lengths:
             for li, layout in enumerate(st.layouts):
                 specs = []
                 if st.control and li == 0:
@@ -393,7 +404,8 @@ def plan(st: Settings) -> list[Group]:
                         if role == "gating" and st.null and li == 0:
                             specs += [PairSpec(shape, a, b, "null", st.samples) for a, b in classes.NULL_PAIRS]
                         specs += [PairSpec(shape, a, b, r, st.samples if r == "gating" else st.reported_samples)
-                                  for a, b, r in st.pairs if r == role]
+                                  for a, b, r in st.pairs if r == role
+                                  and (not data_pair(a, b) or (li == 0 and L == min(lengths)))]
                 groups.append(Group(step, L, layout, specs))
     return groups
 
@@ -445,7 +457,7 @@ def describe_plan(st: Settings, out=print) -> None:
     n = sum(len(g.specs) for g in groups) * len(st.modes)
     est = estimate_s(st)
     out(f"G4 plan: {len(groups)} cache group(s), {n} measurements (pairs x modes); steps {','.join(st.steps)}, "
-        f"buckets {','.join(map(str, st.lengths))}, policies {','.join(st.policies)}, layouts "
+        f"buckets {'; '.join(f'{k} ' + ','.join(map(str, st.lengths_of(k))) for k in st.steps)}, policies {','.join(st.policies)}, layouts "
         f"{','.join(st.layouts)}, modes {','.join(st.modes)}; features "
         f"{st.features.label or 'none (plain attention)'}; {st.samples} rounds per gating pair, "
         f"{st.reported_samples} per reported pair, {st.control_samples} for the control"
@@ -528,6 +540,7 @@ def run(args: argparse.Namespace) -> int:
 def settings_dict(st: Settings) -> dict:
     d = dataclasses.asdict(st)
     d["pairs"] = [f"{a}:{b}" for a, b, _ in st.pairs]
+    d["lengths"] = {k: list(st.lengths_of(k)) for k in st.steps}
     d["features"] = st.features.label
     return d
 
@@ -1154,12 +1167,29 @@ def _stage(fns, order) -> None:
 
 # ---------------------------------------------------------------- verdicts and reports
 
-def full_grid() -> list[tuple]:
-    """The cells the gate needs (step, bucket, policy, layout, mode, a, b): every gating pair everywhere."""
+def data_pair(a: str, b: str) -> bool:
+    """Whether classes ``a`` and ``b`` differ in their data (random vs random2, degenerate data), not only
+    in their true lengths."""
     from dhp_backend.audit import classes
 
-    return [(step, L, pol, lay, mode, a, b) for step in STEPS for L in LENGTHS for pol in POLICIES
-            for lay in LAYOUTS for mode in MODES for a, b in classes.GATING_PAIRS]
+    return classes.data_key(a) != classes.data_key(b)
+
+
+def full_grid() -> list[tuple]:
+    """The cells the gate needs (step, bucket, policy, layout, mode, a, b).
+
+    Length pairs (short vs long): every step kind at each of its buckets (`GRID_LENGTHS`), policy, page
+    layout and mode. Data pairs (random vs random2): every step kind at its smallest bucket, per policy and
+    mode, on any one layout (layout None): both classes read the very same addresses (one table, their
+    lengths equal), so what they test is the values' effect on the arithmetic, which neither the layout
+    nor the bucket changes; on the first layout of the smallest bucket each one costs a 0.27 GB page copy
+    per decode launch, where at L 32768 it would cost 2 GB."""
+    from dhp_backend.audit import classes
+
+    return [(step, L if not data_pair(a, b) else min(GRID_LENGTHS[step]), pol, lay, mode, a, b)
+            for step in STEPS for L in GRID_LENGTHS[step] for pol in POLICIES for mode in MODES
+            for a, b in classes.GATING_PAIRS
+            for lay in (LAYOUTS if not data_pair(a, b) else (None,)) if not data_pair(a, b) or L == min(GRID_LENGTHS[step])]
 
 
 def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnostic: str = "") -> dict:
@@ -1181,9 +1211,10 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
     missing_null = sorted({c[:3] + (c[4],) for c in full_grid()} - null_have)
     have = {(r["step"], r["bucket"], r["policy"], r["layout"], r["mode"], r["a"], r["b"]) for r in gating
             if not r.get("features")}
-    missing = [c for c in full_grid() if c not in have]
+    have_any_layout = {c[:3] + c[4:] for c in have}
+    missing = [c for c in full_grid() if (c not in have if c[3] is not None else c[:3] + c[4:] not in have_any_layout)]
     ctl_have = {(r["step"], r["bucket"], r["mode"]) for r in controls if not r.get("features")}
-    missing_ctl = [(s, L, m) for s in STEPS for L in LENGTHS for m in MODES if (s, L, m) not in ctl_have]
+    missing_ctl = [(s, L, m) for s in STEPS for L in GRID_LENGTHS[s] for m in MODES if (s, L, m) not in ctl_have]
     messages = []
     if control_detected is False:
         bad = ", ".join(f"{r['step']} L{r['bucket']}{_feat(r)} {r['mode']} (|t| = {_f(r['t'])}"
@@ -1211,7 +1242,8 @@ def summarize(rows: list[dict], seconds: float, *, quick: bool = False, diagnost
     return {"gate": "G4 timing", "passed": (complete and gating_passed and control_detected is True
                                             and floor_clean is True and not (quick or diagnostic)),
             "run_passed": gating_passed and control_detected is not False and floor_clean is not False,
-            "complete": complete, "missing": [" ".join(map(str, c[:5])) + f" {c[5]} vs {c[6]}" for c in missing]
+            "complete": complete, "missing": [" ".join(str(x) if x is not None else "(any layout)" for x in c[:5])
+                                              + f" {c[5]} vs {c[6]}" for c in missing]
             + [f"control {s} {L} {m}" for s, L, m in missing_ctl]
             + [f"null {s} {L} {p} {m}" for s, L, p, m in missing_null],
             "control_detected": control_detected, "floor_clean": floor_clean, "gating_passed": gating_passed,
@@ -1325,16 +1357,30 @@ def _jsonable(x):
     return x
 
 
+# What a G4 measurement runs and judges: the kernels and their planning (``csrc/``, ``dhp_backend/ops/``),
+# the gates (``dhp_backend/audit/``, recorded layouts included), the page tables and the settings. The vLLM
+# adapter, the CLI's other commands and the test helpers are not in it: changing them does not split a
+# report that takes several device sessions to fill.
+MEASURED_CODE = ("csrc", "dhp_backend/ops", "dhp_backend/audit", "dhp_backend/testing/pages.py",
+                 "dhp_backend/config.py", "dhp_backend/__init__.py")
+
+
 def source_hash() -> str:
-    """A digest of the code a measurement depends on: every file of ``dhp_backend/`` (Python, recorded data)
-    and ``csrc/``. Two runs with equal digests ran the same code even at different commits (a commit that
-    only adds a report or docs does not split a report in pieces)."""
+    """A digest of the code a measurement depends on (`MEASURED_CODE`). Two runs with equal digests ran
+    the same code even at different commits (a commit that only adds a report, docs or adapter code does
+    not split a report in pieces)."""
     import hashlib
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     h = hashlib.sha256()
-    for top in ("dhp_backend", "csrc"):
-        for d, dirs, files in sorted(os.walk(os.path.join(root, top))):
+    for top in MEASURED_CODE:
+        path = os.path.join(root, top)
+        if os.path.isfile(path):
+            h.update(top.encode() + b"\0")
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+            continue
+        for d, dirs, files in sorted(os.walk(path)):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("."))
             for f in sorted(files):
                 if f.endswith((".pyc", ".pyo")) or f.startswith("."):
