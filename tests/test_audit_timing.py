@@ -549,7 +549,9 @@ def test_slot_staging_copies_each_class_values_from_the_launch_slot():
         timing.SlotStaging([[(dst_len, own[0][0].long())], [(dst_len, own[1][0])]], 2)
     # a pair with its own data: the L2 flush and the page copies stay out of the staging
     flush, pages = ("flush", torch.zeros(8)), (torch.zeros(4), torch.arange(2), torch.ones(2))
-    mixed = timing.SlotStaging.of([[(dst_len, own[0][0]), pages, flush], [(dst_len, own[1][0]), pages, flush]], 4)
+    q = ("data", torch.zeros(3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))  # Q rows: bf16
+    mixed = timing.SlotStaging.of([[(dst_len, own[0][0]), pages, q, flush], [(dst_len, own[1][0]), pages, q, flush]],
+                                  4)
     assert [len(c) for c in mixed.copies] == [1, 1] and tuple(mixed.packed.shape) == (2, 3)
     empty = timing.SlotStaging([[], []], 4)  # nothing small to copy: staging is a no-op
     empty.stage([0, 1])
@@ -921,3 +923,31 @@ def test_features_in_the_plan_rows_and_reports(tmp_path, monkeypatch, capsys):
     bad = dict(featured[0], passed=False, verdict="FAIL", role="gating")
     s = timing.summarize([bad], 1.0)
     assert not s["gating_passed"] and "L4096 window=1024,softcap=50 " in s["failures"][0]
+
+
+@pytest.mark.parametrize("pair", [("short", "long"), ("long", "long2"), ("random", "random2"), ("random", "zeros")])
+def test_shared_buffers_prepare_every_pair_kind_on_the_cpu(monkeypatch, pair):
+    """`Timer._prepare_shared` (eager) on tiny CPU inputs: every pair kind's copies (lengths, bucket, Q rows,
+    pages, the L2 flush) prepare, and each class's prepared launch gives its own inputs' bits. A data pair
+    once failed here on the GPU only (its Q copy went into the integer staging)."""
+    from dhp_backend.audit import classes
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    timer = object.__new__(timing.Timer)
+    timer.torch, timer.chunk, timer.device = torch, 4, torch.device("cpu")
+    timer._flush = torch.ones(64)
+    for policy in ("strict", "request"):
+        shape = classes.Shape(batch=2, bucket=64, q_len=1, num_heads=4, num_kv_heads=2, head_size=64,
+                              dtype="float32", policy=policy, layout="random", num_blocks=3 * 64 // 16 + 1)
+        shared = {}
+        inputs = [classes.make_inputs(shape, c, device="cpu", shared=shared) for c in pair]
+        spec = timing.PairSpec(shape, *pair, "gating", 10)
+        fns, (out,), graphs = timer._prepare_shared(spec, "eager", inputs)
+        assert not graphs and len(fns) == 2
+        for x, fn, slot in ((inputs[1], fns[1], 1), (inputs[0], fns[0], 0)):
+            fn.stage((0, 1))
+            fn.prep(slot)
+            fn()
+            own = classes.empty_out(x)
+            classes.launch(x, own)
+            assert torch.equal(out, own), (pair, policy)

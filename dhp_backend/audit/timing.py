@@ -904,7 +904,9 @@ class Timer:
             for k in ("query", "key_cache", "value_cache"):
                 base[k] = inputs[0][k].clone()
             for x, c in zip(inputs, copies):
-                c.append((base["query"], x["query"]))
+                # ("data", destination, source): the class's Q rows, copied whole; the staging (`SlotStaging`)
+                # is for the small integer secrets of one dtype
+                c.append(("data", base["query"], x["query"]))
                 for k in ("key_cache", "value_cache"):
                     c.append((base[k], pages, x[k].index_select(0, pages)))
                 # The copy reads the class's own staging tensors: what of them stays in L2 differs by class
@@ -921,8 +923,10 @@ class Timer:
             def prep(slot=None):
                 staging.copy(i, slot)
                 for c in copies[i]:
-                    if isinstance(c[0], str):  # ("flush", buffer)
+                    if isinstance(c[0], str) and c[0] == "flush":  # ("flush", buffer)
                         c[1].sum()  # a read of every byte: the L2 then holds this buffer's lines only
+                    elif isinstance(c[0], str):  # ("data", destination, source)
+                        c[1].copy_(c[2])
                     elif len(c) == 3:
                         c[0].index_copy_(0, c[1], c[2])
             return prep
@@ -1112,7 +1116,8 @@ class SlotStaging:
     @classmethod
     def of(cls, copies: list, n_slots: int) -> "SlotStaging":
         """The staging of a pair's per-class copy lists: their ``(destination, source)`` tensor pairs; the
-        ``("flush", buffer)`` entries and the page copies ``(destination, index, source)`` keep their own."""
+        ``("flush", buffer)`` entries, the data copies ``("data", destination, source)`` and the page copies
+        ``(destination, index, source)`` keep their own."""
         import torch
 
         return cls([[c for c in copies[i] if len(c) == 2 and isinstance(c[0], torch.Tensor)] for i in (0, 1)],
