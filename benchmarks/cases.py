@@ -13,6 +13,8 @@ read together:
 - ``mixed``: a chunked-prefill step, 63 decodes at 4K plus one 2048-token chunk
   on 4K of cached context (vLLM orders decodes first).
 - ``head64``: head size 64, fp16, 16 query = 16 KV heads, 16 requests of 2048 tokens, non-causal.
+- ``prefill_gqa7``: the Qwen2.5-7B attention (28 query / 4 KV heads), two causal
+  requests of S >= 4K tokens (issue 30's GQA-7 target).
 - ``gqa``: decode B16 at 4K with one and with eight query heads per KV head.
 - ``strict``: decode and prefill at max_model_len 8K and 32K with the true
   lengths well below it: DHP ``strict`` walks L = max_model_len, so its
@@ -79,7 +81,7 @@ STRICT_MAX_MODEL_LENS = (8192, 32768)
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    family: str  # decode | prefill | mixed | head64 | gqa | strict | features (see the module docstring)
+    family: str  # decode | prefill | prefill_gqa7 | mixed | head64 | gqa | strict | features (module docstring)
     q_lens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     causal: bool
@@ -212,6 +214,9 @@ def gpu_cases(quick: bool = False) -> list[Case]:
     cases = [decode(B, ctx) for ctx in contexts for B in batches]
     cases += [prefill(S, causal) for causal in (True, False) for S in lengths]
     cases.append(mixed())
+    # Qwen2.5-7B's attention (28 query / 4 KV heads: GQA 7, not a power of two), as issue 30 measured it
+    cases += [prefill(S, True, family="prefill_gqa7", batch=2, name=f"prefill B2 S{S} causal Hq28 Hkv4 (Qwen2.5-7B)",
+                      shape={"num_heads": 28, "num_kv_heads": 4}) for S in lengths if S >= 4096]
     if not quick:
         cases.append(prefill(2048, False, family="head64", batch=16,
                              name="head64 fp16 B16 H16 S2048 noncausal",

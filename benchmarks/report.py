@@ -8,6 +8,12 @@ counted and which lacked an input):
   ``decode`` family at context >= 4K;
 - ``prefill_off_vs_fa3``: the same with TFLOP/s, ``prefill`` family, S >= 4K,
   causal and non-causal;
+- ``prefill_off_vs_fa3_gqa7``: the same for the ``prefill_gqa7`` family (the
+  Qwen2.5-7B attention: 28 query / 4 KV heads, a GQA ratio that is not a power
+  of two), S >= 4K, causal;
+- ``mixed_off_vs_fa3``: the same for the ``mixed`` family (a chunked-prefill
+  step: one chunk and the decodes of one step); on one step's work the ratio of
+  useful rates is FA3's time over DHP's;
 - ``strict_efficiency_vs_fa3``: DHP ``strict`` on its executed (padded) work
   over FA3 on the useful work, ``strict`` family; GB/s for decode,
   TFLOP/s for prefill (the rate that bounds the shape);
@@ -16,6 +22,8 @@ counted and which lacked an input):
   DHP's), ``features`` family (run on request: null in a default run);
 - ``e2e_off_vs_flash_attn``: end to end, DHP ``off`` output tokens/s over
   FLASH_ATTN's, neither batch-invariant;
+- ``e2e_off_bi_vs_flash_attn_bi``: DHP ``off`` under ``VLLM_BATCH_INVARIANT=1``
+  over FLASH_ATTN under it (issue 30's target);
 - ``e2e_vs_flash_attn_batch_invariant``: DHP (any policy) under
   ``VLLM_BATCH_INVARIANT=1`` over FLASH_ATTN under it.
 Where a file has several rows of one configuration, the worst case takes the
@@ -28,8 +36,9 @@ import json
 import math
 import os
 
-SUMMARY_KEYS = ("decode_off_vs_fa3", "prefill_off_vs_fa3", "strict_efficiency_vs_fa3", "features_off_vs_fa3",
-                "e2e_off_vs_flash_attn", "e2e_vs_flash_attn_batch_invariant")
+SUMMARY_KEYS = ("decode_off_vs_fa3", "prefill_off_vs_fa3", "prefill_off_vs_fa3_gqa7", "mixed_off_vs_fa3",
+                "strict_efficiency_vs_fa3", "features_off_vs_fa3", "e2e_off_vs_flash_attn", "e2e_off_bi_vs_flash_attn_bi",
+                "e2e_vs_flash_attn_batch_invariant")
 JSON_NAME, MD_NAME = "bench.json", "bench.md"
 
 
@@ -61,7 +70,8 @@ def _worst(per_case: dict, pick) -> dict:
         else:
             counted[name] = v
     if not counted:
-        return {"value": None, "worst_shape": None, "counted": 0, "missing": missing, "complete": False}
+        return {"value": None, "worst_shape": None, "counted": 0,
+                "missing": missing or ["no shape of this key in the run"], "complete": False}
     worst = min(counted, key=counted.get)
     return {"value": counted[worst], "worst_shape": worst, "counted": len(counted), "missing": missing,
             "complete": not missing}
@@ -88,6 +98,9 @@ def _kernel_keys(rows) -> dict:
                                     ratio("dhp_off", "useful")),
         "prefill_off_vs_fa3": _worst(cases(lambda r: r["family"] == "prefill" and r["ctx"] >= 4096),
                                      ratio("dhp_off", "useful")),
+        "prefill_off_vs_fa3_gqa7": _worst(cases(lambda r: r["family"] == "prefill_gqa7" and r["ctx"] >= 4096),
+                                          ratio("dhp_off", "useful")),
+        "mixed_off_vs_fa3": _worst(cases(lambda r: r["family"] == "mixed"), ratio("dhp_off", "useful")),
         "strict_efficiency_vs_fa3": _worst(cases(lambda r: r["family"] == "strict"),
                                            ratio("dhp_strict", "executed")),
         "features_off_vs_fa3": _worst(cases(lambda r: r["family"] == "features"), ratio("dhp_off", "useful")),
@@ -140,6 +153,8 @@ def _e2e_keys(rows: list | None, why: str | None) -> dict:
     return {
         "e2e_off_vs_flash_attn": pair(lambda r: r.get("policy") == "off" and not r.get("batch_invariant"),
                                       lambda r: not r.get("batch_invariant")),
+        "e2e_off_bi_vs_flash_attn_bi": pair(lambda r: r.get("policy") == "off" and bool(r.get("batch_invariant")),
+                                            lambda r: bool(r.get("batch_invariant"))),
         "e2e_vs_flash_attn_batch_invariant": pair(lambda r: bool(r.get("batch_invariant")),
                                                   lambda r: bool(r.get("batch_invariant"))),
     }

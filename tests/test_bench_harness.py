@@ -52,6 +52,11 @@ def _synthetic_rows():
              _row("p4k", "dhp_off", 4.0, family="prefill", ctx=4096, bound="compute"),
              _row("p8k", "fa3", 0.0, family="prefill", ctx=8192, bound="compute", status="not available: x"),
              _row("p8k", "dhp_off", 4.0, family="prefill", ctx=8192, bound="compute")]
+    # GQA 7 prefill and the mixed step: their own keys (FA3 time over DHP's on the same work)
+    rows += [_row("g7", "fa3", 2.0, family="prefill_gqa7", ctx=8192, bound="compute"),
+             _row("g7", "dhp_off", 5.0, family="prefill_gqa7", ctx=8192, bound="compute"),
+             _row("mx", "fa3", 3.0, family="mixed", ctx=6144, bound="compute"),
+             _row("mx", "dhp_off", 4.0, family="mixed", ctx=6144, bound="compute")]
     # strict: executed work 8x the useful, DHP strict 4x slower -> efficiency 2.0; GB/s for decode.
     rows += [_row("s", "fa3", 1.0, family="strict", ctx=4096),
              _row("s", "dhp_strict", 4.0, family="strict", ctx=4096, executed=(8e9, 8e12))]
@@ -67,6 +72,9 @@ def test_summary_picks_the_worst_shape_and_ignores_other_shapes():
     assert s["detail"]["prefill_off_vs_fa3"]["missing"] == ["p8k"]
     assert s["detail"]["prefill_off_vs_fa3"]["complete"] is False
     assert s["strict_efficiency_vs_fa3"] == pytest.approx(2.0)
+    assert s["prefill_off_vs_fa3_gqa7"] == pytest.approx(0.4) and s["worst_shape"]["prefill_off_vs_fa3_gqa7"] == "g7"
+    assert s["mixed_off_vs_fa3"] == pytest.approx(0.75)
+    assert s["detail"]["prefill_off_vs_fa3"]["counted"] == 1  # the GQA 7 shape is not in prefill_off's
     assert (s["device"], s["commit"]) == ("GPU X", "abc")
     assert set(report.SUMMARY_KEYS) <= set(s)
 
@@ -111,6 +119,7 @@ def test_summary_reads_the_e2e_json(tmp_path):
     s = report.summarize([], e2e_rows=rows)
     assert s["e2e_off_vs_flash_attn"] == pytest.approx(0.95)
     assert s["e2e_vs_flash_attn_batch_invariant"] == pytest.approx(920 / 800)  # the slowest DHP -bi row
+    assert s["e2e_off_bi_vs_flash_attn_bi"] == pytest.approx(960 / 800)  # policy off under batch invariance only
     assert "dhp-strict-bi" in s["worst_shape"]["e2e_vs_flash_attn_batch_invariant"]
     # no batch-invariant FLASH_ATTN row -> null, and why
     rows, _ = report.load_e2e(_e2e_file(tmp_path, [r for r in E2E_ROWS if r["config"] != "fa3-bi"]))
@@ -189,7 +198,11 @@ def test_gpu_shape_list():
     assert len(quick) < len(full)
     names = {c.name for c in full}
     assert {"decode B256 ctx32768", "prefill S16384 noncausal", "head64 fp16 B16 H16 S2048 noncausal"} <= names
-    assert {c.family for c in full} == {"decode", "prefill", "mixed", "head64", "gqa", "strict"}
+    assert {c.family for c in full} == {"decode", "prefill", "prefill_gqa7", "mixed", "head64", "gqa", "strict"}
+    g7 = [c for c in full if c.family == "prefill_gqa7"]
+    assert [c.seq_lens for c in g7] == [(4096, 4096), (8192, 8192), (16384, 16384)]
+    assert all((c.num_heads, c.num_kv_heads, c.causal) == (28, 4, True) for c in g7)
+    assert [c.seq_lens for c in quick if c.family == "prefill_gqa7"] == [(4096, 4096)]
     assert any(c.num_kv_heads == 32 for c in full) and any(c.num_kv_heads == 4 for c in full)
     assert all(c.anchors == C.STRICT_ANCHORS for c in full if c.family == "strict")
     big = next(c for c in full if c.name == "decode B256 ctx32768")
