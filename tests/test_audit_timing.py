@@ -951,3 +951,56 @@ def test_shared_buffers_prepare_every_pair_kind_on_the_cpu(monkeypatch, pair):
             own = classes.empty_out(x)
             classes.launch(x, own)
             assert torch.equal(out, own), (pair, policy)
+
+
+# --- scripts/g4_merge.py: the reports of a multi-GPU call (scripts/g4_pieces.sh), one per GPU ---
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _g4_merge():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("g4_merge", os.path.join(_ROOT, "scripts", "g4_merge.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _report_with(doc: dict, rows: list, folder: str, **changes) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, timing.LATEST + ".json"), "w") as f:
+        json.dump(dict(doc, rows=rows, **changes), f)
+
+
+def test_g4_merge_joins_the_pieces_of_a_multi_gpu_call_and_refuses_what_does_not_merge(tmp_path):
+    with open(os.path.join(_ROOT, "docs", "audit", timing.LATEST + ".json")) as f:
+        doc = json.load(f)
+    rows = doc["rows"]
+    assert len(rows) >= 12
+    seed, p0, p1 = rows[:-8], rows[-8:-4], rows[-4:]
+    merge = _g4_merge().main
+    _report_with(doc, seed, str(tmp_path / "seed"))
+    _report_with(doc, seed + p0, str(tmp_path / "call" / "audit0"))
+    _report_with(doc, seed + p1, str(tmp_path / "call" / "audit1"))
+    assert merge([str(tmp_path / "seed"), str(tmp_path / "call"), "--out", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "out" / (timing.LATEST + ".json")) as f:
+        merged = json.load(f)
+    assert sorted(map(timing.row_key, merged["rows"])) == sorted(map(timing.row_key, rows))
+    assert (tmp_path / "out" / (timing.LATEST + ".md")).exists()
+    # the seed was left alone (--out elsewhere)
+    with open(tmp_path / "seed" / (timing.LATEST + ".json")) as f:
+        assert len(json.load(f)["rows"]) == len(seed)
+    # a cell measured by two pieces: refused, nothing written
+    _report_with(doc, seed + p0 + p1[:1], str(tmp_path / "call" / "audit1"))
+    with pytest.raises(SystemExit, match="two pieces"):
+        merge([str(tmp_path / "seed"), str(tmp_path / "call"), "--out", str(tmp_path / "out2")])
+    assert not (tmp_path / "out2").exists()
+    # a piece of other measured code (or another card): refused
+    _report_with(doc, seed + p1, str(tmp_path / "call" / "audit1"), source="0" * 16)
+    with pytest.raises(SystemExit, match="not mergeable"):
+        merge([str(tmp_path / "seed"), str(tmp_path / "call"), "--out", str(tmp_path / "out3")])
+    # a call that measured nothing new writes nothing
+    _report_with(doc, seed, str(tmp_path / "empty" / "audit0"))
+    assert merge([str(tmp_path / "seed"), str(tmp_path / "empty"), "--out", str(tmp_path / "out4")]) == 1
+    assert not (tmp_path / "out4").exists()
