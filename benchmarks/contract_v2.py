@@ -1,0 +1,207 @@
+"""Decision run (a) of issue 30's arithmetic contract (docs/perf-notes.md, "Next: a prefill-shaped
+arithmetic contract"): the csrc prefill consumer with 128-position steps, per-lane row sums and folds
+every 512 / 1024 positions or none, against today's contract (``compat``), the FA3-like consumer
+(``plain``, other bits) and FA3 itself, same tensors, same run.
+
+    python -m benchmarks.contract_v2 [--probe] [--out DIR] [--shapes ...] [--heads 32,8;28,4] [--rounds 2]
+
+An EXPERIMENT, outside the package: its kernels (``benchmarks/csrc/prefill_v2_sm90.cu``, which includes
+``csrc/prefill_sm90.cu`` unchanged and adds the v2 consumer) are built into a library of their own with the
+engine's nvcc flags; the engine's library never holds them. bf16, head 128, block 16, policy ``off``
+semantics (true lengths). Every binary is checked against SDPA before it is timed (``--probe``: small
+shapes only, exit 1 when wrong). The ``compat`` row is the routed binary built by the same nvcc in the same
+library, so the csrc rows compare like with like. ``--rounds 2`` times every variant twice, the second
+round in reverse order, and reports the median of the two medians with both (drift shows as their spread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import cuda_prefill as cp
+from benchmarks import cuda_runs
+from benchmarks.inputs import rel_err
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_v2_sm90.cu"
+# name -> code of the experiment library's entry (prefill_v2_sm90.cu)
+VARIANTS = {"compat": 33, "plain": 38, "v2_fold512": 35, "v2_fold1024": 36, "v2_nofold": 37}
+DEFAULT_SHAPES = "causal-4k,causal-8k,causal-16k,batch4-4000,chunk2k+63dec"
+DEFAULT_HEADS = "32,8;28,4"  # Llama-3-8B (GQA 4) and Qwen2.5-7B (GQA 7: 8 tile slots, one unused)
+QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the first
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """Build (once per source/flags/nvcc, cached under the engine's build cache) and load the library."""
+    from dhp_backend.ops import cuda_build as cb
+
+    nvcc = cb.find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: the experiment's kernels are built with the CUDA toolkit")
+    csrc = cb.csrc_dir()
+    flags = cb.BASE_FLAGS + cb.SM90A
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(cb.build_key(csrc, flags, version).encode() + SOURCE.read_bytes()).hexdigest()[:16]
+    out = cb.cache_dir() / f"dhp_prefill_v2-{key}" / "libdhp_prefill_v2.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        tmp = out.with_name(f".{os.getpid()}.so")
+        res = subprocess.run([nvcc, *flags, "-I", str(csrc), "-o", str(tmp), str(SOURCE)], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {SOURCE.name}:\n{(res.stderr or res.stdout)[-3000:]}")
+        os.replace(tmp, out)
+        print(f"built {out} in {time.time() - t0:.0f}s", flush=True)
+    lib = ctypes.CDLL(str(out))
+    i64, i32, p, u32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint
+    lib.dhp_prefill_v2_sm90.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32,
+                                        i32, i32, i32, i32, ctypes.c_float, i32, i32, u32, u32, p]
+    lib.dhp_prefill_v2_sm90.restype = i32
+    return lib
+
+
+def v2_fn(st, causal: bool, variant: str):
+    """A closure launching ``variant`` on step ``st`` (benchmarks.cuda_prefill.make_step) into its own output."""
+    from dhp_backend.ops.cuda_common import launch_error
+    from dhp_backend.ops.cuda_prefill import V_DESC, validate
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+    q, kc, vc = st["q"], st["kc"], st["vc"]
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"dtype {q.dtype}; accepted: torch.bfloat16 (the experiment builds bf16 binaries only)")
+    out = torch.full_like(q, float("nan"))
+    T = q.shape[0]
+    validate(q, kc, vc, st["table"], st["qsl"], st["sl"], out, T)
+    fn = library().dhp_prefill_v2_sm90
+    args = (q.data_ptr(), q.stride(0), q.stride(1), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
+            kc.stride(2), kc.shape[0], out.data_ptr(), out.stride(0), out.stride(1), st["table"].data_ptr(),
+            st["table"].stride(0), st["sl"].data_ptr(), st["qsl"].data_ptr(), st["sl"].shape[0], T, T, q.shape[1],
+            kc.shape[1], kc.shape[2], float(cp.SCALE) * math.log2(math.e), int(causal), VARIANTS[variant],
+            V_DESC[0], V_DESC[1])
+
+    def run():
+        rc = fn(*args, torch.cuda.current_stream().cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"contract_v2 {variant}: launch failed: {launch_error(rc)}")
+        return out
+    return run
+
+
+def probe() -> bool:
+    """Every binary right on small shapes (not hung), at both head configurations' GQA."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    errs = {}
+    for heads in ("32,8", "28,4"):
+        cp.H, cp.HKV = (int(x) for x in heads.split(","))
+        for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 1300), (77, 77)], True),
+                             ([(700, 2100)], True)):
+            st = cp.make_step(reqs, gen)
+            ref = cp.sdpa_ref(st, causal)
+            for name in VARIANTS:
+                o = v2_fn(st, causal, name)()
+                torch.cuda.synchronize()
+                errs[f"{heads} {reqs} causal={causal} {name}"] = rel_err(o[: ref.shape[0]], ref)
+    ok = all(e < 2e-2 for e in errs.values())
+    print(f"probe: {'OK' if ok else 'WRONG'} " + json.dumps({k: round(v, 5) for k, v in errs.items()}), flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"at the first --heads (default {DEFAULT_SHAPES})")
+    ap.add_argument("--heads", default=DEFAULT_HEADS,
+                    help=f"';'-separated 'H,HKV' configurations (default {DEFAULT_HEADS}); the ones after the "
+                         f"first run --other-shapes")
+    ap.add_argument("--other-shapes", default=QWEN_SHAPES)
+    ap.add_argument("--variants", default="fa3," + ",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    bad = [n for n in names if n != "fa3" and n not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; accepted: fa3, {', '.join(VARIANTS)}")
+    stop = cuda_runs.probe_first(ap, probe, "prefill (contract v2)", args.probe)
+    if stop is not None:
+        return stop
+
+    from benchmarks.timer import CudaTimer
+    timer = CudaTimer(reps=args.reps, warmup=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    plan = []
+    for i, heads in enumerate(args.heads.split(";")):
+        for shape in (args.shapes if i == 0 else args.other_shapes).split(","):
+            if shape not in cp.SHAPES:
+                ap.error(f"unknown shape {shape!r}; known: {', '.join(cp.SHAPES)}")
+            plan.append((heads, shape))
+    rows, t0 = [], time.time()
+    for k, (heads, shape) in enumerate(plan):
+        cp.H, cp.HKV = (int(x) for x in heads.split(","))
+        reqs, causal = cp.SHAPES[shape]
+        flop = cp.useful_flop(reqs, causal)
+        sets = [cp.make_step(reqs, gen) for _ in range(2)]
+        ref = cp.sdpa_ref(sets[0], causal)
+        fns, shape_rows, outs = {}, [], {}
+        for name in names:
+            row = dict(shape=shape, heads=heads, variant=name, causal=causal, us=None, tflops=None, rel_err=None,
+                       rounds_us=[])
+            try:
+                fs = [cp.fa3_fn(s, causal) for s in sets] if name == "fa3" else [v2_fn(s, causal, name) for s in sets]
+                o = cuda_runs.check_and_time(row, fs, ref, lambda f: timer.measure(f).median_ms,
+                                             rows_checked=ref.shape[0])
+                if o is not None:
+                    fns[name], outs[name] = fs, o
+                    row["rounds_us"].append(row["us"])
+            except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            shape_rows.append(row)
+        for _ in range(1, args.rounds):  # later rounds in reverse order: drift shows as spread
+            for row in reversed(shape_rows):
+                if row["variant"] in fns:
+                    row["rounds_us"].append(timer.measure(fns[row["variant"]]).median_ms * 1e3)
+        for row in shape_rows:
+            if row["rounds_us"]:
+                row["us"] = sorted(row["rounds_us"])[len(row["rounds_us"]) // 2] if len(row["rounds_us"]) % 2 else \
+                    sum(row["rounds_us"]) / len(row["rounds_us"])
+                row["tflops"] = flop / row["us"] / 1e6
+        cuda_runs.fa3_ratios(shape_rows)
+        base = next((r["us"] for r in shape_rows if r["variant"] == "compat" and r["us"]), None)
+        for r in shape_rows:
+            r["compat_over"] = base / r["us"] if base and r["us"] else None
+            if r["variant"] in outs and "compat" in outs and r["variant"] != "compat":
+                r["max_abs_vs_compat"] = float((outs[r["variant"]].float() - outs["compat"].float()).abs().max())
+        cuda_runs.print_progress(k, len(plan), t0, f"{shape} @{heads}", shape_rows)
+        rows += shape_rows
+    print(f"\n{'shape':16s} {'heads':6s} {'variant':12s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'x compat':>8s} "
+          f"{'rel err':>8s} rounds")
+    for r in rows:
+        f = lambda x, w, d: f"{x:{w}.{d}f}" if x is not None else " " * (w - 1) + "-"  # noqa: E731
+        print(f"{r['shape']:16s} {r['heads']:6s} {r['variant']:12s} {f(r['us'], 9, 1)} {f(r['tflops'], 8, 1)} "
+              f"{f(r['fa3_over'], 6, 3)} {f(r['compat_over'], 8, 3)} {f(r['rel_err'], 8, 5)} "
+              f"{[round(x, 1) for x in r['rounds_us']]} {r.get('error', '')}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "contract_v2.json"), "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           commit=os.environ.get("DHP_COMMIT"), command=" ".join(sys.argv), rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

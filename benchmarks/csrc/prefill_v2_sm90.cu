@@ -1,0 +1,271 @@
+// EXPERIMENT, not product code (issue 30; docs/perf-notes.md, "Next: a prefill-shaped
+// arithmetic contract", decision run (a)). Built by benchmarks/contract_v2.py into a library
+// of its own; the engine's library (csrc/prefill_sm90.cu) is untouched and never holds
+// these binaries.
+//
+// What it measures: the csrc prefill kernel's consumer with a candidate arithmetic
+// contract shaped by prefill, against today's contract (compat) and against the
+// FA3-like arithmetic (plain, no splits, other bits), on one producer:
+//   - KV steps of 128 positions (today 64): one max, one rescale, one PV batch per
+//     128 positions instead of two;
+//   - per-lane row sums: each quad lane keeps the partial sum of its own column pairs
+//     (columns 8i + 2q, 8i + 2q + 1 of each 8-column group i), the 16 groups meeting in
+//     a fixed pairwise tree every step, the four lanes once per split (x + lane^2, then
+//     + lane^1: the same bits in every lane); no shuffles per step (today two per group
+//     pair and step);
+//   - splits of SPLIT positions (512, 1024) folded into a running state with the
+//     compat fold (compat_arith.cuh), or none (SPLIT 0: one state, as FA3).
+// The exponent form, the mask select and the finalize are compat's.
+//
+// Variants (the entry's `variant`): 33 compat (the routed binary, for a same-nvcc
+// baseline), 38 plain (the FA3-like consumer, no splits), 35/36/37 v2 with splits of
+// 512 / 1024 / none. bf16 only.
+//
+// Not constant-time (policy off: the walk follows the true lengths), as the product's
+// off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
+
+#define dhp_prefill_sm90 dhp_prefill_sm90_product_entry  // this library exports its own entry
+#include "prefill_sm90.cu"
+#undef dhp_prefill_sm90
+
+namespace dhp {
+namespace {
+
+// The 16 groups' own-column-pair sums of one row, a fixed pairwise tree (lane-local).
+__device__ __forceinline__ float lane_tree16(const float (&g)[16]) {
+  float a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(g[2 * i], g[2 * i + 1]);
+  const float b0 = __fadd_rn(a[0], a[1]), b1 = __fadd_rn(a[2], a[3]), b2 = __fadd_rn(a[4], a[5]),
+              b3 = __fadd_rn(a[6], a[7]);
+  return __fadd_rn(__fadd_rn(b0, b1), __fadd_rn(b2, b3));
+}
+
+// The four lanes of a quad: (x + lane^2) + lane^1, the same bits in each lane.
+__device__ __forceinline__ float quad_sum_fixed(float x) {
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+
+template <bool BF16, int STAGES, int SPLIT>
+__device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                           const Barriers<STAGES>& bar, int kvh) {
+  using L = Layout<STAGES>;
+  constexpr bool kFold = SPLIT > 0;
+  constexpr int kStepsPerSplit = kFold ? SPLIT / kCols : 1;
+  static_assert(!kFold || SPLIT % kCols == 0, "a split is whole 128-position steps");
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
+  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+
+  float run[kFold ? 64 : 1], acc[64], s[64];
+  uint32_t pa[32];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (kFold ? 64 : 1); ++i) run[i] = 0.f;
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+
+  mbar_wait(bar.q_full(), 0);
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int st = t % STAGES;
+    const uint32_t par = (t / STAGES) & 1;
+    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
+    mbar_wait(bar.k_full(st), par);
+    wgmma_fence();
+    issue_qk<BF16>(s, q_base, k_base);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(s);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.k_empty(st));
+
+    const int kv0 = t * kCols;
+    const bool masked = kv0 + kCols > mask_from;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, p.scale_log2);
+    float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
+    const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    float g_lo[16], g_hi[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
+      s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
+      s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
+      s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
+      g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
+      g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+    }
+    l_lo = __fmaf_rn(l_lo, a_lo, lane_tree16(g_lo));
+    l_hi = __fmaf_rn(l_hi, a_hi, lane_tree16(g_hi));
+    pack_p<BF16, 64>(s, pa);
+
+    mbar_wait(bar.v_full(st), par);
+    const int valid = w.seq_len - kv0;
+    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    scale_rows(acc, a_lo, a_hi);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.v_empty(st));
+
+    if constexpr (kFold) {
+      if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // end of a split: fold (compat's fold)
+        fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, quad_sum_fixed(l_lo), quad_sum_fixed(l_hi));
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+        m_lo = m_hi = kMInit;
+        l_lo = l_hi = 0.f;
+      }
+    }
+  }
+
+  if constexpr (kFold) {
+    const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
+    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, run, inv_lo);
+    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, run, inv_hi);
+  } else {
+    const float inv_lo = finalize_inv(quad_sum_fixed(l_lo)), inv_hi = finalize_inv(quad_sum_fixed(l_hi));
+    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
+    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
+  }
+}
+
+// The product kernel's policy-off path (prefill_kernel) with the v2 consumer and FA3's
+// register split (24 / 240).
+template <bool BF16, int STAGES, int SPLIT>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  using L = Layout<STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x;
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
+  const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
+  if (req == p.num_seqs) {  // padding rows: zeros
+    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
+    const int toks = min(p.block_q, p.num_out_rows - first);
+    char* out = static_cast<char*>(p.out);
+    for (int i = threadIdx.x; i < toks * p.group * 16; i += kThreads) {
+      const int64_t tok = first + (i / 16) / p.group, head = kvh * p.group + (i / 16) % p.group;
+      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const Work w = work_of(p, req, g);
+  if (w.tok0 >= w.q_len) return;
+  if (threadIdx.x == 0) bar.init(8);
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<24>();
+    if (threadIdx.x == 0) produce<STAGES, 0>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
+  } else {
+    regs_alloc<240>();
+    consume_v2<BF16, STAGES, SPLIT>(p, w, smem_ptr, smem, bar, kvh);
+  }
+}
+
+template <int SPLIT>
+int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+              cudaStream_t stream) {
+  auto kernel = prefill_v2_kernel<true, 2, SPLIT>;
+  constexpr int bytes = Layout<2>::kBytes;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+}  // namespace dhp
+
+// Policy-off arguments of dhp_prefill_sm90 (no constant-time walk); bf16 only. Returns 0, a
+// cudaError_t, or the product entry's codes (-1..-7; -5: unknown variant or fp16).
+extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
+                                   const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
+                                   int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
+                                   int64_t out_head_stride, const int* block_table, int64_t bt_stride,
+                                   const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
+                                   int num_out_rows, int num_heads, int num_kv_heads, int block_size,
+                                   float qk_scale, int causal, int variant, unsigned v_lbo, unsigned v_sbo,
+                                   void* stream) {
+  using namespace dhp;
+  const tma::EncodeTiled encode = tma::encode_fn();
+  if (!encode) return -1;
+  CUtensorMap tq, tk, tv;
+  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
+  int group_shift = 0;
+  while ((1 << group_shift) < group) ++group_shift;
+  const int block_q = kRows >> group_shift;
+  if (!tma::encode_q(encode, &tq, 1, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
+                     block_q))
+    return -2;
+  if (!tma::encode_kv(encode, &tk, 1, k, block_size, num_kv_heads, num_blocks, kv_block_stride, kv_head_stride,
+                      kv_tok_stride, block_size))
+    return -3;
+  if (!tma::encode_kv(encode, &tv, 1, v, block_size, num_kv_heads, num_blocks, kv_block_stride, kv_head_stride,
+                      kv_tok_stride, block_size))
+    return -4;
+  Params p{};
+  p.out = out;
+  p.out_tok_stride = out_tok_stride;
+  p.out_head_stride = out_head_stride;
+  p.block_table = block_table;
+  p.bt_stride = bt_stride;
+  p.seq_lens = seq_lens;
+  p.query_start_loc = query_start_loc;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.block_size = block_size;
+  p.num_seqs = num_seqs;
+  p.num_out_rows = num_out_rows;
+  p.group = group;
+  p.group_shift = group_shift;
+  p.block_q = block_q;
+  p.num_tiles = num_out_rows / block_q + num_seqs + 1;
+  p.scale_log2 = qk_scale;
+  p.causal = causal;
+  p.v_lbo = v_lbo;
+  p.v_sbo = v_sbo;
+  if (p.num_tiles > 65535) return -6;
+  const dim3 grid(num_kv_heads, p.num_tiles, 1);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (variant) {
+    case 33: return launch<true, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
+    case 35: return launch_v2<512>(tq, tk, tv, p, grid, st);
+    case 36: return launch_v2<1024>(tq, tk, tv, p, grid, st);
+    case 37: return launch_v2<0>(tq, tk, tv, p, grid, st);
+    case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
+    default: return -5;
+  }
+}
