@@ -19,7 +19,9 @@
 //
 // Variants (the entry's `variant`): 33 compat (the routed binary, for a same-nvcc
 // baseline), 38 plain (the FA3-like consumer, no splits), 35/36/37 v2 with splits of
-// 512 / 1024 / none. bf16 only.
+// 512 / 1024 / none, 39/40/41 the same with FA3's exponent form (the max over raw
+// scores, p = 2^(s * scale - m) in one fma: one operation per score fewer than
+// compat's multiply-then-subtract). bf16 only.
 //
 // Not constant-time (policy off: the walk follows the true lengths), as the product's
 // off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
@@ -47,7 +49,7 @@ __device__ __forceinline__ float quad_sum_fixed(float x) {
   return __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
 }
 
-template <bool BF16, int STAGES, int SPLIT>
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES>;
@@ -88,28 +90,56 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 
     const int kv0 = t * kCols;
     const bool masked = kv0 + kCols > mask_from;
+    float g_lo[16], g_hi[16], a_lo, a_hi;
+    if constexpr (FMA_EXP) {
+      // FA3's exponent form: the max over the raw scores, p = 2^(s * scale - m) in one fma.
+      if (masked) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+      float mx_lo = s[0], mx_hi = s[2];
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-      scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, p.scale_log2);
-    float mx_lo = s[0], mx_hi = s[2];
+      for (int i = 0; i < 16; ++i) {
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+      }
+      const float new_lo = fmaxf(m_lo, __fmul_rn(quad_max(mx_lo), p.scale_log2));
+      const float new_hi = fmaxf(m_hi, __fmul_rn(quad_max(mx_hi), p.scale_log2));
+      a_lo = select_ex2(m_lo, new_lo);
+      a_hi = select_ex2(m_hi, new_hi);
+      m_lo = new_lo;
+      m_hi = new_hi;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
-    const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
-    m_lo = new_lo;
-    m_hi = new_hi;
-    float g_lo[16], g_hi[16];
+      for (int i = 0; i < 16; ++i) {
+        s[4 * i] = ex2(__fmaf_rn(s[4 * i], p.scale_log2, -new_lo));
+        s[4 * i + 1] = ex2(__fmaf_rn(s[4 * i + 1], p.scale_log2, -new_lo));
+        s[4 * i + 2] = ex2(__fmaf_rn(s[4 * i + 2], p.scale_log2, -new_hi));
+        s[4 * i + 3] = ex2(__fmaf_rn(s[4 * i + 3], p.scale_log2, -new_hi));
+        g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
+        g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+      }
+    } else {
+      // compat's exponent form: s * scale, the mask select, the max, p = 2^(s - m).
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
-      s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
-      s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
-      s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
-      g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
-      g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+      for (int i = 0; i < 16; ++i)
+        scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, p.scale_log2);
+      float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+      }
+      const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
+      a_lo = select_ex2(m_lo, new_lo);
+      a_hi = select_ex2(m_hi, new_hi);
+      m_lo = new_lo;
+      m_hi = new_hi;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        s[4 * i] = ex2(__fsub_rn(s[4 * i], new_lo));
+        s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], new_lo));
+        s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], new_hi));
+        s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], new_hi));
+        g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
+        g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+      }
     }
     l_lo = __fmaf_rn(l_lo, a_lo, lane_tree16(g_lo));
     l_hi = __fmaf_rn(l_hi, a_hi, lane_tree16(g_hi));
@@ -152,7 +182,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 
 // The product kernel's policy-off path (prefill_kernel) with the v2 consumer and FA3's
 // register split (24 / 240).
-template <bool BF16, int STAGES, int SPLIT>
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -186,14 +216,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) produce<STAGES, 0>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
   } else {
     regs_alloc<240>();
-    consume_v2<BF16, STAGES, SPLIT>(p, w, smem_ptr, smem, bar, kvh);
+    consume_v2<BF16, STAGES, SPLIT, FMA_EXP>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
-template <int SPLIT>
+template <int SPLIT, bool FMA_EXP = false>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  auto kernel = prefill_v2_kernel<true, 2, SPLIT>;
+  auto kernel = prefill_v2_kernel<true, 2, SPLIT, FMA_EXP>;
   constexpr int bytes = Layout<2>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -265,6 +295,9 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
     case 35: return launch_v2<512>(tq, tk, tv, p, grid, st);
     case 36: return launch_v2<1024>(tq, tk, tv, p, grid, st);
     case 37: return launch_v2<0>(tq, tk, tv, p, grid, st);
+    case 39: return launch_v2<512, true>(tq, tk, tv, p, grid, st);
+    case 40: return launch_v2<1024, true>(tq, tk, tv, p, grid, st);
+    case 41: return launch_v2<0, true>(tq, tk, tv, p, grid, st);
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
