@@ -37,7 +37,9 @@ from benchmarks.inputs import rel_err
 SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_v2_sm90.cu"
 # name -> code of the experiment library's entry (prefill_v2_sm90.cu)
 VARIANTS = {"compat": 33, "plain": 38, "v2_fold512": 35, "v2_fold1024": 36, "v2_nofold": 37,
-            "v2fma_fold512": 39, "v2fma_fold1024": 40, "v2fma_nofold": 41}
+            "v2fma_fold512": 39, "v2fma_fold1024": 40, "v2fma_nofold": 41,
+            "v2fma_fold512_spread": 42, "v2fma_nofold_spread": 43, "plain_spread": 44,
+            "v2fma_fold512_s3": 45, "v2fma_nofold_s3": 46}
 DEFAULT_SHAPES = "causal-4k,causal-8k,causal-16k,batch4-4000,chunk2k+63dec"
 DEFAULT_HEADS = "32,8;28,4"  # Llama-3-8B (GQA 4) and Qwen2.5-7B (GQA 7: 8 tile slots, one unused)
 QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the first

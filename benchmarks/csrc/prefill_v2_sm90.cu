@@ -21,7 +21,9 @@
 // baseline), 38 plain (the FA3-like consumer, no splits), 35/36/37 v2 with splits of
 // 512 / 1024 / none, 39/40/41 the same with FA3's exponent form (the max over raw
 // scores, p = 2^(s * scale - m) in one fma: one operation per score fewer than
-// compat's multiply-then-subtract). bf16 only.
+// compat's multiply-then-subtract); 42/43 v2fma fold512 / nofold and 44 plain with the
+// producer spread over four warps (produce_spread; block size 16, else -9); 45/46 v2fma
+// fold512 / nofold on three stages. bf16 only.
 //
 // Not constant-time (policy off: the walk follows the true lengths), as the product's
 // off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
@@ -180,9 +182,52 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   }
 }
 
+// The producer spread over the producer warpgroup's four warps (one per scheduler
+// partition): lane 0 of warp pw loads pages 2pw, 2pw + 1 of every K and V stage (block
+// size 16: 8 pages per 128-position stage), each warp arming the stage's full barrier
+// with its own quarter of the bytes (the barrier completes on four arrivals). The
+// product's producer is one thread of warp 0, whose partition then also carries two
+// consumer warps' issue (docs/perf-notes.md, issue 30's producer-placement finding).
+// FA3's paged path for 16-token pages also loads from all four producer warps.
+template <int STAGES>
+__device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
+                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
+                                               const Barriers<STAGES>& bar, int kvh, int req, int pw) {
+  using L = Layout<STAGES>;
+  if (pw == 0) {
+    mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
+    tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
+    tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
+  }
+  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
+  const int last_page = (w.seq_len + 15) / 16 - 1;
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int s = t % STAGES;
+    const uint32_t parity = ((t / STAGES) - 1) & 1;
+    const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    const int blk0 = table[min(t * 8 + 2 * pw, last_page)], blk1 = table[min(t * 8 + 2 * pw + 1, last_page)];
+    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes / 4);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int pg = 2 * pw + j, blk = j ? blk1 : blk0;
+      tma_load_4d(k_dst + pg * 16 * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk);
+      tma_load_4d(k_dst + kHalfBytes + pg * 16 * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk);
+    }
+    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes / 4);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int pg = 2 * pw + j, blk = j ? blk1 : blk0;
+      tma_load_4d(v_dst + pg * 16 * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk);
+      tma_load_4d(v_dst + kHalfBytes + pg * 16 * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk);
+    }
+  }
+}
+
 // The product kernel's policy-off path (prefill_kernel) with the v2 consumer and FA3's
 // register split (24 / 240).
-template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP>
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, bool PLAIN>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -209,22 +254,42 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const Work w = work_of(p, req, g);
   if (w.tok0 >= w.q_len) return;
-  if (threadIdx.x == 0) bar.init(8);
+  if (threadIdx.x == 0) {
+    if constexpr (SPREAD) {  // full barriers complete on the four producer warps' arrivals
+      mbar_init(bar.q_full(), 1);
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(bar.k_full(i), 4);
+        mbar_init(bar.v_full(i), 4);
+        mbar_init(bar.k_empty(i), 8);
+        mbar_init(bar.v_empty(i), 8);
+      }
+      mbar_fence_init();
+    } else {
+      bar.init(8);
+    }
+  }
   __syncthreads();
   if (threadIdx.x < 128) {
     regs_dealloc<24>();
-    if (threadIdx.x == 0) produce<STAGES, 0>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
+    if constexpr (SPREAD) {
+      if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
+    } else {
+      if (threadIdx.x == 0) produce<STAGES, 0>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
+    }
   } else {
     regs_alloc<240>();
-    consume_v2<BF16, STAGES, SPLIT, FMA_EXP>(p, w, smem_ptr, smem, bar, kvh);
+    if constexpr (PLAIN)
+      consume<BF16, false, false, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
+    else
+      consume_v2<BF16, STAGES, SPLIT, FMA_EXP>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
-template <int SPLIT, bool FMA_EXP = false>
+template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, bool PLAIN = false, int STAGES = 2>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  auto kernel = prefill_v2_kernel<true, 2, SPLIT, FMA_EXP>;
-  constexpr int bytes = Layout<2>::kBytes;
+  auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, PLAIN>;
+  constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -298,6 +363,12 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
     case 39: return launch_v2<512, true>(tq, tk, tv, p, grid, st);
     case 40: return launch_v2<1024, true>(tq, tk, tv, p, grid, st);
     case 41: return launch_v2<0, true>(tq, tk, tv, p, grid, st);
+    // the producer spread over four warps (block size 16 only), three stages
+    case 42: return block_size == 16 ? launch_v2<512, true, true>(tq, tk, tv, p, grid, st) : -9;
+    case 43: return block_size == 16 ? launch_v2<0, true, true>(tq, tk, tv, p, grid, st) : -9;
+    case 44: return block_size == 16 ? launch_v2<0, false, true, true>(tq, tk, tv, p, grid, st) : -9;
+    case 45: return launch_v2<512, true, false, false, 3>(tq, tk, tv, p, grid, st);
+    case 46: return launch_v2<0, true, false, false, 3>(tq, tk, tv, p, grid, st);
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
