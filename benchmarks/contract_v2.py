@@ -39,7 +39,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_v2_sm90.cu"
 VARIANTS = {"compat": 33, "plain": 38, "v2_fold512": 35, "v2_fold1024": 36, "v2_nofold": 37,
             "v2fma_fold512": 39, "v2fma_fold1024": 40, "v2fma_nofold": 41,
             "v2fma_fold512_spread": 42, "v2fma_nofold_spread": 43, "plain_spread": 44,
-            "v2fma_fold512_s3": 45, "v2fma_nofold_s3": 46}
+            "v2fma_fold512_s3": 45, "v2fma_nofold_s3": 46, "compat_spread": 47}
 DEFAULT_SHAPES = "causal-4k,causal-8k,causal-16k,batch4-4000,chunk2k+63dec"
 DEFAULT_HEADS = "32,8;28,4"  # Llama-3-8B (GQA 4) and Qwen2.5-7B (GQA 7: 8 tile slots, one unused)
 QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the first
@@ -189,6 +189,8 @@ def main(argv=None) -> int:
             r["compat_over"] = base / r["us"] if base and r["us"] else None
             if r["variant"] in outs and "compat" in outs and r["variant"] != "compat":
                 r["max_abs_vs_compat"] = float((outs[r["variant"]].float() - outs["compat"].float()).abs().max())
+                r["bits_equal_compat"] = bool(torch.equal(outs[r["variant"]].view(torch.int16),
+                                                          outs["compat"].view(torch.int16)))
         cuda_runs.print_progress(k, len(plan), t0, f"{shape} @{heads}", shape_rows)
         rows += shape_rows
     print(f"\n{'shape':16s} {'heads':6s} {'variant':12s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'x compat':>8s} "
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
         f = lambda x, w, d: f"{x:{w}.{d}f}" if x is not None else " " * (w - 1) + "-"  # noqa: E731
         print(f"{r['shape']:16s} {r['heads']:6s} {r['variant']:12s} {f(r['us'], 9, 1)} {f(r['tflops'], 8, 1)} "
               f"{f(r['fa3_over'], 6, 3)} {f(r['compat_over'], 8, 3)} {f(r['rel_err'], 8, 5)} "
-              f"{[round(x, 1) for x in r['rounds_us']]} {r.get('error', '')}")
+              f"{[round(x, 1) for x in r['rounds_us']]} {'bits=compat' if r.get('bits_equal_compat') else ''} "
+              f"{r.get('error', '')}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "contract_v2.json"), "w") as fh:

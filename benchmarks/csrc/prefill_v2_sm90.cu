@@ -23,7 +23,8 @@
 // scores, p = 2^(s * scale - m) in one fma: one operation per score fewer than
 // compat's multiply-then-subtract); 42/43 v2fma fold512 / nofold and 44 plain with the
 // producer spread over four warps (produce_spread; block size 16, else -9); 45/46 v2fma
-// fold512 / nofold on three stages. bf16 only.
+// fold512 / nofold on three stages; 47 compat (today's contract, the same bits) with the
+// producer spread. bf16 only.
 //
 // Not constant-time (policy off: the walk follows the true lengths), as the product's
 // off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
@@ -227,7 +228,8 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
 
 // The product kernel's policy-off path (prefill_kernel) with the v2 consumer and FA3's
 // register split (24 / 240).
-template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, bool PLAIN>
+// CONSUMER: 0 consume_v2, 1 plain (the product's consume), 2 compat (the product's consume_compat, n128 form).
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, int CONSUMER>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -278,17 +280,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     regs_alloc<240>();
-    if constexpr (PLAIN)
+    if constexpr (CONSUMER == 1)
       consume<BF16, false, false, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
+    else if constexpr (CONSUMER == 2)
+      consume_compat<BF16, STAGES, true>(p, w, smem_ptr, smem, bar, kvh, g);
     else
       consume_v2<BF16, STAGES, SPLIT, FMA_EXP>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
-template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, bool PLAIN = false, int STAGES = 2>
+template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, int CONSUMER = 0, int STAGES = 2>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, PLAIN>;
+  auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, CONSUMER>;
   constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -366,9 +370,10 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
     // the producer spread over four warps (block size 16 only), three stages
     case 42: return block_size == 16 ? launch_v2<512, true, true>(tq, tk, tv, p, grid, st) : -9;
     case 43: return block_size == 16 ? launch_v2<0, true, true>(tq, tk, tv, p, grid, st) : -9;
-    case 44: return block_size == 16 ? launch_v2<0, false, true, true>(tq, tk, tv, p, grid, st) : -9;
-    case 45: return launch_v2<512, true, false, false, 3>(tq, tk, tv, p, grid, st);
-    case 46: return launch_v2<0, true, false, false, 3>(tq, tk, tv, p, grid, st);
+    case 44: return block_size == 16 ? launch_v2<0, false, true, 1>(tq, tk, tv, p, grid, st) : -9;
+    case 47: return block_size == 16 ? launch_v2<0, false, true, 2>(tq, tk, tv, p, grid, st) : -9;
+    case 45: return launch_v2<512, true, false, 0, 3>(tq, tk, tv, p, grid, st);
+    case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
