@@ -4,6 +4,10 @@ every 512 / 1024 positions or none, against today's contract (``compat``), the F
 (``plain``, other bits) and FA3 itself, same tensors, same run.
 
     python -m benchmarks.contract_v2 [--probe] [--out DIR] [--shapes ...] [--heads 32,8;28,4] [--rounds 2]
+    python -m benchmarks.contract_v2 --report RUN.json [RUN.json ...] --out docs/bench   # no GPU
+
+``--report`` merges runs (a later run's row replaces an earlier one's of the same shape, heads and variant;
+every ratio stays within its own run) into ``contract-v2-h200.md`` / ``.json`` / ``.png`` under ``--out``.
 
 An EXPERIMENT, outside the package: its kernels (``benchmarks/csrc/prefill_v2_sm90.cu``, which includes
 ``csrc/prefill_sm90.cu`` unchanged and adds the v2 consumer) are built into a library of their own with the
@@ -104,6 +108,105 @@ def v2_fn(st, causal: bool, variant: str):
     return run
 
 
+def commit() -> str | None:
+    """The tree's commit: $DHP_COMMIT, else the .dhp-commit a device call carries (scripts/device_run.sh)."""
+    if os.environ.get("DHP_COMMIT"):
+        return os.environ["DHP_COMMIT"]
+    f = Path(".dhp-commit")
+    return f.read_text().strip() if f.is_file() else None
+
+
+# What each variant is, for the report (docs/perf-notes.md: the contract's items).
+ABOUT = {
+    "fa3": "FlashAttention-3 (vllm_flash_attn, fa_version 3), the anchor",
+    "compat": "today's contract (the routed binary): 64-position steps, row sums by quad shuffles each step, "
+              "s * scale then s - m, folds every 512",
+    "plain": "FA3-like arithmetic (other bits): 128-position steps, per-thread sums, one fma exponent, no splits",
+    "v2_fold512": "128-position steps + per-lane row sums, compat's exponent form, folds every 512",
+    "v2_fold1024": "the same, folds every 1024",
+    "v2_nofold": "the same, no splits",
+    "v2fma_fold512": "128-position steps + per-lane sums + FA3's exponent form (one fma), folds every 512",
+    "v2fma_fold1024": "the same, folds every 1024",
+    "v2fma_nofold": "the same, no splits",
+    "v2fma_fold512_spread": "v2fma_fold512 with the producer spread over four warps",
+    "v2fma_nofold_spread": "v2fma_nofold with the producer spread over four warps",
+    "plain_spread": "plain with the producer spread over four warps",
+    "compat_spread": "today's contract (the same bits) with the producer spread over four warps",
+    "v2fma_fold512_s3": "v2fma_fold512 on three stages",
+    "v2fma_nofold_s3": "v2fma_nofold on three stages",
+}
+PALETTE = [(120, 120, 120), (214, 39, 40), (31, 119, 180), (255, 127, 14), (44, 160, 44), (148, 103, 189),
+           (140, 86, 75), (227, 119, 194), (23, 190, 207), (188, 189, 34), (90, 90, 200), (0, 0, 0),
+           (255, 187, 120), (152, 223, 138), (174, 199, 232), (197, 176, 213)]
+
+
+def report(paths, out_dir: str, stem: str = "contract-v2-h200") -> list[str]:
+    """Merge runs into <stem>.json / .md / .png; returns the markdown's table lines."""
+    from dhp_backend.audit import png
+
+    runs, cells = [], {}
+    for i, path in enumerate(paths):
+        with open(path) as fh:
+            run = json.load(fh)
+        runs.append({k: run.get(k) for k in ("device", "torch", "commit", "command")} | {"rows": run["rows"]})
+        for r in run["rows"]:
+            if r.get("us"):
+                cells[(r["heads"], r["shape"], r["variant"])] = dict(r, run=i)
+    cols = list(dict.fromkeys((h, s) for h, s, _ in cells))
+    variants = [v for v in ABOUT if any(k[2] == v for k in cells)]
+    lines = ["| variant | " + " | ".join(f"{s} ({h})" for h, s in cols) + " | run |",
+             "|---|" + "---:|" * len(cols) + "---|"]
+    for v in variants:
+        cs = [cells.get((h, s, v)) for h, s in cols]
+        fmt = [f"{c['fa3_over']:.3f} ({c['compat_over']:.2f})" if c and c.get("fa3_over") and c.get("compat_over")
+               else (f"{c['us']:.0f} us" if c else "-") for c in cs]
+        used = sorted({c["run"] + 1 for c in cs if c})
+        lines.append(f"| {v} | " + " | ".join(fmt) + f" | {','.join(map(str, used))} |")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, stem + ".json"), "w") as fh:
+        json.dump({"about": ABOUT, "runs": runs}, fh, indent=1)
+    dev = sorted({r["device"] for r in runs})
+    md = [f"# Issue 30, decision run (a): the prefill arithmetic contract ({', '.join(dev)})", "",
+          "`python -m benchmarks.contract_v2` (the experiment's library: `benchmarks/csrc/prefill_v2_sm90.cu`; "
+          "`csrc/prefill_sm90.cu` unchanged). bf16, head 128, block 16, policy `off` semantics, CUDA events, two "
+          "input sets alternating, median of the rounds' medians. Cell: **time ratio vs FA3** (> 1: faster than "
+          "FA3), in brackets **vs compat** (today's routed binary), both from the same run. Every binary was "
+          "checked against SDPA before it was timed (rel. err. <= 0.0025).", "",
+          "Runs: " + "; ".join(f"{i + 1}: commit {r['commit']}, `{(r['command'] or '').split('contract_v2.py')[-1].strip()}`"
+                               for i, r in enumerate(runs)), "", *lines, "", "Variants:", ""]
+    md += [f"- `{v}`: {ABOUT[v]}" for v in variants]
+    with open(os.path.join(out_dir, stem + ".md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    # Grouped bars: x FA3 per shape, one bar per variant; a dashed line at 1.0 (FA3).
+    w, h = 1100, 460
+    c = png.Canvas(w, h)
+    left, right, top, bottom = 60, w - 250, 40, h - 60
+    c.text(left, 10, "PREFILL X FA3 (TIME RATIO) PER SHAPE, " + ", ".join(dev))
+    top_v = 1.1
+    y = lambda v: bottom - (v / top_v) * (bottom - top)  # noqa: E731
+    c.line(left, bottom, right, bottom, png.BLACK)
+    c.line(left, top, left, bottom, png.BLACK)
+    for tick in (0.25, 0.5, 0.75, 1.0):
+        c.line(left, y(tick), right, y(tick), png.GREY if tick < 1 else png.RED, dash=0 if tick < 1 else 6)
+        c.text(8, int(y(tick)) - 5, f"{tick:.2f}")
+    group = (right - left) / max(1, len(cols))
+    bar = max(2, int((group - 10) / max(1, len(variants))))
+    for gi, (hd, sh) in enumerate(cols):
+        x0 = left + 5 + gi * group
+        for vi, v in enumerate(variants):
+            cell = cells.get((hd, sh, v))
+            if cell and cell.get("fa3_over"):
+                c.rect(int(x0 + vi * bar), int(y(min(cell["fa3_over"], top_v))), int(x0 + (vi + 1) * bar - 2),
+                       bottom - 1, PALETTE[vi % len(PALETTE)])
+        c.text(int(x0), bottom + 8, sh[:14])
+        c.text(int(x0), bottom + 22, hd)
+    for vi, v in enumerate(variants):
+        c.rect(right + 15, top + vi * 18, right + 27, top + vi * 18 + 10, PALETTE[vi % len(PALETTE)])
+        c.text(right + 33, top + vi * 18, v[:26])
+    c.write(os.path.join(out_dir, stem + ".png"))
+    return lines
+
+
 def probe() -> bool:
     """Every binary right on small shapes (not hung), at both head configurations' GQA."""
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -135,7 +238,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--report", nargs="+", default=None, metavar="RUN.json",
+                    help="merge these runs' contract_v2.json into --out (no GPU)")
     args = ap.parse_args(argv)
+    if args.report:
+        if not args.out:
+            ap.error("--report needs --out DIR")
+        print("\n".join(report(args.report, args.out)))
+        return 0
     names = args.variants.split(",")
     bad = [n for n in names if n != "fa3" and n not in VARIANTS]
     if bad:
@@ -205,7 +315,7 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "contract_v2.json"), "w") as fh:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           commit=os.environ.get("DHP_COMMIT"), command=" ".join(sys.argv), rows=rows), fh, indent=1)
+                           commit=commit(), command=" ".join(sys.argv), rows=rows), fh, indent=1)
     return 0
 
 
