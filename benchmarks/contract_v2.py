@@ -87,9 +87,9 @@ def v2_fn(st, causal: bool, variant: str):
 
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+    if st["q"].dtype != torch.bfloat16:
+        raise ValueError(f"dtype {st['q'].dtype}; accepted: torch.bfloat16 (the experiment builds bf16 binaries only)")
     q, kc, vc = st["q"], st["kc"], st["vc"]
-    if q.dtype != torch.bfloat16:
-        raise ValueError(f"dtype {q.dtype}; accepted: torch.bfloat16 (the experiment builds bf16 binaries only)")
     out = torch.full_like(q, float("nan"))
     T = q.shape[0]
     validate(q, kc, vc, st["table"], st["qsl"], st["sl"], out, T)

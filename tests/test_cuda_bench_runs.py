@@ -1,12 +1,15 @@
 """benchmarks.cuda_runs (what the csrc kernels' benches share), on CPU tensors: a row is
 timed only when its output is right; a missing anchor
 is a row that says so; the benches refuse a machine without an sm_90 GPU; the
-shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot."""
+shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot; benchmarks.contract_v2's
+refusals and its merged report."""
 
 import pytest
 import torch
 
-from benchmarks import cuda_decode, cuda_prefill, cuda_runs, sustained
+import json
+
+from benchmarks import contract_v2, cuda_decode, cuda_prefill, cuda_runs, sustained
 
 REF = torch.ones(4, 2, 8)
 
@@ -55,7 +58,7 @@ def test_fa3_ratios():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("bench,argv", [(cuda_decode, ["--probe"]), (cuda_prefill, ["--probe"]),
-                                        (sustained, ["--shapes", "B1-4k"])])
+                                        (sustained, ["--shapes", "B1-4k"]), (contract_v2, ["--probe"])])
 def test_benches_refuse_without_gpu(bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -90,3 +93,40 @@ def test_sustained_table_and_plot(tmp_path):
     else:
         assert why is None and (tmp_path / "s.png").stat().st_size > 1000
         assert "no DHP row" in sustained.plot(rows[:1], str(tmp_path / "t.png"))
+
+
+def test_contract_v2_refuses_bad_variant_and_dtype():
+    st = dict(q=torch.zeros(4, 32, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="variant 'nope'; accepted: compat, plain, v2_fold512"):
+        contract_v2.v2_fn(st, True, "nope")
+    with pytest.raises(ValueError, match="dtype torch.float16; accepted: torch.bfloat16"):
+        contract_v2.v2_fn(st, True, "v2_fold512")
+    with pytest.raises(SystemExit):
+        contract_v2.main(["--variants", "fa3,warp_speed"])
+
+
+def _run(tmp_path, name, commit, rows):
+    path = tmp_path / name
+    path.write_text(json.dumps(dict(device="NVIDIA H200", torch="x", commit=commit, command="contract_v2.py --out o",
+                                    rows=rows)))
+    return str(path)
+
+
+def test_contract_v2_report_merges_runs(tmp_path):
+    def row(variant, us, fa3_over, compat_over, shape="causal-4k"):
+        return dict(shape=shape, heads="32,8", variant=variant, us=us, fa3_over=fa3_over, compat_over=compat_over)
+    first = _run(tmp_path, "a.json", "aaa", [row("fa3", 100.0, 1.0, 1.6), row("compat", 160.0, 0.625, 1.0),
+                                             row("v2_fold512", 150.0, 0.667, 1.067)])
+    second = _run(tmp_path, "b.json", "bbb", [row("fa3", 101.0, 1.0, 1.6), row("compat", 161.0, 0.627, 1.0),
+                                              row("v2_fold512", 140.0, 0.721, 1.15),
+                                              dict(row("plain", None, None, None), error="wrong result")])
+    lines = contract_v2.report([first, second], str(tmp_path / "out"))
+    assert lines[0] == "| variant | causal-4k (32,8) | run |"
+    v2 = next(x for x in lines if x.startswith("| v2_fold512 |"))
+    assert v2 == "| v2_fold512 | 0.721 (1.15) | 2 |"  # the later run's cell, both ratios from that run
+    assert not any(x.startswith("| plain |") for x in lines)  # a row without a time is no cell
+    md = (tmp_path / "out" / "contract-v2-h200.md").read_text()
+    assert "1: commit aaa" in md and "2: commit bbb" in md and "`v2_fold512`: 128-position steps" in md
+    merged = json.loads((tmp_path / "out" / "contract-v2-h200.json").read_text())
+    assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"] and "compat" in merged["about"]
+    assert (tmp_path / "out" / "contract-v2-h200.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -190,6 +190,19 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // product's producer is one thread of warp 0, whose partition then also carries two
 // consumer warps' issue (docs/perf-notes.md, issue 30's producer-placement finding).
 // FA3's paged path for 16-token pages also loads from all four producer warps.
+// Producer warp pw's quarter of a stage: pages 2pw and 2pw + 1, each two 64-column boxes,
+// on the stage's full barrier armed with the quarter's bytes.
+__device__ __forceinline__ void load_quarter(uint32_t dst, const CUtensorMap* tm, uint32_t full, int pw, int blk0,
+                                             int blk1, int kvh) {
+  mbar_arrive_expect_tx(full, kTileBytes / 4);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int pg = 2 * pw + j, blk = j ? blk1 : blk0;
+    tma_load_4d(dst + pg * 16 * 128, tm, full, 0, 0, kvh, blk);
+    tma_load_4d(dst + kHalfBytes + pg * 16 * 128, tm, full, 64, 0, kvh, blk);
+  }
+}
+
 template <int STAGES>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
@@ -208,21 +221,9 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
     const int blk0 = table[min(t * 8 + 2 * pw, last_page)], blk1 = table[min(t * 8 + 2 * pw + 1, last_page)];
     if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    mbar_arrive_expect_tx(bar.k_full(s), kTileBytes / 4);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int pg = 2 * pw + j, blk = j ? blk1 : blk0;
-      tma_load_4d(k_dst + pg * 16 * 128, tm_k, bar.k_full(s), 0, 0, kvh, blk);
-      tma_load_4d(k_dst + kHalfBytes + pg * 16 * 128, tm_k, bar.k_full(s), 64, 0, kvh, blk);
-    }
+    load_quarter(k_dst, tm_k, bar.k_full(s), pw, blk0, blk1, kvh);
     if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    mbar_arrive_expect_tx(bar.v_full(s), kTileBytes / 4);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int pg = 2 * pw + j, blk = j ? blk1 : blk0;
-      tma_load_4d(v_dst + pg * 16 * 128, tm_v, bar.v_full(s), 0, 0, kvh, blk);
-      tma_load_4d(v_dst + kHalfBytes + pg * 16 * 128, tm_v, bar.v_full(s), 64, 0, kvh, blk);
-    }
+    load_quarter(v_dst, tm_v, bar.v_full(s), pw, blk0, blk1, kvh);
   }
 }
 
@@ -307,7 +308,9 @@ int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& t
 }  // namespace
 }  // namespace dhp
 
-// Policy-off arguments of dhp_prefill_sm90 (no constant-time walk); bf16 only. Returns 0, a
+// Policy-off arguments of dhp_prefill_sm90 (no constant-time walk); bf16 only. Its setup
+// repeats the product entry's (tensor maps, Params): csrc/ stays byte for byte what G4's
+// report measured (timing.MEASURED_CODE) until the migration moves the winner there. Returns 0, a
 // cudaError_t, or the product entry's codes (-1..-7; -5: unknown variant or fp16).
 extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                    const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
