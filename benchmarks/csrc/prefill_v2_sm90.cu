@@ -24,7 +24,8 @@
 // compat's multiply-then-subtract); 42/43 v2fma fold512 / nofold and 44 plain with the
 // producer spread over four warps (produce_spread; block size 16, else -9); 45/46 v2fma
 // fold512 / nofold on three stages; 47 compat (today's contract, the same bits) with the
-// producer spread. bf16 only.
+// producer spread; 48 / 49 / 50 plain with the spread producer and FA3's intra-warpgroup
+// overlap / pingpong / both. bf16 only.
 //
 // Not constant-time (policy off: the walk follows the true lengths), as the product's
 // off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
@@ -229,7 +230,8 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
 
 // The product kernel's policy-off path (prefill_kernel) with the v2 consumer and FA3's
 // register split (24 / 240).
-// CONSUMER: 0 consume_v2, 1 plain (the product's consume), 2 compat (the product's consume_compat, n128 form).
+// CONSUMER: 0 consume_v2, 1 plain (the product's consume), 2 compat (the product's consume_compat, n128 form),
+// 3 / 4 / 5 plain with OVERLAP / PINGPONG / both (consume's flags: FA3's schedules).
 template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, int CONSUMER>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -283,6 +285,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     regs_alloc<240>();
     if constexpr (CONSUMER == 1)
       consume<BF16, false, false, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
+    else if constexpr (CONSUMER == 3)  // plain with FA3's intra-warpgroup overlap
+      consume<BF16, true, false, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
+    else if constexpr (CONSUMER == 4)  // plain with FA3's pingpong of the two consumer warpgroups
+      consume<BF16, false, true, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
+    else if constexpr (CONSUMER == 5)  // both
+      consume<BF16, true, true, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
     else if constexpr (CONSUMER == 2)
       consume_compat<BF16, STAGES, true>(p, w, smem_ptr, smem, bar, kvh, g);
     else
@@ -375,6 +383,9 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
     case 43: return block_size == 16 ? launch_v2<0, true, true>(tq, tk, tv, p, grid, st) : -9;
     case 44: return block_size == 16 ? launch_v2<0, false, true, 1>(tq, tk, tv, p, grid, st) : -9;
     case 47: return block_size == 16 ? launch_v2<0, false, true, 2>(tq, tk, tv, p, grid, st) : -9;
+    case 48: return block_size == 16 ? launch_v2<0, false, true, 3>(tq, tk, tv, p, grid, st) : -9;
+    case 49: return block_size == 16 ? launch_v2<0, false, true, 4>(tq, tk, tv, p, grid, st) : -9;
+    case 50: return block_size == 16 ? launch_v2<0, false, true, 5>(tq, tk, tv, p, grid, st) : -9;
     case 45: return launch_v2<512, true, false, 0, 3>(tq, tk, tv, p, grid, st);
     case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
