@@ -6,6 +6,8 @@
 #   bench     quick kernel timing vs anchors (benchmarks/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_prefill.py; CUDAPF_ARGS)
+#   contractv2 issue 30's experiment (benchmarks/contract_v2.py: candidate prefill contracts vs compat, plain, FA3):
+#             probe (subprocess, 150 s limit), then the bench (CV2_ARGS, e.g. --variants ...; CV2_BENCH_S, default 300)
 #   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (benchmarks/triton_ceiling.py; CEIL_ARGS)
 #   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode;
@@ -84,6 +86,9 @@ for step in "$@"; do
                     | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
                   timeout ${CUDAPF_BENCH_S:-300} python3 -m benchmarks.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudapf.log" | tail -45; } ;;
+    contractv2) timeout 150 python3 -m benchmarks.contract_v2 --probe 2>&1 | tee "$OUT/contractv2-probe.log" | tail -c 600 \
+               && timeout ${CV2_BENCH_S:-300} python3 -m benchmarks.contract_v2 ${CV2_ARGS:-} --out "$OUT" 2>&1 \
+                    | tee "$OUT/contract_v2.log" | grep -v "^\[" | tail -80 ;;
     cudadec) # As cudapf: every part under its own timeout.
              timeout 240 python3 -m benchmarks.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
              && { timeout ${CUDADEC_TEST_S:-240} python3 -m pytest -q -m gpu tests/test_cuda_decode_gpu.py -x -p no:cacheprovider 2>&1 \
