@@ -296,7 +296,7 @@ def _resummarize(args: argparse.Namespace, report) -> int:
         doc = json.load(f)
     paths_e2e = args.e2e_json or []
     doc["header"]["e2e_json"] = paths_e2e
-    doc["summary"] = report.summarize(doc["rows"], e2e_runs=[(p, *report.load_e2e(p)) for p in paths_e2e] or None,
+    doc["summary"] = report.summarize(doc["rows"], e2e_runs=report.load_e2e_runs(paths_e2e) or None,
                                       e2e_why="no --e2e-json given",
                                       device=doc["header"]["device"]["name"], commit=doc["header"].get("commit"))
     paths = report.write(doc, args.out, latest=args.latest, plots=not args.no_plots)

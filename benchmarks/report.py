@@ -122,6 +122,28 @@ def load_e2e(path: str | None) -> tuple[list | None, str | None]:
     return rows, None
 
 
+def load_e2e_runs(paths) -> list[tuple[str, list | None, str | None]]:
+    """[(source, rows, why)] of end-to-end JSON files, in the order given. A file of several runs side by side
+    (``parts``: one report per GPU, as `docs/bench/e2e-address-rule-h200.json`) gives one run per part,
+    ``<path>#gpu<N>``, so that a ratio never pairs rows of two GPUs."""
+    runs = []
+    for path in paths or []:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = None
+        parts = doc.get("parts") if isinstance(doc, dict) else None
+        if not isinstance(parts, list):
+            runs.append((path, *load_e2e(path)))
+            continue
+        for i, part in enumerate(parts):
+            rows = part.get("results") if isinstance(part, dict) else None
+            src = f"{path}#gpu{part.get('gpu', i) if isinstance(part, dict) else i}"
+            runs.append((src, rows, None) if isinstance(rows, list) else (src, None, f"{src}: no 'results' list"))
+    return runs
+
+
 def _e2e_keys(rows: list | None, why: str | None) -> dict:
     def usable(r):
         t = r.get("output_tok_per_s")
@@ -199,7 +221,7 @@ def build(header: dict, ceilings: dict, cases, rows: list[dict], *, e2e_paths: l
     for r in rows:
         r["frac_copy_bw"] = r["useful_GBps"] / copy_bw if r.get("useful_GBps") and copy_bw else None
         r["frac_matmul"] = r["useful_TFLOPs"] / mm if r.get("useful_TFLOPs") and mm else None
-    runs = [(p, *load_e2e(p)) for p in e2e_paths or []]
+    runs = load_e2e_runs(e2e_paths)
     summary = summarize(rows, e2e_runs=runs or None, e2e_why="no --e2e-json given", device=header["device"]["name"],
                         commit=header.get("commit"))
     return {"header": {**header, "e2e_json": list(e2e_paths or [])}, "ceilings": ceilings,

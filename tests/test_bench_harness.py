@@ -150,6 +150,23 @@ def test_summary_takes_each_e2e_key_from_the_first_complete_run(tmp_path):
     assert any(m.startswith(str(newer)) for m in d["missing"]) and any("cannot read" in m for m in d["missing"])
 
 
+def test_e2e_file_of_parts_gives_one_run_per_gpu(tmp_path):
+    # Two GPUs side by side: each ratio from one part, never FLASH_ATTN of one GPU over DHP of the other.
+    parts = tmp_path / "parts.json"
+    parts.write_text(json.dumps({"parts": [
+        {"gpu": 0, "results": [dict(E2E_ROWS[0], output_tok_per_s=1100.0), {**E2E_ROWS[2], "output_tok_per_s": 990.0}]},
+        {"gpu": 1, "results": [dict(E2E_ROWS[0]), {**E2E_ROWS[2], "output_tok_per_s": 980.0}]},
+        {"gpu": 2}]}))
+    runs = report.load_e2e_runs([str(parts)])
+    assert [r[0] for r in runs] == [f"{parts}#gpu0", f"{parts}#gpu1", f"{parts}#gpu2"]
+    assert runs[2][1] is None and "no 'results' list" in runs[2][2]
+    s = report.summarize([], e2e_runs=runs)
+    assert s["e2e_off_vs_flash_attn"] == pytest.approx(990 / 1100)  # the first part, both rows from it
+    assert s["detail"]["e2e_off_vs_flash_attn"]["source"] == f"{parts}#gpu0"
+    plain = _e2e_file(tmp_path, E2E_ROWS)  # a file without parts stays one run
+    assert [r[0] for r in report.load_e2e_runs([plain])] == [plain]
+
+
 def test_resummarize_joins_a_bench_json_with_e2e_runs(tmp_path):
     """`bench --resummarize`: no timing, the kernel keys recomputed from the rows, the e2e keys from the runs."""
     from benchmarks import harness
