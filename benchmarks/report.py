@@ -107,19 +107,29 @@ def _kernel_keys(rows) -> dict:
     }
 
 
+def _read_e2e(path: str) -> tuple[object, str | None]:
+    """(the parsed end-to-end JSON, None) or (None, why it cannot be read)."""
+    try:
+        with open(path) as f:
+            return json.load(f), None
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read {path}: {type(exc).__name__}: {exc}"
+
+
+def _e2e_rows(doc, source: str) -> tuple[list | None, str | None]:
+    """(the ``results`` rows of one run's report, None) or (None, why not)."""
+    rows = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        return None, f"{source}: no 'results' list"
+    return rows, None
+
+
 def load_e2e(path: str | None) -> tuple[list | None, str | None]:
     """(rows of the end-to-end JSON, None) or (None, why not)."""
     if not path:
         return None, "no --e2e-json given"
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        return None, f"cannot read {path}: {type(exc).__name__}: {exc}"
-    rows = doc.get("results") if isinstance(doc, dict) else None
-    if not isinstance(rows, list):
-        return None, f"{path}: no 'results' list"
-    return rows, None
+    doc, why = _read_e2e(path)
+    return (None, why) if why else _e2e_rows(doc, path)
 
 
 def load_e2e_runs(paths) -> list[tuple[str, list | None, str | None]]:
@@ -128,19 +138,14 @@ def load_e2e_runs(paths) -> list[tuple[str, list | None, str | None]]:
     ``<path>#gpu<N>``, so that a ratio never pairs rows of two GPUs."""
     runs = []
     for path in paths or []:
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            doc = None
+        doc, why = _read_e2e(path)
         parts = doc.get("parts") if isinstance(doc, dict) else None
-        if not isinstance(parts, list):
-            runs.append((path, *load_e2e(path)))
+        if why or not isinstance(parts, list):
+            runs.append((path, None, why) if why else (path, *_e2e_rows(doc, path)))
             continue
         for i, part in enumerate(parts):
-            rows = part.get("results") if isinstance(part, dict) else None
             src = f"{path}#gpu{part.get('gpu', i) if isinstance(part, dict) else i}"
-            runs.append((src, rows, None) if isinstance(rows, list) else (src, None, f"{src}: no 'results' list"))
+            runs.append((src, *_e2e_rows(part, src)))
     return runs
 
 
