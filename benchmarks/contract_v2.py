@@ -23,11 +23,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import cuda_prefill as cp
-from benchmarks import cuda_runs
+from benchmarks import cuda_runs, experiment_lib
 from benchmarks.inputs import rel_err
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_v2_sm90.cu"
@@ -53,27 +51,7 @@ QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the 
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     """Build (once per source/flags/nvcc, cached under the engine's build cache) and load the library."""
-    from dhp_backend.ops import cuda_build as cb
-
-    nvcc = cb.find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found: the experiment's kernels are built with the CUDA toolkit")
-    csrc = cb.csrc_dir()
-    flags = cb.BASE_FLAGS + cb.SM90A
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(cb.build_key(csrc, flags, version).encode() + SOURCE.read_bytes()).hexdigest()[:16]
-    out = cb.cache_dir() / f"dhp_prefill_v2-{key}" / "libdhp_prefill_v2.so"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        tmp = out.with_name(f".{os.getpid()}.so")
-        res = subprocess.run([nvcc, *flags, "-I", str(csrc), "-o", str(tmp), str(SOURCE)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {SOURCE.name}:\n{(res.stderr or res.stdout)[-3000:]}")
-        os.replace(tmp, out)
-        print(f"built {out} in {time.time() - t0:.0f}s", flush=True)
-    lib = ctypes.CDLL(str(out))
+    lib = experiment_lib.load(SOURCE, "dhp_prefill_v2")
     i64, i32, p, u32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint
     lib.dhp_prefill_v2_sm90.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32,
                                         i32, i32, i32, i32, ctypes.c_float, i32, i32, u32, u32, p]

@@ -64,6 +64,8 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
+# exp_v2: issue 30's decode on the next arithmetic contract; exp_<variant>: the product's binary
+# built in that experiment's library (benchmarks/decode_v2.py; other bits, so not compared).
 # cuda_<variant>[:grid|:lpt|:spp<N>]: fold mode's schedule forced off (grid order) or on
 # (longest first), or split mode's splits per CTA forced to N (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
@@ -228,6 +230,9 @@ def main(argv=None):
                 elif _cuda_variant(name):
                     variant, order, spp = _cuda_variant(name)
                     fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
+                elif name.startswith("exp_"):  # issue 30's experiment library (benchmarks/decode_v2.py)
+                    from benchmarks import decode_v2
+                    fns = [decode_v2.exp_fn(s, name[4:]) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)

@@ -2,14 +2,14 @@
 timed only when its output is right; a missing anchor
 is a row that says so; the benches refuse a machine without an sm_90 GPU; the
 shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot; benchmarks.contract_v2's
-refusals and its merged report."""
+refusals and its merged report; benchmarks.decode_v2's variant code and its use of the product launcher."""
 
 import pytest
 import torch
 
 import json
 
-from benchmarks import contract_v2, cuda_decode, cuda_prefill, cuda_runs, sustained
+from benchmarks import contract_v2, cuda_decode, cuda_prefill, cuda_runs, decode_v2, sustained
 
 REF = torch.ones(4, 2, 8)
 
@@ -58,7 +58,8 @@ def test_fa3_ratios():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("bench,argv", [(cuda_decode, ["--probe"]), (cuda_prefill, ["--probe"]),
-                                        (sustained, ["--shapes", "B1-4k"]), (contract_v2, ["--probe"])])
+                                        (sustained, ["--shapes", "B1-4k"]), (contract_v2, ["--probe"]),
+                                        (decode_v2, ["--probe"])])
 def test_benches_refuse_without_gpu(bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
@@ -130,3 +131,35 @@ def test_contract_v2_report_merges_runs(tmp_path):
     merged = json.loads((tmp_path / "out" / "contract-v2-h200.json").read_text())
     assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"] and "compat" in merged["about"]
     assert (tmp_path / "out" / "contract-v2-h200.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_v2_code_matches_the_kernel_sources():
+    """The v2 consumer's variant code is the product's kPipe options plus the experiment's kV2 bit, read
+    from the two .cu files: a renumbering in either would launch another binary."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    product = (root / "csrc" / "decode_sm90.cu").read_text()
+    opts = {k: int(v) for k, v in re.findall(r"\b(k[A-Z]\w+) = (\d+)", product)}
+    pipe = opts["kPairedV"] | opts["kEvictFirst"] | opts["kMmaSync"] | opts["kMmaPipe"]
+    assert re.search(r"constexpr int kPipe = kSync \| kMmaPipe;", product)
+    assert re.search(r"constexpr int kSync = kPairedV \| kEvictFirst \| kMmaSync;", product)
+    kv2 = int(re.search(r"constexpr int kV2 = (\d+);", decode_v2.SOURCE.read_text()).group(1))
+    assert kv2 & pipe == 0 and kv2 not in opts.values()
+    assert decode_v2.V2_CODE == 4 + 8 * (pipe | kv2)
+    assert "4 + 8 * (kPipe | kV2)" in decode_v2.SOURCE.read_text()
+
+
+def test_decode_v2_patches_the_product_launcher_only_inside():
+    from dhp_backend.ops import cuda_decode as cd
+
+    entry, variants = cd._entry, dict(cd.VARIANTS)
+    with decode_v2.experiment_entry() as mod:
+        assert mod is cd and cd.VARIANTS[decode_v2.V2] == (decode_v2.V2_CODE, 2)
+        assert cd._entry is not entry
+    assert cd._entry is entry and cd.VARIANTS == variants and decode_v2.V2 not in cd.VARIANTS
+    with pytest.raises(RuntimeError, match="boom"):
+        with decode_v2.experiment_entry():
+            raise RuntimeError("boom")
+    assert cd._entry is entry and cd.VARIANTS == variants
