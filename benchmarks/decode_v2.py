@@ -2,6 +2,7 @@
 kernel's consumer on the next contract, checked bit for bit against the prefill that chose it.
 
     python -m benchmarks.decode_v2 --probe      # right, and a decode row == the v2 prefill's row
+    python -m benchmarks.decode_v2 --g2         # the csrc SASS gate on its constant-time binaries (no GPU)
     python -m benchmarks.cuda_decode --variants fa3,cuda_auto,exp_v2,exp_p2x2_pv_ef ...   # timing
 
 An EXPERIMENT, outside the package: ``benchmarks/csrc/decode_v2_sm90.cu`` includes
@@ -13,7 +14,8 @@ rows differ in the kernel only. ``exp_<variant>`` of a product variant is the pr
 built by the same nvcc in the experiment library (a like-for-like baseline).
 
 The probe (exit 1 when wrong):
-  - every row against SDPA, both split modes, splits dealt one and three per CTA;
+  - every row against SDPA, both split modes, splits dealt one and three per CTA, and the constant-time
+    walks (one bucket; per-request buckets) whose bits must be policy ``off``'s;
   - **the contract's invariance**: a decode row equals, bit for bit, the last row of the v2 prefill
     (``benchmarks.contract_v2`` variant ``v2fma_fold512``) of the same request on the same cache:
     prefill = decode for the same position;
@@ -59,25 +61,28 @@ def experiment_entry():
     """The product launcher with the experiment library's entry, and variant ``v2`` known to it."""
     from dhp_backend.ops import cuda_decode as cd
 
-    saved_entry, saved_variants = cd._entry, dict(cd.VARIANTS)
+    saved_entry, saved_variants, saved_ct = cd._entry, dict(cd.VARIANTS), cd.CT_VARIANTS
     cd._entry = lambda: library().dhp_decode_v2_sm90
     cd.VARIANTS[V2] = (V2_CODE, 2)
+    cd.CT_VARIANTS = (*saved_ct, V2)  # the launcher adds the walk's options to the code
     try:
         yield cd
     finally:
         cd._entry = saved_entry
+        cd.CT_VARIANTS = saved_ct
         cd.VARIANTS.clear()
         cd.VARIANTS.update(saved_variants)
 
 
-def exp_fn(st, variant: str = V2, mode=None, spp=None):
+def exp_fn(st, variant: str = V2, mode=None, spp=None, bucket=None):
     """A closure launching ``variant`` (``v2`` or a product variant) of the experiment library on
-    decode step ``st`` (benchmarks.cuda_prefill.make_step) into its own output; policy off."""
+    decode step ``st`` (benchmarks.cuda_prefill.make_step) into its own output; policy off, or with
+    ``bucket`` (an int, or int32 per-request buckets) the constant-time walk to it."""
     from benchmarks.cuda_prefill import SCALE
 
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, spp=spp)
+    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, spp=spp, bucket=bucket)
     with experiment_entry() as cd:
         cd.decode_sm90(*args, **kw)  # the metadata checked once
 
@@ -98,7 +103,7 @@ def decode_of_prefill(st):
 def probe() -> bool:
     from benchmarks import contract_v2
     from benchmarks import cuda_prefill as cp
-    from benchmarks.cuda_decode import cuda_fn
+    from benchmarks.cuda_decode import PROBE_BUCKET, cuda_fn
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     errs, same_prefill, same_product = {}, {}, {}
@@ -106,16 +111,21 @@ def probe() -> bool:
         cp.H, cp.HKV = (int(x) for x in heads.split(","))
         # lengths: inside one step, a stage past the end, a split's edge, several splits, a page tail
         for lens in ((1, 64, 65), (127, 128, 129, 200), (511, 512, 513), (1000, 2100, 77), (5000, 4099)):
-            pre = cp.make_step([(s, s) for s in lens], gen)
+            # every request owns its pages up to PROBE_BUCKET: the constant-time walk reads them
+            pre = cp.make_step([(s, s) for s in lens], gen, width=PROBE_BUCKET // cp.BS, reserve=PROBE_BUCKET)
             v2_prefill = contract_v2.v2_fn(pre, True, "v2fma_fold512")()
             st, last = decode_of_prefill(pre)
             ref = cp.sdpa_ref(st, True)
             want = v2_prefill[last]
-            runs = [(V2, mode, spp) for mode, spp in (("split", None), ("fold", None), ("split", 1), ("split", 3))]
-            for variant, mode, spp in runs:
-                o = exp_fn(st, variant, mode, spp)()
+            per_req = torch.full((len(lens),), PROBE_BUCKET, dtype=torch.int32, device=pre["q"].device)
+            runs = [(mode, spp, None) for mode, spp in (("split", None), ("fold", None), ("split", 1), ("split", 3))]
+            # the constant-time walks (one bucket, per-request buckets): the same bits (policy invariance)
+            runs += [(mode, None, b) for mode in ("split", "fold") for b in (PROBE_BUCKET, per_req)]
+            for mode, spp, bucket in runs:
+                o = exp_fn(st, V2, mode, spp, bucket)()
                 torch.cuda.synchronize()
-                key = f"{heads} {lens} {variant}/{mode}{f'/spp{spp}' if spp else ''}"
+                ct = "" if bucket is None else ("/ct" if isinstance(bucket, int) else "/ct-per-request")
+                key = f"{heads} {lens} v2/{mode}{f'/spp{spp}' if spp else ''}{ct}"
                 errs[key] = rel_err(o, ref)
                 same_prefill[key] = bool(torch.equal(o.view(torch.int16), want.view(torch.int16)))
             for mode in ("split", "fold"):  # the experiment library's product binary == the engine's
@@ -131,10 +141,105 @@ def probe() -> bool:
     return ok
 
 
+def _rule(name: str, pattern: str, reason: str):
+    from dhp_backend.audit import cuda_rules as CR
+    return CR.CudaRule(name, SOURCE.name, pattern, CR.PUBLIC, reason)
+
+
+def experiment_rules() -> tuple:
+    """G2 rules for the branches of decode_v2_sm90.cu's own lines (the lines it includes from
+    csrc/decode_sm90.cu keep the product's rules): each says why its condition is public."""
+    return (
+        _rule("v2-role", r"^(\} else )?if \((threadIdx\.x (==|>=) \d+|warp < 2|lane == 0|lane % 4 == 0|"
+                         r"ws == 0 && lane % 4 == 0( && last_split\(w, sp\))?)\)( \{)?(\s+//.*)?$",
+              "warp-specialised roles by thread index (barrier init, producer, S / PV pairs, the lanes that write "
+              "a row's values); last_split: the split index of the bucket's walk"),
+        _rule("v2-split-loop", r"^for \(int sp = w\.s_lo; sp < w\.s_end; sp \+= w\.s_stride\) \{$",
+              "the CTA's splits: CTA index, the host's plan and the public bucket"),
+        _rule("v2-step-loop", r"^for \(int j = split_first\(sp\); j < je; j \+= 2, k \+= 2\) \{$",
+              "a split's 128-position steps below the bucket's step count"),
+        _rule("v2-ring-reuse", r"^if \(u >= 2\) mbar_wait\(", "the P ring's second round on: step index only"),
+        _rule("v2-split-end", r"^if \(j \+ 2 == je\) \{", "a split's last step: step index of the bucket's walk"),
+        _rule("v2-cta-end", r"^if \((k \+ 2 == n_steps|n_steps == 0)\) store_out_rows\(",
+              "the CTA's output after its last step: the bucket's step count"),
+        _rule("v2-inv", r"^if \(!WRITE_PARTIALS && k \+ 2 == n_steps\) \{", "the CTA's last step"),
+        _rule("v2-rows", r"^if \((ws != 0 \|\| lane % 4 != 0 \|\| !\(h == 0 \? ok_lo : ok_hi\)|"
+                         r"h == 0 \? !ok_lo : !ok_hi)\) continue;$",
+              "the tile rows that are query heads of the group, by the lanes that write them: thread index, GROUP"),
+        _rule("v2-group-rows", r"^if \(ok_(lo|hi)\) store_out_half<", "query heads of the group: GROUP"),
+    )
+
+
+def g2(progress=print) -> bool:
+    """The csrc G2 gate (dhp_backend.audit.cuda_gate) on the experiment's constant-time binaries, built
+    offline (nvcc, no GPU): one bucket gates, per-request buckets are reported with their documented
+    label, as the product's decode_kernel; the product's rules plus `experiment_rules`. The off binaries
+    are the control: audited as gating, they must fail (their walk follows the loaded lengths)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from dhp_backend.audit import cuda_gate
+    from dhp_backend.audit import cuda_rules as CR
+    from dhp_backend.audit import sass
+    from dhp_backend.ops import cuda_build as cb
+
+    nvcc = cb.find_nvcc()
+    if nvcc is None:
+        progress("g2: nvcc not found")
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "decode_v2.cubin"
+        res = subprocess.run([nvcc, *cb.CUBIN_FLAGS, "-cubin", *cb.SM90A, "-I", str(cb.csrc_dir()), "-o", str(out),
+                              str(SOURCE)], capture_output=True, text=True)
+        if res.returncode != 0:
+            progress(f"g2: nvcc failed: {(res.stderr or res.stdout)[-2000:]}")
+            return False
+        cubin = out.read_bytes()
+    funcs = sass.disassemble(cubin)
+    ptx_all = cuda_gate.embedded_ptx(cubin)
+    saved = CR.RULES
+    CR.RULES = saved + experiment_rules()
+    ok, n = True, 0
+    try:
+        for name in sorted(funcs):
+            if "decode_v2_kernel" not in name:
+                continue
+            args = tuple(int(m[2:-1]) for m in re.findall(r"(Lb[01]E|Li-?\d+E)",
+                                                         name.split("decode_v2_kernel", 1)[1].split("EEv", 1)[0] + "E"))
+            opt = args[-1]
+            walk = (2 if opt & CR.DECODE_BUCKET_PER_REQ else 1) if opt & CR.DECODE_CONST_TIME else 0
+            # The off binaries (true lengths, not constant-time by contract) are the control: audited
+            # as if they gated, the gate must find their branches on the loaded lengths.
+            inst = CR.Instance("decode_v2_kernel", args, walk != 2, frozenset({"mem"}) if walk == 2 else frozenset(),
+                               ["control: policy off audited as gating", "v2 constant-time walk, one bucket",
+                                "v2 constant-time walk, per-request buckets"][walk])
+            r = cuda_gate.audit_function(name, funcs, ptx_all, inst, source_dirs=(str(SOURCE.parent),))
+            n += 1
+            verdict = "PASS" if r["passed"] else f"FAIL ({len(r['failures'])})"
+            role = "control" if walk == 0 else ("gating" if inst.gating else "reported")
+            progress(f"g2: decode_v2_kernel{list(args)} {role}: {r['n_control']} control instructions "
+                     f"{r['by_rule']}, guarded {r['guarded_data_ops']} -> {verdict}"
+                     + (" (detected, as it must)" if walk == 0 and not r["passed"] else ""))
+            for f in r["failures"][:3 if walk == 0 else 12]:
+                progress(f"    #{f['index']} {f['instr']} at {f['source']} '{f['source_text']}': {f['why']}")
+            if walk == 0:  # detected: some branch's condition carries a loaded value (the lengths)
+                ok &= any("mem:" in f["why"] for f in r["failures"])
+            else:
+                ok &= r["passed"] or not inst.gating
+    finally:
+        CR.RULES = saved
+    return ok and n > 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--probe", action="store_true", help="check the v2 decode (exit 1 if wrong); the default")
-    ap.parse_args(argv)
+    ap.add_argument("--probe", action="store_true", help="check the v2 decode on the GPU (exit 1 if wrong); the default")
+    ap.add_argument("--g2", action="store_true",
+                    help="instead: the csrc SASS gate on the experiment's constant-time binaries (nvcc, no GPU)")
+    args = ap.parse_args(argv)
+    if args.g2:
+        return 0 if g2() else 1
     return cuda_runs.probe_first(ap, probe, "decode (contract v2)", True)
 
 

@@ -8,9 +8,10 @@
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_prefill.py; CUDAPF_ARGS)
 #   contractv2 issue 30's experiment (benchmarks/contract_v2.py: candidate prefill contracts vs compat, plain, FA3):
 #             probe (subprocess, 150 s limit), then the bench (CV2_ARGS, e.g. --variants ...; CV2_BENCH_S, default 300)
-#   decodev2  issue 30's decode on the next contract (benchmarks/decode_v2.py): probe (subprocess, 300 s limit:
+#   decodev2  issue 30's decode on the next contract (benchmarks/decode_v2.py): its libraries built in parallel,
+#             probe (240 s limit:
 #             right, and a decode row == the v2 prefill's row), then benchmarks.cuda_decode with its rows
-#             (DV2_ARGS, default below; DV2_BENCH_S, default 300). The split-size question: the product binary
+#             (DV2_ARGS, default below; DV2_BENCH_S, default 240). The split-size question: the product binary
 #             with two 512-splits per CTA (:spp2) has the parallelism of 1024-position splits
 #   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (benchmarks/triton_ceiling.py; CEIL_ARGS)
@@ -93,8 +94,13 @@ for step in "$@"; do
     contractv2) timeout 150 python3 -m benchmarks.contract_v2 --probe 2>&1 | tee "$OUT/contractv2-probe.log" | tail -c 600 \
                && timeout ${CV2_BENCH_S:-300} python3 -m benchmarks.contract_v2 ${CV2_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/contract_v2.log" | grep -v "^\[" | tail -80 ;;
-    decodev2) timeout 300 python3 -m benchmarks.decode_v2 --probe 2>&1 | tee "$OUT/decodev2-probe.log" | tail -c 1500 \
-               && timeout ${DV2_BENCH_S:-300} python3 -m benchmarks.cuda_decode ${DV2_ARGS:---variants fa3,cuda_auto,cuda_p2x2_pv_ef:spp1,cuda_p2x2_pv_ef:spp2,exp_p2x2_pv_ef,exp_v2 --shapes B1-4k,B1-8k,B1-16k,B1-32k,B4-16k,B16-4k,B16-32k,B64-r32k,B256-r2k} \
+    decodev2) # the three libraries the probe loads, built side by side first (nvcc is one thread each)
+              for lib in "benchmarks.decode_v2 import library" "benchmarks.contract_v2 import library" \
+                         "dhp_backend.ops.cuda_build import prebuild as library"; do
+                timeout 300 python3 -c "from ${lib}; library()" >>"$OUT/decodev2-build.log" 2>&1 &
+              done; wait; tail -4 "$OUT/decodev2-build.log"
+              timeout 240 python3 -m benchmarks.decode_v2 --probe 2>&1 | tee "$OUT/decodev2-probe.log" | tail -c 1500 \
+               && timeout ${DV2_BENCH_S:-240} python3 -m benchmarks.cuda_decode ${DV2_ARGS:---variants fa3,cuda_auto,cuda_p2x2_pv_ef:spp1,cuda_p2x2_pv_ef:spp2,exp_p2x2_pv_ef,exp_v2 --shapes B1-4k,B1-8k,B1-16k,B1-32k,B4-16k,B16-4k,B16-32k,B64-r32k,B256-r2k} \
                     --out "$OUT" 2>&1 | tee "$OUT/decodev2.log" | tail -40 ;;
     cudadec) # As cudapf: every part under its own timeout.
              timeout 240 python3 -m benchmarks.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \

@@ -22,12 +22,18 @@
 // stages one after the other), after one rescale: the wgmma chain of the prefill.
 //
 // Variant codes of dhp_decode_v2_sm90: the product's codes (the same binaries built by
-// the same nvcc: a like-for-like baseline) and 4 + 8 * (kPipe | kV2), this consumer,
-// two stages x two CTAs per SM. bf16 and fp16; GROUP <= 16 (the mma.sync tile).
+// the same nvcc: a like-for-like baseline) and 4 + 8 * (kPipe | kV2 [| kConstTime
+// [| kBucketPerReq]]), this consumer, two stages x two CTAs per SM. bf16 and fp16;
+// GROUP <= 16 (the mma.sync tile).
 //
-// Not constant-time, as the product's off binaries: the walk, the mask branch and the
-// V-tail zeroing follow the true length (policy off). The constant-time form is the
-// product consumer's select-based walk on this arithmetic (the migration).
+// The off binaries are not constant-time, as the product's: the walk, the mask branch and
+// the V-tail zeroing follow the true length (policy off). The CT binaries (kConstTime) walk
+// the product's constant-time walk (work_ct: the public bucket over the request's reserved
+// table line, decode_sm90.cu "constant-time walk") with its remedies on 128-position
+// steps: every score masked by select, V past the true length zeroed in the fragments
+// (pv_step_mma's keep mask), the dead steps (every position past the row's end) run
+// unmasked and are dropped by the commit's selection, a dead split stores the filler; no
+// branch, trip count or address follows the true length (step_role_v2).
 
 #define dhp_decode_sm90 dhp_decode_sm90_product_entry  // this library exports its own entry
 #include "decode_sm90.cu"
@@ -55,6 +61,17 @@ struct LayoutV2 {
   static_assert(kOffK == Layout<STAGES, SMALL_Q, false>::kOffK && kOffV == Layout<STAGES, SMALL_Q, false>::kOffV,
                 "produce() fills the product layout's stages");
 };
+// CT binaries: a 128-position step whose positions all lie at or past the row's end is dead;
+// the split's committed state is its state at its last live step (decode_sm90.cu step_role,
+// on 128-position steps). dead and commit feed selects only.
+template <int OPT>
+__device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
+  const int kv0 = j * kStep;
+  const bool dead = kWalk<OPT> != 0 && kv0 >= w.ext;
+  const bool commit = !dead & ((j + 2 == je) | (kv0 + kStepV2 >= w.ext));
+  return {dead, commit};
+}
+
 // Row values (floats): max [2 warps][16 rows], alpha [2 buffers][16], coef [2 buffers][16][al, be],
 // inv [16]; the P ring's barriers at byte kPipeBarOff (768); per-lane sums [2 warps][32 lanes][4].
 constexpr int kV2Max = 0, kV2Alpha = 32, kV2Coef = 64, kV2Inv = 128, kV2Lsum = 256;
@@ -74,7 +91,7 @@ __device__ __forceinline__ float quad_sum_v2(float x) {
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh, int t) {
-  static_assert(kWalk<OPT> == 0, "policy off only");
+  constexpr bool kCT = kWalk<OPT> != 0;
   using L = LayoutV2<STAGES, SMALL_Q>;
   using Q = QTile<SMALL_Q>;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -101,9 +118,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
       enter_split<WRITE_PARTIALS>(w, sp);
       float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;  // this split's state, l per lane
+      float mc_lo = kMInit, mc_hi = kMInit, lc_lo = 0.f, lc_hi = 0.f;  // CT split mode: the committed state
       const int je = split_end(w, sp);
       for (int j = split_first(sp); j < je; j += 2, k += 2) {
         const int u = k / 2, b = u % 2;
+        const StepRole role = step_role_v2<OPT>(w, j, je);
         float s[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = -0.f;
@@ -128,14 +147,16 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           if (lane == 0) mbar_arrive(bar.k_empty(st));
         }
         const int kv0 = j * kStep;  // the 128-position step's first position
-        if (kv0 + kStepV2 > w.ext) {  // policy off: a branch on the (public) length; -inf by select
+        // off: a branch on the (public) length; CT: every step, by select (a dead step unmasked)
+        if (kCT || kv0 + kStepV2 > w.ext) {
+          const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int col = kv0 + 64 * (i / 4) + 32 * ws + 8 * (i % 4) + c2;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              s[4 * i + e] = col + e > lim ? -INFINITY : s[4 * i + e];
-              s[4 * i + 2 + e] = col + e > lim ? -INFINITY : s[4 * i + 2 + e];
+              s[4 * i + e] = col + e > lim_s ? -INFINITY : s[4 * i + e];
+              s[4 * i + 2 + e] = col + e > lim_s ? -INFINITY : s[4 * i + 2 + e];
             }
           }
         }
@@ -200,18 +221,47 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           rv[kV2Alpha + 16 * b + r_lo] = a_lo;
           rv[kV2Alpha + 16 * b + r_hi] = a_hi;
         }
+        if constexpr (kCT) {  // the commit (step_role_v2), by selection
+          if constexpr (WRITE_PARTIALS) {  // per-lane l: the quad meets at the split's end
+            mc_lo = ct::select_f32(role.commit, m_lo, mc_lo);
+            mc_hi = ct::select_f32(role.commit, m_hi, mc_hi);
+            lc_lo = ct::select_f32(role.commit, l_lo, lc_lo);
+            lc_hi = ct::select_f32(role.commit, l_hi, lc_hi);
+          } else {  // the fold of this step's state, computed every step, kept at the commit
+            float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+            const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, quad_sum_v2(l_lo));
+            const FoldCoef c_hi = fold_stats(mf_hi, lf_hi, m_hi, quad_sum_v2(l_hi));
+            mr_lo = ct::select_f32(role.commit, mf_lo, mr_lo);
+            lr_lo = ct::select_f32(role.commit, lf_lo, lr_lo);
+            mr_hi = ct::select_f32(role.commit, mf_hi, mr_hi);
+            lr_hi = ct::select_f32(role.commit, lf_hi, lr_hi);
+            if (ws == 0 && lane % 4 == 0) {
+              rv[kV2Coef + 32 * b + 2 * r_lo] = c_lo.al;
+              rv[kV2Coef + 32 * b + 2 * r_lo + 1] = c_lo.be;
+              rv[kV2Coef + 32 * b + 2 * r_hi] = c_hi.al;
+              rv[kV2Coef + 32 * b + 2 * r_hi + 1] = c_hi.be;
+            }
+          }
+        }
         if (j + 2 == je) {  // the split's end: its l over the quad, then what the PV pair needs
-          const float lq_lo = quad_sum_v2(l_lo), lq_hi = quad_sum_v2(l_hi);
           if constexpr (WRITE_PARTIALS) {
+            // CT: the committed state (neutral for a dead split)
+            const float lq_lo = quad_sum_v2(kCT ? lc_lo : l_lo), lq_hi = quad_sum_v2(kCT ? lc_hi : l_hi);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               if (ws != 0 || lane % 4 != 0 || !(h == 0 ? ok_lo : ok_hi)) continue;
               const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                   (h == 0 ? head_lo : head_hi);
-              p.ws_m[row] = h == 0 ? m_lo : m_hi;
+              p.ws_m[row] = h == 0 ? (kCT ? mc_lo : m_lo) : (kCT ? mc_hi : m_hi);
               p.ws_l[row] = h == 0 ? lq_lo : lq_hi;
             }
+          } else if constexpr (kCT) {  // (folded and committed above)
+            if (ws == 0 && lane % 4 == 0 && last_split(w, sp)) {
+              rv[kV2Inv + r_lo] = finalize_inv(lr_lo);
+              rv[kV2Inv + r_hi] = finalize_inv(lr_hi);
+            }
           } else {
+            const float lq_lo = quad_sum_v2(l_lo), lq_hi = quad_sum_v2(l_hi);
             const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, lq_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, lq_hi);
             if (ws == 0 && lane % 4 == 0) {
               rv[kV2Coef + 32 * b + 2 * r_lo] = c_lo.al;
@@ -245,14 +295,20 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       if (ok_hi) store_out_half<BF16, 8>(p, t, head_hi, 64 * wv + c2, run, 1, inv_hi);
     }
   };
+  float acc_c[(kCT && WRITE_PARTIALS) ? 32 : 1];  // CT split mode: the committed accumulator
   int k = 0;
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
     enter_split<WRITE_PARTIALS>(w, sp);
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    if constexpr (kCT && WRITE_PARTIALS) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc_c[i] = 0.f;
+    }
     const int je = split_end(w, sp);
     for (int j = split_first(sp); j < je; j += 2, k += 2) {
       const int u = k / 2, b = u % 2;
+      const StepRole role = step_role_v2<OPT>(w, j, je);
       mbar_wait(pb.full(b), (u / 2) & 1);
       scale_rows(acc, rv[kV2Alpha + 16 * b + r_lo], rv[kV2Alpha + 16 * b + r_hi]);
 #pragma unroll
@@ -262,24 +318,63 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         mbar_wait(bar.v_full(st), ((k + h) / STAGES) & 1);
         // V rows at positions >= seq_len zeroed (0 * NaN): the last page's unwritten slots,
         // and a whole stage past the end (the step's second stage re-reads the last page).
-        const int valid = w.seq_len - (j + h) * kStep;
-        if (valid < kStep)
-          zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, max(valid, 0), tv, kBarVTail,
-                                 (OPT & kPairedV) ? p.box_rows : kStep);
-        pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane);
+        // off: in shared memory behind a branch; CT: in the fragments by a mask (but for a
+        // dead step, which runs on what its pages hold).
+        if constexpr (!kCT) {
+          const int valid = w.seq_len - (j + h) * kStep;
+          if (valid < kStep)
+            zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, max(valid, 0), tv, kBarVTail,
+                                   (OPT & kPairedV) ? p.box_rows : kStep);
+        }
+        const int v_len = kCT ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
+        pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, (j + h) * kStep, v_len);
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.v_empty(st));
       }
+      if constexpr (kCT) {  // the commit (step_role_v2), by selection
+        if constexpr (WRITE_PARTIALS) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc_c[i] = ct::select_f32(role.commit, acc[i], acc_c[i]);
+        } else {  // the fold the S pair computed for this step, kept at the commit
+          const FoldCoef c_lo{rv[kV2Coef + 32 * b + 2 * r_lo], rv[kV2Coef + 32 * b + 2 * r_lo + 1]};
+          const FoldCoef c_hi{rv[kV2Coef + 32 * b + 2 * r_hi], rv[kV2Coef + 32 * b + 2 * r_hi + 1]};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float f0 = fold_value(run[4 * i], acc[4 * i], c_lo);
+            const float f1 = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
+            const float f2 = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
+            const float f3 = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
+            run[4 * i] = ct::select_f32(role.commit, f0, run[4 * i]);
+            run[4 * i + 1] = ct::select_f32(role.commit, f1, run[4 * i + 1]);
+            run[4 * i + 2] = ct::select_f32(role.commit, f2, run[4 * i + 2]);
+            run[4 * i + 3] = ct::select_f32(role.commit, f3, run[4 * i + 3]);
+          }
+        }
+      }
       if (j + 2 == je) {
+        if constexpr (kCT && WRITE_PARTIALS) {
+          // A dead split of a row with positions stores its evolving accumulator, made finite and
+          // non-negative, where the neutral state holds zeros (decode_sm90.cu consume_mma_pipe: the
+          // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
+          const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
+#pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            const float a = fabsf(acc[i]);
+            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+          }
+        }
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (h == 0 ? !ok_lo : !ok_hi) continue;
             const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                 (h == 0 ? head_lo : head_hi);
-            store_split_half<8>(p, row, 64 * wv + c2, acc, h);
+            if constexpr (kCT)
+              store_split_half<8>(p, row, 64 * wv + c2, acc_c, h);
+            else
+              store_split_half<8>(p, row, 64 * wv + c2, acc, h);
           }
-        } else {
+        } else if constexpr (!kCT) {  // (CT: committed above)
           const FoldCoef c_lo{rv[kV2Coef + 32 * b + 2 * r_lo], rv[kV2Coef + 32 * b + 2 * r_lo + 1]};
           const FoldCoef c_hi{rv[kV2Coef + 32 * b + 2 * r_hi], rv[kV2Coef + 32 * b + 2 * r_hi + 1]};
           fold_values(run, acc, c_lo, c_hi);
@@ -311,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x, chunk = blockIdx.z;
   int t = blockIdx.y, req = -1;
-  if (p.order != nullptr) {  // the longest-first schedule, as decode_kernel
+  if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule, as decode_kernel
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
     req = e.y;
@@ -319,11 +414,16 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
   }
-  Work w = work_of(p, t, req, chunk, WRITE_PARTIALS);
-  // Whole 128-position steps: the walk's 64-position stages rounded up to an even count.
-  // A split (512) is four steps, so n_split, the split schedule and the merge are unchanged;
-  // the producer reads the last page again for a stage past the end (the consumer masks it).
-  w.n_kv = 2 * ((w.ext + kStepV2 - 1) / kStepV2);
+  Work w;
+  if constexpr (kWalk<OPT> != 0)
+    w = work_ct<kWalk<OPT>>(p, t, chunk, WRITE_PARTIALS);
+  else
+    w = work_of(p, t, req, chunk, WRITE_PARTIALS);
+  // Whole 128-position steps: the walk's 64-position stages rounded up to an even count
+  // (off: of the true length; CT: of the bucket, a public count). A split (512) is four
+  // steps, so n_split, the split schedule and the merge are unchanged; the producer reads
+  // the last page again for a stage past the end (the consumer masks it).
+  w.n_kv = 2 * ((w.n_kv + 1) / 2);
   if (threadIdx.x == 0) {
     bar.init(2);  // two warps release each stage (the S pair K, the PV pair V)
     PipeBarriers{smem + L::kOffRed + kPipeBarOff}.init();
@@ -365,16 +465,28 @@ int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& t
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, 0>, p));
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, kWalk<OPT>>, p));
+}
+
+template <bool BF16, bool WRITE_PARTIALS, int OPT>
+int launch_v2_opt(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+                  cudaStream_t st) {
+  if (p.group > kMmaMaxGroup) return -7;  // the mma.sync tile holds 16 rows
+  if (p.group > 8) return launch_v2<BF16, WRITE_PARTIALS, false, OPT>(tq, tk, tv, p, grid, st);
+  return launch_v2<BF16, WRITE_PARTIALS, true, OPT>(tq, tk, tv, p, grid, st);
 }
 
 template <bool BF16, bool WRITE_PARTIALS>
 int launch_any(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p,
                dim3 grid, cudaStream_t st) {
-  if (variant != 4 + 8 * (kPipe | kV2)) return launch_variant<BF16, WRITE_PARTIALS>(variant, tq, tk, tv, p, grid, st);
-  if (p.group > kMmaMaxGroup) return -7;  // the mma.sync tile holds 16 rows
-  if (p.group > 8) return launch_v2<BF16, WRITE_PARTIALS, false, kPipe>(tq, tk, tv, p, grid, st);
-  return launch_v2<BF16, WRITE_PARTIALS, true, kPipe>(tq, tk, tv, p, grid, st);
+  switch (variant) {
+    case 4 + 8 * (kPipe | kV2): return launch_v2_opt<BF16, WRITE_PARTIALS, kPipe>(tq, tk, tv, p, grid, st);
+    case 4 + 8 * (kPipe | kV2 | kConstTime):
+      return launch_v2_opt<BF16, WRITE_PARTIALS, kPipe | kConstTime>(tq, tk, tv, p, grid, st);
+    case 4 + 8 * (kPipe | kV2 | kConstTime | kBucketPerReq):
+      return launch_v2_opt<BF16, WRITE_PARTIALS, kPipe | kConstTime | kBucketPerReq>(tq, tk, tv, p, grid, st);
+    default: return launch_variant<BF16, WRITE_PARTIALS>(variant, tq, tk, tv, p, grid, st);
+  }
 }
 
 }  // namespace
@@ -382,8 +494,7 @@ int launch_any(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const 
 
 // The product entry's arguments and setup (csrc/decode_sm90.cu dhp_decode_sm90: tensor maps,
 // Params), repeated here so that csrc/ stays byte for byte what G4's report measured
-// (timing.MEASURED_CODE) until the migration; policy off only (the CT arguments are ignored,
-// and a CT variant code is refused: -5). Returns 0, a cudaError_t, or the product's codes.
+// (timing.MEASURED_CODE) until the migration. Returns 0, a cudaError_t, or the product's codes.
 extern "C" int dhp_decode_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                   const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                   int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -394,10 +505,6 @@ extern "C" int dhp_decode_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q
                                   int n_split_grid, int spp, int* order_ws, int l_scalar, const int* bucket,
                                   int max_blocks, void* stream) {
   using namespace dhp;
-  (void)l_scalar;
-  (void)bucket;
-  (void)max_blocks;
-  if (variant >= 8 && ((variant / 8) & kConstTime)) return -5;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
@@ -437,7 +544,12 @@ extern "C" int dhp_decode_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q
   p.causal = causal;
   p.merge_pdl = 1;
   const bool split = spp > 0;
-  p.order = split ? nullptr : order_ws;
+  const int opts = variant >= 8 ? variant / 8 : 0;
+  const bool ct = (opts & kConstTime) != 0;
+  p.order = split || ct ? nullptr : order_ws;
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks);
+  if (ct && (num_seqs < 1 || max_blocks < 1 || ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
+    return -8;
   const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
   if (num_tokens > 65535 || chunks > 65535) return -6;
