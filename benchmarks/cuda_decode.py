@@ -65,7 +65,8 @@ SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
 # exp_v2: issue 30's decode on the next arithmetic contract; exp_<variant>: the product's binary
-# built in that experiment's library (benchmarks/decode_v2.py; other bits, so not compared).
+# built in that experiment's library (benchmarks/decode_v2.py; other bits, so not compared);
+# exp_ct_v2 (with --bucket): its constant-time walk.
 # cuda_<variant>[:grid|:lpt|:spp<N>]: fold mode's schedule forced off (grid order) or on
 # (longest first), or split mode's splits per CTA forced to N (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
@@ -215,7 +216,8 @@ def main(argv=None):
                           reserve=args.bucket if ct_here else 0) for _ in range(2)]
         ref = sdpa_ref(sets[0], True)
         outs = {}
-        here = [n for n in names if ct_here or not (n == "triton_strict" or _ct_variant(n))]
+        here = [n for n in names
+                if ct_here or not (n == "triton_strict" or _ct_variant(n) or n.startswith("exp_ct_"))]
         for name in here:
             row = dict(shape=shape, batch=B, ctx=ctx, variant=name, us=None, tb_s=None, rel_err=None)
             try:
@@ -230,6 +232,9 @@ def main(argv=None):
                 elif _cuda_variant(name):
                     variant, order, spp = _cuda_variant(name)
                     fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
+                elif name.startswith("exp_ct_") and args.bucket:  # its constant-time walk to the bucket
+                    from benchmarks import decode_v2
+                    fns = [decode_v2.exp_fn(s, name[7:], bucket=args.bucket) for s in sets]
                 elif name.startswith("exp_"):  # issue 30's experiment library (benchmarks/decode_v2.py)
                     from benchmarks import decode_v2
                     fns = [decode_v2.exp_fn(s, name[4:]) for s in sets]
@@ -242,7 +247,7 @@ def main(argv=None):
                     outs[name] = o
                 if row["us"]:
                     row["tb_s"] = nbytes / row["us"] / 1e6
-                    if name == "triton_strict" or _ct_variant(name):
+                    if name == "triton_strict" or _ct_variant(name) or name.startswith("exp_ct_"):
                         row["exec_tb_s"] = exec_bytes / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
