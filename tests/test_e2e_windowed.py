@@ -4,7 +4,9 @@ Tiny seeded checkpoints (`integration.tiny_windowed`): Mistral (every layer
 windowed, window 48), Gemma-2 (a windowed layer and a full one, window 56, both
 with a logits soft-cap), Gemma-3 text (a windowed layer and a full one, window 32),
 Phi-3 (every layer windowed, window 40) and gpt-oss (attention sinks, window 24
-on every other layer, a mixture of experts). The short workload's prompts of 77
+on every other layer, a mixture of experts); and in the same processes a tiny
+Gemma-2 with a logits soft-cap and no window (`integration.tiny_gemma2`, every
+layer full attention). The short workload's prompts of 77
 and 150 tokens run far past every window, in chunks of a 64-token budget, and a
 second-round prompt hits the prefix cache (128 tokens) and prefills a chunk on
 that context.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -60,18 +63,28 @@ def _model_args(models):
 
 
 @pytest.fixture(scope="module")
-def native(models):
-    result, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args(models),
+def capped(tmp_path_factory):
+    """A tiny Gemma-2 whose every layer is full attention with a logits soft-cap of 5 (no window): it runs
+    in the windowed models' processes, so that it costs no engine processes of its own."""
+    from integration.tiny_gemma2 import build
+
+    return str(build(tmp_path_factory.mktemp("tiny-gemma2-capped"), seed=0, soft_cap=5.0))
+
+
+@pytest.fixture(scope="module")
+def native(models, capped):
+    result, _ = _run([sys.executable, "-m", "integration.run_generation", *_model_args({**models, "capped": capped}),
                       "--backend", "native", *COMMON], engine_env())
     return {run["model"]: run for run in result["runs"]}
 
 
 @pytest.fixture(scope="module")
-def dhp(models, tmp_path_factory):
+def dhp(models, capped, tmp_path_factory):
     """DHP under strict then off, every model, through the reservation probe, tables checked by the seam."""
     probe = tmp_path_factory.mktemp("probe") / "probe.json"
-    result, log = _run([sys.executable, _PROBE, *_model_args(models), "--backend", "DHP", "--policy", "strict,off",
-                        *COMMON], engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe)))
+    result, log = _run([sys.executable, _PROBE, *_model_args({**models, "capped": capped}), "--backend", "DHP",
+                        "--policy", "strict,off", *COMMON],
+                       engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe)))
     runs = {(run["model"], run["policy"]): run for run in result["runs"]}
     return runs, json.loads(probe.read_text())["runs"], log
 
@@ -118,9 +131,46 @@ def test_dhp_matches_cpu_attn(models, native, dhp, policy):
             assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4, (arch, a["prompt_len"])
 
 
-def test_strict_and_off_give_the_same_bits(models, dhp):
+def test_the_cap_changes_the_greedy_tokens(capped):
+    """The soft-cap matters for the capped model and this workload (transformers, eager attention):
+    greedy continuations differ without it, so a backend that ignored the cap would fail below."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from integration.run_generation import make_prompts
+
+    config = AutoConfig.from_pretrained(capped)
+    config.sliding_window = 4096  # transformers' mask builder wants one; every layer is full attention
+    model = AutoModelForCausalLM.from_pretrained(capped, config=config, attn_implementation="eager")
+
+    def greedy(ids, cap):
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = cap
+        return model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+
+    prompts = make_prompts(workload="short")[0]
+    assert sum(greedy(p, 5.0) != greedy(p, None) for p in prompts) >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_soft_capped_gemma2_matches_cpu_attn(capped, native, dhp, policy):
+    """Every layer full attention with a cap of 5: DHP gives CPU_ATTN's greedy tokens (CPU_ATTN implements
+    the cap too) and logprobs within 1e-4; its start-up report names the feature (issue 31)."""
+    runs, _, log = dhp
+    n, d = native[capped], runs[(capped, policy)]
+    assert n["dhp_trace"] == []
+    assert {(t["backend"], t["path"], t["policy"]) for t in d["dhp_trace"]} == {("DHP", "reference", policy)}
+    assert {t["sliding_window"] for t in d["dhp_trace"]} == {None}
+    for a, b in zip(n["outputs"], d["outputs"], strict=True):
+        assert a["token_ids"] == b["token_ids"] and len(b["token_ids"]) == 12, a["prompt_len"]
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-4, a["prompt_len"]
+    assert len({t for o in d["outputs"] for t in o["token_ids"]}) > 12  # not a degenerate repetition
+    assert re.search(r"2 layers: .*; features: logits soft-cap 5(\.0)?$", log, re.M), log[-3000:]
+
+
+def test_strict_and_off_give_the_same_bits(models, capped, dhp):
     runs, _, _ = dhp
-    for arch, path in models.items():
+    for arch, path in {**models, "capped": capped}.items():
         strict, off = runs[(path, "strict")]["outputs"], runs[(path, "off")]["outputs"]
         assert [o["token_ids"] for o in strict] == [o["token_ids"] for o in off], arch
         assert [o["logprobs"] for o in strict] == [o["logprobs"] for o in off], arch
