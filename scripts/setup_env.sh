@@ -31,7 +31,7 @@ else
   # and break `from vllm import LLM`.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-pip install -q "pytest>=8" numpy
+pip install -q "pytest>=8" pytest-xdist numpy  # xdist: `make test` runs two workers
 pip install -q --no-deps --no-build-isolation -e .
 echo "$want" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "| vllm", vllm.__version__)')"
