@@ -2,8 +2,8 @@
 
 An experiment's source includes a csrc/ kernel file unchanged and adds its variants; it is
 compiled with the engine's nvcc flags into a library of its own, cached under the engine's
-build cache by the csrc tree, the flags, the nvcc version and the experiment's source. The
-engine's library never holds these binaries.
+build cache by the csrc tree, the flags, the nvcc version, the experiment's source and the
+headers beside it (benchmarks/csrc/v2_arith.cuh). The engine's library never holds these binaries.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ def load(source: Path, stem: str) -> ctypes.CDLL:
     csrc = cb.csrc_dir()
     flags = cb.BASE_FLAGS + cb.SM90A
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(cb.build_key(csrc, flags, version).encode() + source.read_bytes()).hexdigest()[:16]
+    # the experiment's own directory too: its source and the headers beside it (v2_arith.cuh)
+    own = b"".join(f.name.encode() + f.read_bytes() for f in sorted(source.parent.iterdir())
+                   if f.suffix in cb.SOURCE_SUFFIXES)
+    key = hashlib.sha256(cb.build_key(csrc, flags, version).encode() + source.read_bytes() + own).hexdigest()[:16]
     out = cb.cache_dir() / f"{stem}-{key}" / f"lib{stem}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,11 @@
 //   - FA3's exponent form: masked scores -inf by select, m = max(m, rowmax(raw) * scale),
 //     p = ex2(fma(s, scale, -m)), alpha = select_ex2(m_old, m);
 //   - per-lane row sums: lane (row, q) adds its own column pairs; the step's 16 groups
-//     meet in prefill_v2's lane_tree16 order ((g0..g3) + (g4..g7)) + ((g8..g11) +
+//     meet in the contract's order (v2_arith.cuh step_tree: ((g0..g3) + (g4..g7)) + ((g8..g11) +
 //     (g12..g15)), where warp w of the S pair holds groups 4w..4w+3 of the step's first
 //     stage and 8+4w..8+4w+3 of its second: each warp adds its two quads, the pair
 //     exchanges them through shared memory per lane; l = fma(l, alpha, tree) per lane;
-//     the four lanes meet once per split, (x + lane^2) + lane^1 (quad_sum_fixed);
+//     the four lanes meet once per split, (x + lane^2) + lane^1 (v2::quad_lanes);
 //   - splits of 512 positions at absolute multiples of 512 (today's split grid, producer,
 //     merge and workspace unchanged), folded or merged with compat's fold and finalize.
 // O accumulates the step's P V over its 128 positions as 8 k16 slices in order (the two
@@ -39,11 +39,13 @@
 #include "decode_sm90.cu"
 #undef dhp_decode_sm90
 
+#include "v2_arith.cuh"  // the contract's row operations, shared with prefill_v2_sm90.cu
+
 namespace dhp {
 namespace {
 
 constexpr int kV2 = 512;         // the variant option bit of this consumer
-constexpr int kStepV2 = 128;     // positions per arithmetic step
+constexpr int kStepV2 = v2::kStepKV;  // positions per arithmetic step
 static_assert(kSplitKV % kStepV2 == 0, "a split is whole 128-position steps");
 
 // Shared memory: Q | K stages | V stages | P [2 buffers][2 stage halves] of 16 x 64
@@ -76,13 +78,6 @@ __device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
 // inv [16]; the P ring's barriers at byte kPipeBarOff (768); per-lane sums [2 warps][32 lanes][4].
 constexpr int kV2Max = 0, kV2Alpha = 32, kV2Coef = 64, kV2Inv = 128, kV2Lsum = 256;
 static_assert(kV2Inv + 16 <= kPipeBarOff / 4 && kPipeBarOff + 32 <= 4 * kV2Lsum, "row-value areas overlap");
-
-// The four lanes of a quad: (x + lane^2) + lane^1, the same bits in each lane
-// (prefill_v2_sm90.cu's quad_sum_fixed).
-__device__ __forceinline__ float quad_sum_v2(float x) {
-  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-  return __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-}
 
 // warps 0-1 (S): warp w computes S for positions [32 w, 32 w + 32) of each of the step's
 // two stages (s[16 h + 4 nt + e]: stage h, n8 tile nt), the v2 softmax, P into buffer b;
@@ -177,8 +172,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         mx_hi = fmaxf(rv[kV2Max + r_hi], rv[kV2Max + 16 + r_hi]);
         // The max over the step's raw scores, then scaled: prefill_v2's fmaxf(m, quad_max(mx) * scale)
         // (rounding is monotonic, so the max of the scaled values is the scaled max).
-        const float new_lo = fmaxf(m_lo, __fmul_rn(mx_lo, p.qk_scale));
-        const float new_hi = fmaxf(m_hi, __fmul_rn(mx_hi, p.qk_scale));
+        const float new_lo = v2::step_max(m_lo, mx_lo, p.qk_scale);
+        const float new_hi = v2::step_max(m_hi, mx_hi, p.qk_scale);
         const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
         m_lo = new_lo;
         m_hi = new_hi;
@@ -191,19 +186,19 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             float* x = &s[16 * h + 4 * nt];
-            x[0] = ex2(__fmaf_rn(x[0], p.qk_scale, -new_lo));
-            x[1] = ex2(__fmaf_rn(x[1], p.qk_scale, -new_lo));
-            x[2] = ex2(__fmaf_rn(x[2], p.qk_scale, -new_hi));
-            x[3] = ex2(__fmaf_rn(x[3], p.qk_scale, -new_hi));
-            g_lo[nt] = __fadd_rn(x[0], x[1]);
-            g_hi[nt] = __fadd_rn(x[2], x[3]);
+            x[0] = v2::exp_score(x[0], p.qk_scale, new_lo);
+            x[1] = v2::exp_score(x[1], p.qk_scale, new_lo);
+            x[2] = v2::exp_score(x[2], p.qk_scale, new_hi);
+            x[3] = v2::exp_score(x[3], p.qk_scale, new_hi);
+            g_lo[nt] = v2::pair_sum(x[0], x[1]);
+            g_hi[nt] = v2::pair_sum(x[2], x[3]);
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 4 * ws + nt) + 2 * c2),
                          "r"(pack2<BF16>(x[0], x[1])) : "memory");
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 4 * ws + nt) + 2 * c2),
                          "r"(pack2<BF16>(x[2], x[3])) : "memory");
           }
-          quad_lo[h] = __fadd_rn(__fadd_rn(g_lo[0], g_lo[1]), __fadd_rn(g_lo[2], g_lo[3]));
-          quad_hi[h] = __fadd_rn(__fadd_rn(g_hi[0], g_hi[1]), __fadd_rn(g_hi[2], g_hi[3]));
+          quad_lo[h] = v2::tree4(g_lo[0], g_lo[1], g_lo[2], g_lo[3]);
+          quad_hi[h] = v2::tree4(g_hi[0], g_hi[1], g_hi[2], g_hi[3]);
         }
         reinterpret_cast<float4*>(rv + kV2Lsum)[ws * 32 + lane] =
             make_float4(quad_lo[0], quad_hi[0], quad_lo[1], quad_hi[1]);
@@ -211,11 +206,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         {
           const float4 w0 = reinterpret_cast<const float4*>(rv + kV2Lsum)[lane];
           const float4 w1 = reinterpret_cast<const float4*>(rv + kV2Lsum)[32 + lane];
-          // lane_tree16: ((g0..g3: warp 0 stage 0) + (g4..g7: warp 1 stage 0)) + (stage 1 likewise)
-          const float tree_lo = __fadd_rn(__fadd_rn(w0.x, w1.x), __fadd_rn(w0.z, w1.z));
-          const float tree_hi = __fadd_rn(__fadd_rn(w0.y, w1.y), __fadd_rn(w0.w, w1.w));
-          l_lo = __fmaf_rn(l_lo, a_lo, tree_lo);
-          l_hi = __fmaf_rn(l_hi, a_hi, tree_hi);
+          // v2::step_tree: tree4 of the quads g0..g3 (warp 0, stage 0), g4..g7 (warp 1, stage 0),
+          // g8..g11 (warp 0, stage 1), g12..g15 (warp 1, stage 1)
+          l_lo = v2::step_l(l_lo, a_lo, v2::tree4(w0.x, w1.x, w0.z, w1.z));
+          l_hi = v2::step_l(l_hi, a_hi, v2::tree4(w0.y, w1.y, w0.w, w1.w));
         }
         if (ws == 0 && lane % 4 == 0) {
           rv[kV2Alpha + 16 * b + r_lo] = a_lo;
@@ -229,8 +223,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             lc_hi = ct::select_f32(role.commit, l_hi, lc_hi);
           } else {  // the fold of this step's state, computed every step, kept at the commit
             float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
-            const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, quad_sum_v2(l_lo));
-            const FoldCoef c_hi = fold_stats(mf_hi, lf_hi, m_hi, quad_sum_v2(l_hi));
+            const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, v2::quad_lanes(l_lo));
+            const FoldCoef c_hi = fold_stats(mf_hi, lf_hi, m_hi, v2::quad_lanes(l_hi));
             mr_lo = ct::select_f32(role.commit, mf_lo, mr_lo);
             lr_lo = ct::select_f32(role.commit, lf_lo, lr_lo);
             mr_hi = ct::select_f32(role.commit, mf_hi, mr_hi);
@@ -246,7 +240,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         if (j + 2 == je) {  // the split's end: its l over the quad, then what the PV pair needs
           if constexpr (WRITE_PARTIALS) {
             // CT: the committed state (neutral for a dead split)
-            const float lq_lo = quad_sum_v2(kCT ? lc_lo : l_lo), lq_hi = quad_sum_v2(kCT ? lc_hi : l_hi);
+            const float lq_lo = v2::quad_lanes(kCT ? lc_lo : l_lo), lq_hi = v2::quad_lanes(kCT ? lc_hi : l_hi);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               if (ws != 0 || lane % 4 != 0 || !(h == 0 ? ok_lo : ok_hi)) continue;
@@ -261,7 +255,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
               rv[kV2Inv + r_hi] = finalize_inv(lr_hi);
             }
           } else {
-            const float lq_lo = quad_sum_v2(l_lo), lq_hi = quad_sum_v2(l_hi);
+            const float lq_lo = v2::quad_lanes(l_lo), lq_hi = v2::quad_lanes(l_hi);
             const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, lq_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, lq_hi);
             if (ws == 0 && lane % 4 == 0) {
               rv[kV2Coef + 32 * b + 2 * r_lo] = c_lo.al;

@@ -34,24 +34,15 @@
 #include "prefill_sm90.cu"
 #undef dhp_prefill_sm90
 
+#include "v2_arith.cuh"  // the contract's row operations, shared with decode_v2_sm90.cu
+
 namespace dhp {
 namespace {
 
-// The 16 groups' own-column-pair sums of one row, a fixed pairwise tree (lane-local).
-__device__ __forceinline__ float lane_tree16(const float (&g)[16]) {
-  float a[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a[i] = __fadd_rn(g[2 * i], g[2 * i + 1]);
-  const float b0 = __fadd_rn(a[0], a[1]), b1 = __fadd_rn(a[2], a[3]), b2 = __fadd_rn(a[4], a[5]),
-              b3 = __fadd_rn(a[6], a[7]);
-  return __fadd_rn(__fadd_rn(b0, b1), __fadd_rn(b2, b3));
-}
-
-// The four lanes of a quad: (x + lane^2) + lane^1, the same bits in each lane.
-__device__ __forceinline__ float quad_sum_fixed(float x) {
-  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-  return __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-}
+// The 16 groups' own-column-pair sums of one row, a fixed pairwise tree (lane-local), and the
+// quad's lanes once per split: v2_arith.cuh (every variant with per-lane sums uses them).
+using v2::quad_lanes;
+using v2::step_tree;
 
 template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
@@ -104,20 +95,20 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
         mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
       }
-      const float new_lo = fmaxf(m_lo, __fmul_rn(quad_max(mx_lo), p.scale_log2));
-      const float new_hi = fmaxf(m_hi, __fmul_rn(quad_max(mx_hi), p.scale_log2));
+      const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), p.scale_log2);
+      const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), p.scale_log2);
       a_lo = select_ex2(m_lo, new_lo);
       a_hi = select_ex2(m_hi, new_hi);
       m_lo = new_lo;
       m_hi = new_hi;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        s[4 * i] = ex2(__fmaf_rn(s[4 * i], p.scale_log2, -new_lo));
-        s[4 * i + 1] = ex2(__fmaf_rn(s[4 * i + 1], p.scale_log2, -new_lo));
-        s[4 * i + 2] = ex2(__fmaf_rn(s[4 * i + 2], p.scale_log2, -new_hi));
-        s[4 * i + 3] = ex2(__fmaf_rn(s[4 * i + 3], p.scale_log2, -new_hi));
-        g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
-        g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
+        s[4 * i] = v2::exp_score(s[4 * i], p.scale_log2, new_lo);
+        s[4 * i + 1] = v2::exp_score(s[4 * i + 1], p.scale_log2, new_lo);
+        s[4 * i + 2] = v2::exp_score(s[4 * i + 2], p.scale_log2, new_hi);
+        s[4 * i + 3] = v2::exp_score(s[4 * i + 3], p.scale_log2, new_hi);
+        g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
+        g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
       }
     } else {
       // compat's exponent form: s * scale, the mask select, the max, p = 2^(s - m).
@@ -145,8 +136,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
       }
     }
-    l_lo = __fmaf_rn(l_lo, a_lo, lane_tree16(g_lo));
-    l_hi = __fmaf_rn(l_hi, a_hi, lane_tree16(g_hi));
+    l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
+    l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
     pack_p<BF16, 64>(s, pa);
 
     mbar_wait(bar.v_full(st), par);
@@ -164,7 +155,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 
     if constexpr (kFold) {
       if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // end of a split: fold (compat's fold)
-        fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, quad_sum_fixed(l_lo), quad_sum_fixed(l_hi));
+        fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, quad_lanes(l_lo), quad_lanes(l_hi));
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.f;
         m_lo = m_hi = kMInit;
@@ -178,7 +169,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, run, inv_lo);
     store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, run, inv_hi);
   } else {
-    const float inv_lo = finalize_inv(quad_sum_fixed(l_lo)), inv_hi = finalize_inv(quad_sum_fixed(l_hi));
+    const float inv_lo = finalize_inv(quad_lanes(l_lo)), inv_hi = finalize_inv(quad_lanes(l_hi));
     store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
     store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
   }

@@ -1,0 +1,57 @@
+// EXPERIMENT (issue 30), not product code: the next arithmetic contract's row operations
+// (docs/kernels.md section 7) defined once, for the experiment's prefill consumer
+// (prefill_v2_sm90.cu, variants with FA3's exponent form) and its decode consumer
+// (decode_v2_sm90.cu), so that a row's operations are the same functions in both kernels
+// whatever their tiles; the migration moves this header into csrc/ beside compat_arith.cuh.
+// Unchanged from compat_arith.cuh: the mask value (-inf by select), kMInit, select_ex2
+// (alpha and the fold's coefficients), the fold and finalize_inv.
+//
+// Per thread, the m16n8k16 and m64nNk16 accumulator layouts agree: lane (r, q) holds columns
+// 8i + 2q and 8i + 2q + 1 of every 8-column group i of its rows. A 128-position step has 16
+// groups; its row sum is kept per lane (the lane's own column pairs) and the quad's four lanes
+// meet once per split.
+#pragma once
+
+#include "compat_arith.cuh"
+
+namespace dhp::v2 {
+
+using sm90::ex2;
+
+constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of 128
+
+// The running max after a step: the max over the step's raw scores (masked ones -inf), times
+// the scale (softmax scale x log2 e). Rounding is monotonic: max-then-scale and
+// scale-then-max give the same value, so a kernel may take the max across warps first.
+__device__ __forceinline__ float step_max(float m, float raw_max, float scale) {
+  return fmaxf(m, __fmul_rn(raw_max, scale));
+}
+
+// p = 2^(s * scale - m): FA3's exponent form, one fma per score.
+__device__ __forceinline__ float exp_score(float s, float scale, float m) { return ex2(__fmaf_rn(s, scale, -m)); }
+
+// A group's own column pair.
+__device__ __forceinline__ float pair_sum(float a, float b) { return __fadd_rn(a, b); }
+
+// Four values pairwise: ((a + b) + (c + d)). The step's row-sum tree is tree4 of the four
+// quads of groups (0-3, 4-7, 8-11, 12-15), each quad tree4 of its groups' pair sums.
+__device__ __forceinline__ float tree4(float a, float b, float c, float d) {
+  return __fadd_rn(__fadd_rn(a, b), __fadd_rn(c, d));
+}
+
+// The lane's 16 group sums of a step in the contract's order.
+__device__ __forceinline__ float step_tree(const float (&g)[16]) {
+  return tree4(tree4(g[0], g[1], g[2], g[3]), tree4(g[4], g[5], g[6], g[7]), tree4(g[8], g[9], g[10], g[11]),
+               tree4(g[12], g[13], g[14], g[15]));
+}
+
+// l after a step, per lane: l * alpha + the step's tree, one fma.
+__device__ __forceinline__ float step_l(float l, float alpha, float tree) { return __fmaf_rn(l, alpha, tree); }
+
+// The quad's four lanes, once per split: (x + lane^2) + lane^1, the same bits in every lane.
+__device__ __forceinline__ float quad_lanes(float x) {
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+
+}  // namespace dhp::v2
