@@ -21,6 +21,7 @@ round in reverse order, and reports the median of the two medians with both (dri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import json
@@ -56,7 +57,40 @@ def library() -> ctypes.CDLL:
     lib.dhp_prefill_v2_sm90.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32,
                                         i32, i32, i32, i32, ctypes.c_float, i32, i32, u32, u32, p]
     lib.dhp_prefill_v2_sm90.restype = i32
+    # the full entry: the product entry's arguments (dhp_backend.ops.cuda_prefill._entry)
+    lib.dhp_prefill_v2p_sm90.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32,
+                                         i32, i32, i32, i32, ctypes.c_float, i32, i32, i32, u32, u32,
+                                         i32, i32, p, i32, i32, u32, p, p]
+    lib.dhp_prefill_v2p_sm90.restype = i32
     return lib
+
+
+# Codes of the full entry that the product launcher (ops.cuda_prefill.prefill_sm90) drives under
+# `product_launcher`: the v2 consumer with folds every 512 under policy off, and on the
+# constant-time walk (takes a bucket).
+LAUNCHER_CODES = {"v2": 39}
+LAUNCHER_CT_CODES = {"v2_ct": 51}
+
+
+@contextlib.contextmanager
+def product_launcher():
+    """ops.cuda_prefill.prefill_sm90 with this library's full entry in place of the engine's, and the
+    variants `LAUNCHER_CODES` / `LAUNCHER_CT_CODES` known to it: its checks, bucket handling and sink
+    workspace, with the experiment's kernels."""
+    from dhp_backend.ops import cuda_prefill as cpf
+
+    saved = (cpf._entry, dict(cpf._CODES), dict(cpf._CT_CODES), dict(cpf._ALL_CODES))
+    cpf._entry = lambda: library().dhp_prefill_v2p_sm90
+    cpf._CODES.update(LAUNCHER_CODES)
+    cpf._CT_CODES.update(LAUNCHER_CT_CODES)
+    cpf._ALL_CODES.update(LAUNCHER_CODES, **LAUNCHER_CT_CODES)
+    try:
+        yield cpf
+    finally:
+        cpf._entry = saved[0]
+        for live, old in zip((cpf._CODES, cpf._CT_CODES, cpf._ALL_CODES), saved[1:]):
+            live.clear()
+            live.update(old)
 
 
 def v2_fn(st, causal: bool, variant: str):

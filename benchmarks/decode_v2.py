@@ -14,7 +14,9 @@ rows differ in the kernel only. ``exp_<variant>`` of a product variant is the pr
 built by the same nvcc in the experiment library (a like-for-like baseline).
 
 The probe (exit 1 when wrong):
-  - every row against SDPA, both split modes, splits dealt one and three per CTA, and the constant-time
+  - the v2 prefill (``contract_v2``'s ``v2fma_fold512``) through the product's prefill launcher and on its
+    constant-time walks (``consume_v2_ct``: one bucket, per-request buckets): the same bits;
+  - every decode row against SDPA, both split modes, splits dealt one and three per CTA, and the constant-time
     walks (one bucket; per-request buckets) whose bits must be policy ``off``'s;
   - **the contract's invariance**: a decode row equals, bit for bit, the last row of the v2 prefill
     (``benchmarks.contract_v2`` variant ``v2fma_fold512``) of the same request on the same cache:
@@ -92,6 +94,19 @@ def exp_fn(st, variant: str = V2, mode=None, spp=None, bucket=None):
     return run
 
 
+def prefill_fn(st, variant: str, bucket=None):
+    """The v2 prefill of step ``st`` through the product launcher (benchmarks.contract_v2.product_launcher):
+    ``v2`` under policy off, ``v2_ct`` on the constant-time walk to ``bucket``."""
+    from benchmarks.cuda_prefill import SCALE
+    from benchmarks import contract_v2
+
+    out = torch.full_like(st["q"], float("nan"))
+    with contract_v2.product_launcher() as cpf:
+        cpf.prefill_sm90(st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out, scale=SCALE,
+                         causal=True, variant=variant, bucket=bucket)
+    return out
+
+
 def decode_of_prefill(st):
     """The decode step of each request's last query row on the same cache and table."""
     last = (st["qsl"][1:] - 1).long()
@@ -114,10 +129,18 @@ def probe() -> bool:
             # every request owns its pages up to PROBE_BUCKET: the constant-time walk reads them
             pre = cp.make_step([(s, s) for s in lens], gen, width=PROBE_BUCKET // cp.BS, reserve=PROBE_BUCKET)
             v2_prefill = contract_v2.v2_fn(pre, True, "v2fma_fold512")()
+            per_req = torch.full((len(lens),), PROBE_BUCKET, dtype=torch.int32, device=pre["q"].device)
+            # the v2 prefill through the product launcher, and on the constant-time walks: the same bits
+            for name, variant, bucket in (("prefill", "v2", None), ("prefill/ct", "v2_ct", PROBE_BUCKET),
+                                          ("prefill/ct-per-request", "v2_ct", per_req)):
+                o = prefill_fn(pre, variant, bucket)
+                torch.cuda.synchronize()
+                key = f"{heads} {lens} {name}"
+                errs[key] = rel_err(o, cp.sdpa_ref(pre, True))
+                same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
             st, last = decode_of_prefill(pre)
             ref = cp.sdpa_ref(st, True)
             want = v2_prefill[last]
-            per_req = torch.full((len(lens),), PROBE_BUCKET, dtype=torch.int32, device=pre["q"].device)
             runs = [(mode, spp, None) for mode, spp in (("split", None), ("fold", None), ("split", 1), ("split", 3))]
             # the constant-time walks (one bucket, per-request buckets): the same bits (policy invariance)
             runs += [(mode, None, b) for mode in ("split", "fold") for b in (PROBE_BUCKET, per_req)]
@@ -170,11 +193,49 @@ def experiment_rules() -> tuple:
     )
 
 
+def _prefill_rule(name: str, pattern: str, reason: str):
+    from dhp_backend.audit import cuda_rules as CR
+    return CR.CudaRule(name, "prefill_v2_sm90.cu", pattern, CR.PUBLIC, reason)
+
+
+def prefill_rules() -> tuple:
+    """G2 rules for the branches of prefill_v2_sm90.cu's constant-time consumer and kernel (the lines it
+    includes from csrc/prefill_sm90.cu keep the product's rules)."""
+    return (
+        _prefill_rule("v2p-role", r"^(\} else )?if \((threadIdx\.x (==|<|>=) [^)]*|lane == 0)\)( \{)?", 
+                      "warp-specialised roles by thread index: barrier init, producer warpgroup (Q rows, the TMA "
+                      "thread, the V cleaners), consumers, the lane that releases a stage"),
+        _prefill_rule("v2p-step-loop", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$",
+                      "ceil(L / 128) KV steps of the public bucket L"),
+        _prefill_rule("v2p-split-end", r"^if \(\(t \+ 1\) % kStepsPerSplit == 0 \|\| t \+ 1 == w\.n_steps\) \{",
+                      "a split's end: the step index and the bucket's step count"),
+        _prefill_rule("v2p-init", r"^for \(int i = 0; i < STAGES; \+\+i\) mbar_init\(", "a constant trip count"),
+    )
+
+
+# The experiment's kernels G2 audits: (source, kernel name in the cubin, the walk of a template instance
+# from its arguments: 0 policy off (the control), 1 one bucket (gating), 2 per-request buckets (reported)).
+def _decode_walk(args, CR) -> int:
+    opt = args[-1]
+    return (2 if opt & CR.DECODE_BUCKET_PER_REQ else 1) if opt & CR.DECODE_CONST_TIME else 0
+
+
+def _prefill_walk(args, CR) -> int:
+    return 1 + args[1]  # prefill_v2_ct_kernel<BF16, LMODE>
+
+
+G2_TARGETS = ((SOURCE, "decode_v2_kernel", _decode_walk),
+              (SOURCE.parent / "prefill_v2_sm90.cu", "prefill_v2_ct_kernel", _prefill_walk),
+              # the control: the v2 off consumer with folds every 512 (code 39), audited as if it gated
+              (SOURCE.parent / "prefill_v2_sm90.cu", "prefill_v2_kernelILb1ELi2ELi512ELb1ELb0ELi0E", lambda a, c: 0))
+
+
 def g2(progress=print) -> bool:
     """The csrc G2 gate (dhp_backend.audit.cuda_gate) on the experiment's constant-time binaries, built
     offline (nvcc, no GPU): one bucket gates, per-request buckets are reported with their documented
-    label, as the product's decode_kernel; the product's rules plus `experiment_rules`. The off binaries
-    are the control: audited as gating, they must fail (their walk follows the loaded lengths)."""
+    label, as the product's kernels; the product's rules plus `experiment_rules` and `prefill_rules`. The
+    off binaries are the control: audited as gating, they must fail on a condition that carries a loaded
+    value (their walk follows the loaded lengths)."""
     import re
     import subprocess
     import tempfile
@@ -188,48 +249,50 @@ def g2(progress=print) -> bool:
     if nvcc is None:
         progress("g2: nvcc not found")
         return False
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "decode_v2.cubin"
-        res = subprocess.run([nvcc, *cb.CUBIN_FLAGS, "-cubin", *cb.SM90A, "-I", str(cb.csrc_dir()), "-o", str(out),
-                              str(SOURCE)], capture_output=True, text=True)
-        if res.returncode != 0:
-            progress(f"g2: nvcc failed: {(res.stderr or res.stdout)[-2000:]}")
-            return False
-        cubin = out.read_bytes()
-    funcs = sass.disassemble(cubin)
-    ptx_all = cuda_gate.embedded_ptx(cubin)
+    built = {}
+    for source in dict.fromkeys(t[0] for t in G2_TARGETS):
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / (source.stem + ".cubin")
+            res = subprocess.run([nvcc, *cb.CUBIN_FLAGS, "-cubin", *cb.SM90A, "-I", str(cb.csrc_dir()), "-o",
+                                  str(out), str(source)], capture_output=True, text=True)
+            if res.returncode != 0:
+                progress(f"g2: nvcc failed on {source.name}: {(res.stderr or res.stdout)[-2000:]}")
+                return False
+            cubin = out.read_bytes()
+        built[source] = (sass.disassemble(cubin), cuda_gate.embedded_ptx(cubin))
     saved = CR.RULES
-    CR.RULES = saved + experiment_rules()
-    ok, n = True, 0
+    CR.RULES = saved + experiment_rules() + prefill_rules()
+    ok, counts = True, {0: 0, 1: 0, 2: 0}
     try:
-        for name in sorted(funcs):
-            if "decode_v2_kernel" not in name:
-                continue
-            args = tuple(int(m[2:-1]) for m in re.findall(r"(Lb[01]E|Li-?\d+E)",
-                                                         name.split("decode_v2_kernel", 1)[1].split("EEv", 1)[0] + "E"))
-            opt = args[-1]
-            walk = (2 if opt & CR.DECODE_BUCKET_PER_REQ else 1) if opt & CR.DECODE_CONST_TIME else 0
-            # The off binaries (true lengths, not constant-time by contract) are the control: audited
-            # as if they gated, the gate must find their branches on the loaded lengths.
-            inst = CR.Instance("decode_v2_kernel", args, walk != 2, frozenset({"mem"}) if walk == 2 else frozenset(),
-                               ["control: policy off audited as gating", "v2 constant-time walk, one bucket",
-                                "v2 constant-time walk, per-request buckets"][walk])
-            r = cuda_gate.audit_function(name, funcs, ptx_all, inst, source_dirs=(str(SOURCE.parent),))
-            n += 1
-            verdict = "PASS" if r["passed"] else f"FAIL ({len(r['failures'])})"
-            role = "control" if walk == 0 else ("gating" if inst.gating else "reported")
-            progress(f"g2: decode_v2_kernel{list(args)} {role}: {r['n_control']} control instructions "
-                     f"{r['by_rule']}, guarded {r['guarded_data_ops']} -> {verdict}"
-                     + (" (detected, as it must)" if walk == 0 and not r["passed"] else ""))
-            for f in r["failures"][:3 if walk == 0 else 12]:
-                progress(f"    #{f['index']} {f['instr']} at {f['source']} '{f['source_text']}': {f['why']}")
-            if walk == 0:  # detected: some branch's condition carries a loaded value (the lengths)
-                ok &= any("mem:" in f["why"] for f in r["failures"])
-            else:
-                ok &= r["passed"] or not inst.gating
+        for source, kernel, walk_of in G2_TARGETS:
+            funcs, ptx_all = built[source]
+            for name in sorted(funcs):
+                if kernel not in name:
+                    continue
+                short = kernel.split("ILb", 1)[0]
+                tail = name.split(short, 1)[1]
+                args = tuple(int(m[2:-1]) for m in re.findall(r"(Lb[01]E|Li-?\d+E)", tail.split("EEv", 1)[0] + "E"))
+                walk = walk_of(args, CR)
+                inst = CR.Instance(short, args, walk != 2, frozenset({"mem"}) if walk == 2 else frozenset(),
+                                   ["control: policy off audited as gating", "v2 constant-time walk, one bucket",
+                                    "v2 constant-time walk, per-request buckets"][walk])
+                r = cuda_gate.audit_function(name, funcs, ptx_all, inst, source_dirs=(str(SOURCE.parent),))
+                counts[walk] += 1
+                verdict = "PASS" if r["passed"] else f"FAIL ({len(r['failures'])})"
+                role = "control" if walk == 0 else ("gating" if inst.gating else "reported")
+                progress(f"g2: {short}{list(args)} {role}: {r['n_control']} control instructions "
+                         f"{r['by_rule']}, guarded {r['guarded_data_ops']} -> {verdict}"
+                         + (" (detected, as it must)" if walk == 0 and not r["passed"] else ""))
+                for f in r["failures"][:3 if walk == 0 else 12]:
+                    progress(f"    #{f['index']} {f['instr']} at {f['source']} '{f['source_text']}': {f['why']}")
+                if walk == 0:  # detected: some branch's condition carries a loaded value (the lengths)
+                    ok &= any("mem:" in f["why"] for f in r["failures"])
+                else:
+                    ok &= r["passed"] or not inst.gating
     finally:
         CR.RULES = saved
-    return ok and n > 0
+    progress(f"g2: {counts[1]} gating, {counts[2]} reported, {counts[0]} controls -> {'PASS' if ok else 'FAIL'}")
+    return ok and all(counts.values())
 
 
 def main(argv=None) -> int:

@@ -25,10 +25,13 @@
 // producer spread over four warps (produce_spread; block size 16, else -9); 45/46 v2fma
 // fold512 / nofold on three stages; 47 compat (today's contract, the same bits) with the
 // producer spread; 48 / 49 / 50 plain with the spread producer and FA3's intra-warpgroup
-// overlap / pingpong / both. bf16 only.
+// overlap / pingpong / both. bf16 only. 51: v2fma_fold512 on the product's constant-time walk
+// (consume_v2_ct; bf16 and fp16; through the full entry dhp_prefill_v2p_sm90, whose arguments
+// are the product entry's).
 //
-// Not constant-time (policy off: the walk follows the true lengths), as the product's
-// off binaries: the trip count, the mask branch and the V-tail zeroing follow seq_len.
+// Every code but 51 is not constant-time (policy off: the walk follows the true lengths), as
+// the product's off binaries: the trip count, the mask branch and the V-tail zeroing follow
+// seq_len. 51 is (consume_v2_ct says why).
 
 #define dhp_prefill_sm90 dhp_prefill_sm90_product_entry  // this library exports its own entry
 #include "prefill_sm90.cu"
@@ -175,6 +178,183 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   }
 }
 
+// The v2 consumer (FA3's exponent form, folds every 512) on the product's constant-time walk
+// (prefill_sm90.cu consume_compat<..., CT>: work_ct, produce_ct, clean_v_ct, run_smem and
+// store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
+// every score is masked by select; V rows past the true length are zeroed by the cleaners
+// (the consumers wait on v_clean); a dead step (all positions past the true length) runs
+// unmasked for the rows of the request and is dropped by the commit; the split's state is
+// folded into the running state (shared memory) after every step and kept, by selection, at
+// the split's last live step. The commit's fold takes the quad's l (v2::quad_lanes) every
+// step: four shuffles a step that the off binary spends once per split. No branch, trip count
+// or address follows the true length.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                              const Barriers<STAGES>& bar, int kvh, int g) {
+  using L = Layout<STAGES>;
+  constexpr int kStepsPerSplit = kSplitKV / kCols;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  // rows outside the request attend nothing (kernels: limit = 0)
+  const int lim_lo = select_int(rw.qi_lo < w.q_len, p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1, -1);
+  const int lim_hi = select_int(rw.qi_hi < w.q_len, p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1, -1);
+  const uint32_t q_base = smem + 64 * cw * 128;
+
+  float acc[64], s[64];
+  uint32_t pa[32];
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+
+  mbar_wait(bar.q_full(), 0);
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int st = t % STAGES;
+    const uint32_t par = (t / STAGES) & 1;
+    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
+    mbar_wait(bar.k_full(st), par);
+    wgmma_fence();
+    issue_qk<BF16>(s, q_base, k_base);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(s);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.k_empty(st));
+
+    const int kv0 = t * kCols;
+    const bool dead = kv0 >= w.seq_len;
+    mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
+                select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
+    float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), p.scale_log2);
+    const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), p.scale_log2);
+    const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    float g_lo[16], g_hi[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      s[4 * i] = v2::exp_score(s[4 * i], p.scale_log2, new_lo);
+      s[4 * i + 1] = v2::exp_score(s[4 * i + 1], p.scale_log2, new_lo);
+      s[4 * i + 2] = v2::exp_score(s[4 * i + 2], p.scale_log2, new_hi);
+      s[4 * i + 3] = v2::exp_score(s[4 * i + 3], p.scale_log2, new_hi);
+      g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
+      g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
+    }
+    l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
+    l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
+    pack_p<BF16, 64>(s, pa);
+
+    mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
+    scale_rows(acc, a_lo, a_hi);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar.v_empty(st));
+
+    // the commit: a fold after every step, kept at a split's last live step
+    const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);
+    const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
+    float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+    const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, quad_lanes(l_lo));
+    const FoldCoef hi = fold_stats(mf_hi, lf_hi, m_hi, quad_lanes(l_hi));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float4 r = run_smem[128 * i];
+      const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
+      const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
+      run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
+                                      select_f32(commit, z, r.z), select_f32(commit, u, r.w));
+    }
+    mr_lo = select_f32(commit, mf_lo, mr_lo);
+    lr_lo = select_f32(commit, lf_lo, lr_lo);
+    mr_hi = select_f32(commit, mf_hi, mr_hi);
+    lr_hi = select_f32(commit, lf_hi, lr_hi);
+    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+  }
+  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
+    const float4 r = run_smem[128 * i];
+    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+  }
+  const int r = 64 * cw + 16 * warp + lane / 4;
+  store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
+  store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, g, r + 8, lane, acc, inv_hi);
+}
+
+// The v2 consumer's constant-time kernel: the product prefill_kernel's CT branch (work_ct,
+// producer warpgroup: Q rows by load_q_ct, K/V by produce_ct, V cleaning by clean_v_ct) with
+// consume_v2_ct. LMODE 0: one bucket; 1: per-request buckets.
+template <bool BF16, int LMODE>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_v2_ct_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                         const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  constexpr int STAGES = 2;
+  using L = Layout<STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x;
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
+  const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
+  if (threadIdx.x == 0) {
+    bar.init(8);
+    for (int i = 0; i < STAGES; ++i) mbar_init(v_clean(bar, i), kCleanThreads / 32);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<40>();
+    load_q_ct(p, w, smem_ptr, bar, kvh);
+    if (threadIdx.x < 32) {
+      produce_ct<STAGES>(p, w, &tm_k, &tm_v, smem, bar, kvh, threadIdx.x);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 32 + kCleanThreads) {
+      clean_v_ct<STAGES>(w, smem_ptr, bar, threadIdx.x - 32);
+    }
+  } else {
+    regs_alloc<232>();
+    consume_v2_ct<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh, g);
+  }
+}
+
+template <bool BF16, int LMODE>
+int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+                 cudaStream_t stream) {
+  auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
+  constexpr int bytes = Layout<2>::kBytesCT;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
 // The producer spread over the producer warpgroup's four warps (one per scheduler
 // partition): lane 0 of warp pw loads pages 2pw, 2pw + 1 of every K and V stage (block
 // size 16: 8 pages per 128-position stage), each warp arming the stage's full barrier
@@ -307,18 +487,52 @@ int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& t
 }  // namespace
 }  // namespace dhp
 
-// Policy-off arguments of dhp_prefill_sm90 (no constant-time walk); bf16 only. Its setup
-// repeats the product entry's (tensor maps, Params): csrc/ stays byte for byte what G4's
-// report measured (timing.MEASURED_CODE) until the migration moves the winner there. Returns 0, a
-// cudaError_t, or the product entry's codes (-1..-7; -5: unknown variant or fp16).
-extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
-                                   const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
-                                   int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
-                                   int64_t out_head_stride, const int* block_table, int64_t bt_stride,
-                                   const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
-                                   int num_out_rows, int num_heads, int num_kv_heads, int block_size,
-                                   float qk_scale, int causal, int variant, unsigned v_lbo, unsigned v_sbo,
-                                   void* stream) {
+namespace dhp {
+namespace {
+// The experiment's policy-off variants (bf16; see the header), by code.
+int launch_v2_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
+                      const Params& p, dim3 grid, cudaStream_t st, int block_size) {
+  switch (variant) {
+    case 35: return launch_v2<512>(tq, tk, tv, p, grid, st);
+    case 36: return launch_v2<1024>(tq, tk, tv, p, grid, st);
+    case 37: return launch_v2<0>(tq, tk, tv, p, grid, st);
+    case 39: return launch_v2<512, true>(tq, tk, tv, p, grid, st);
+    case 40: return launch_v2<1024, true>(tq, tk, tv, p, grid, st);
+    case 41: return launch_v2<0, true>(tq, tk, tv, p, grid, st);
+    // the producer spread over four warps (block size 16 only), three stages
+    case 42: return block_size == 16 ? launch_v2<512, true, true>(tq, tk, tv, p, grid, st) : -9;
+    case 43: return block_size == 16 ? launch_v2<0, true, true>(tq, tk, tv, p, grid, st) : -9;
+    case 44: return block_size == 16 ? launch_v2<0, false, true, 1>(tq, tk, tv, p, grid, st) : -9;
+    case 47: return block_size == 16 ? launch_v2<0, false, true, 2>(tq, tk, tv, p, grid, st) : -9;
+    case 48: return block_size == 16 ? launch_v2<0, false, true, 3>(tq, tk, tv, p, grid, st) : -9;
+    case 49: return block_size == 16 ? launch_v2<0, false, true, 4>(tq, tk, tv, p, grid, st) : -9;
+    case 50: return block_size == 16 ? launch_v2<0, false, true, 5>(tq, tk, tv, p, grid, st) : -9;
+    case 45: return launch_v2<512, true, false, 0, 3>(tq, tk, tv, p, grid, st);
+    case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
+    case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
+    default: return -5;
+  }
+}
+}  // namespace
+}  // namespace dhp
+
+// The product entry's arguments (csrc/prefill_sm90.cu dhp_prefill_sm90, so that the product's
+// launcher ops.cuda_prefill.prefill_sm90 can drive it: benchmarks/decode_v2.py) and its setup
+// (tensor maps, Params), repeated here: csrc/ stays byte for byte what G4's report measured
+// (timing.MEASURED_CODE) until the migration moves the winner there. Codes: 33 / 34 the
+// product's binaries (built by the same nvcc), 51 the v2 consumer on the constant-time walk
+// (l_mode 0: one bucket, 1: per-request buckets; its arguments as 34's), and the experiment's
+// policy-off codes (bf16 only: launch_v2_variant). Returns 0, a cudaError_t, or the product's
+// codes (-1..-8; -5: unknown variant, or fp16 with an experiment code).
+extern "C" int dhp_prefill_v2p_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
+                                    const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
+                                    int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
+                                    int64_t out_head_stride, const int* block_table, int64_t bt_stride,
+                                    const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
+                                    int num_out_rows, int num_heads, int num_kv_heads, int block_size,
+                                    float qk_scale, int causal, int is_bf16, int variant, unsigned v_lbo,
+                                    unsigned v_sbo, int l_mode, int l_scalar, const int* bucket, int max_blocks,
+                                    int q_rows, unsigned q_magic, void* sink, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -328,14 +542,14 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
   int group_shift = 0;
   while ((1 << group_shift) < group) ++group_shift;
   const int block_q = kRows >> group_shift;
-  if (!tma::encode_q(encode, &tq, 1, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
+  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
                      block_q))
     return -2;
-  if (!tma::encode_kv(encode, &tk, 1, k, block_size, num_kv_heads, num_blocks, kv_block_stride, kv_head_stride,
-                      kv_tok_stride, block_size))
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, block_size))
     return -3;
-  if (!tma::encode_kv(encode, &tv, 1, v, block_size, num_kv_heads, num_blocks, kv_block_stride, kv_head_stride,
-                      kv_tok_stride, block_size))
+  if (!tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                      kv_head_stride, kv_tok_stride, block_size))
     return -4;
   Params p{};
   p.out = out;
@@ -358,28 +572,47 @@ extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t 
   p.causal = causal;
   p.v_lbo = v_lbo;
   p.v_sbo = v_sbo;
+  p.l_mode = l_mode;
+  ct::set_walk_params(p, l_scalar, bucket, max_blocks);
+  p.q = q;
+  p.q_tok_stride = q_tok_stride;
+  p.q_head_stride = q_head_stride;
+  p.q_rows = q_rows;
+  p.q_magic = q_magic;
+  p.sink = sink;
   if (p.num_tiles > 65535) return -6;
+  if ((variant == 34 || variant == 51) &&
+      (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr || (l_mode != 0 && l_mode != 1) ||
+       (l_mode == 1 && bucket == nullptr)))
+    return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  switch (variant) {
-    case 33: return launch<true, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
-    case 35: return launch_v2<512>(tq, tk, tv, p, grid, st);
-    case 36: return launch_v2<1024>(tq, tk, tv, p, grid, st);
-    case 37: return launch_v2<0>(tq, tk, tv, p, grid, st);
-    case 39: return launch_v2<512, true>(tq, tk, tv, p, grid, st);
-    case 40: return launch_v2<1024, true>(tq, tk, tv, p, grid, st);
-    case 41: return launch_v2<0, true>(tq, tk, tv, p, grid, st);
-    // the producer spread over four warps (block size 16 only), three stages
-    case 42: return block_size == 16 ? launch_v2<512, true, true>(tq, tk, tv, p, grid, st) : -9;
-    case 43: return block_size == 16 ? launch_v2<0, true, true>(tq, tk, tv, p, grid, st) : -9;
-    case 44: return block_size == 16 ? launch_v2<0, false, true, 1>(tq, tk, tv, p, grid, st) : -9;
-    case 47: return block_size == 16 ? launch_v2<0, false, true, 2>(tq, tk, tv, p, grid, st) : -9;
-    case 48: return block_size == 16 ? launch_v2<0, false, true, 3>(tq, tk, tv, p, grid, st) : -9;
-    case 49: return block_size == 16 ? launch_v2<0, false, true, 4>(tq, tk, tv, p, grid, st) : -9;
-    case 50: return block_size == 16 ? launch_v2<0, false, true, 5>(tq, tk, tv, p, grid, st) : -9;
-    case 45: return launch_v2<512, true, false, 0, 3>(tq, tk, tv, p, grid, st);
-    case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
-    case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
-    default: return -5;
+  if (variant == 33 || variant == 34)
+    return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)
+                   : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
+  if (variant == 51) {
+    if (is_bf16) return l_mode == 1 ? launch_v2_ct<true, 1>(tq, tk, tv, p, grid, st)
+                                    : launch_v2_ct<true, 0>(tq, tk, tv, p, grid, st);
+    return l_mode == 1 ? launch_v2_ct<false, 1>(tq, tk, tv, p, grid, st)
+                       : launch_v2_ct<false, 0>(tq, tk, tv, p, grid, st);
   }
+  if (!is_bf16) return -5;
+  return launch_v2_variant(variant, tq, tk, tv, p, grid, st, block_size);
+}
+
+// The experiment's short entry (benchmarks/contract_v2.py): bf16, policy off.
+extern "C" int dhp_prefill_v2_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
+                                   const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
+                                   int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
+                                   int64_t out_head_stride, const int* block_table, int64_t bt_stride,
+                                   const int* seq_lens, const int* query_start_loc, int num_seqs, int num_tokens,
+                                   int num_out_rows, int num_heads, int num_kv_heads, int block_size,
+                                   float qk_scale, int causal, int variant, unsigned v_lbo, unsigned v_sbo,
+                                   void* stream) {
+  if (variant == 34 || variant == 51) return -5;  // the constant-time walks take the full entry's arguments
+  return dhp_prefill_v2p_sm90(q, q_tok_stride, q_head_stride, k, v, kv_block_stride, kv_head_stride, kv_tok_stride,
+                              num_blocks, out, out_tok_stride, out_head_stride, block_table, bt_stride, seq_lens,
+                              query_start_loc, num_seqs, num_tokens, num_out_rows, num_heads, num_kv_heads,
+                              block_size, qk_scale, causal, 1, variant, v_lbo, v_sbo, 0, 0, nullptr, 0, 0, 0,
+                              nullptr, stream);
 }
