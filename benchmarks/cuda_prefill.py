@@ -151,6 +151,22 @@ def cuda_fn(st, causal, variant, bucket=None):
     return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket, check=False)
 
 
+def exp_fn(st, causal, variant, bucket=None):
+    """cuda_fn for issue 30's experiment library (benchmarks.contract_v2.product_launcher): ``v2`` (folds
+    every 512, policy off) or ``v2_ct`` (its constant-time walk to ``bucket``)."""
+    from benchmarks.contract_v2 import product_launcher
+
+    out = torch.full_like(st["q"], float("nan"))
+    args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
+    with product_launcher() as cpf:
+        cpf.prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket)
+
+    def run():
+        with product_launcher() as cpf:
+            return cpf.prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket, check=False)
+    return run
+
+
 def triton_off_fn(st, causal, policy="off", bucket=None):
     from dhp_backend.ops import paged_attention
     out = torch.empty_like(st["q"])
@@ -243,6 +259,9 @@ def main(argv=None):
                     fns = [cuda_fn(s, causal, name[5:], args.bucket) for s in sets]
                 elif name.startswith("cuda_") and name[5:] in COMPAT_VARIANTS:
                     fns = [cuda_fn(s, causal, name[5:]) for s in sets]
+                elif name in ("exp_v2", "exp_v2_ct") and (name == "exp_v2" or args.bucket):
+                    # issue 30's v2 prefill (benchmarks/contract_v2.py) through this launcher; _ct: its walk
+                    fns = [exp_fn(s, causal, name[4:], args.bucket if name == "exp_v2_ct" else None) for s in sets]
                 else:
                     raise LookupError(f"unknown variant {name}")
                 o = cuda_runs.check_and_time(row, fns, ref, lambda f: timer.measure(f).median_ms,
@@ -250,7 +269,7 @@ def main(argv=None):
                 if o is not None:
                     outs[name] = o
                     row["tflops"] = flop / row["us"] / 1e6
-                    if name == "triton_strict" or name[5:] in COMPAT_CT_VARIANTS:
+                    if name in ("triton_strict", "exp_v2_ct") or name[5:] in COMPAT_CT_VARIANTS:
                         row["bucket"] = args.bucket
                         row["exec_tflops"] = executed_flop(reqs, args.bucket) / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
