@@ -19,8 +19,9 @@ The probe (exit 1 when wrong):
   - every decode row against SDPA, both split modes, splits dealt one and three per CTA, and the constant-time
     walks (one bucket; per-request buckets) whose bits must be policy ``off``'s;
   - **the contract's invariance**: a decode row equals, bit for bit, the last row of the v2 prefill
-    (``benchmarks.contract_v2`` variant ``v2fma_fold512``) of the same request on the same cache:
-    prefill = decode for the same position;
+    (``benchmarks.contract_v2`` variant ``v2fma_fold512``) of the same request on the same cache, and
+    the whole prefill step run through the decode kernel (each token its own row, token tiles) equals
+    the prefill in every row: prefill = chunk = decode for every position;
   - the experiment library's product binaries give the engine's bits.
 """
 
@@ -137,6 +138,13 @@ def probe() -> bool:
                 torch.cuda.synchronize()
                 key = f"{heads} {lens} {name}"
                 errs[key] = rel_err(o, cp.sdpa_ref(pre, True))
+                same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
+            # every row of the prefill step as a row of the decode kernel (token tiles, each token its own
+            # CTA row with its causal limit): prefill = chunk = decode for every position, not the last only
+            for mode, bucket in (("split", None), ("fold", None), ("split", PROBE_BUCKET)):
+                o = exp_fn(pre, V2, mode, None, bucket)()
+                torch.cuda.synchronize()
+                key = f"{heads} {lens} every row via decode/{mode}{'/ct' if bucket else ''}"
                 same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
             st, last = decode_of_prefill(pre)
             ref = cp.sdpa_ref(st, True)
