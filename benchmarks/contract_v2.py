@@ -43,7 +43,8 @@ VARIANTS = {"compat": 33, "plain": 38, "v2_fold512": 35, "v2_fold1024": 36, "v2_
             "v2fma_fold512": 39, "v2fma_fold1024": 40, "v2fma_nofold": 41,
             "v2fma_fold512_spread": 42, "v2fma_nofold_spread": 43, "plain_spread": 44,
             "v2fma_fold512_s3": 45, "v2fma_nofold_s3": 46, "compat_spread": 47,
-            "plain_spread_overlap": 48, "plain_spread_pingpong": 49, "plain_spread_overlap_pingpong": 50}
+            "plain_spread_overlap": 48, "plain_spread_pingpong": 49, "plain_spread_overlap_pingpong": 50,
+            "v2fma_fold512_spread_packed": 52}
 DEFAULT_SHAPES = "causal-4k,causal-8k,causal-16k,batch4-4000,chunk2k+63dec"
 DEFAULT_HEADS = "32,8;28,4"  # Llama-3-8B (GQA 4) and Qwen2.5-7B (GQA 7: 8 tile slots, one unused)
 QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the first
@@ -150,6 +151,8 @@ ABOUT = {
     "plain_spread_overlap": "plain_spread with FA3's intra-warpgroup overlap (softmax of step t+1 under the PV of t)",
     "plain_spread_pingpong": "plain_spread with FA3's pingpong (the two consumer warpgroups take turns at the tensor cores)",
     "plain_spread_overlap_pingpong": "plain_spread with both",
+    "v2fma_fold512_spread_packed": "v2fma_fold512_spread with packed GQA rows (GQA 7: 18 tokens x 7 heads a tile, "
+                                   "not 16 x 8 slots; the same bits)",
 }
 PALETTE = [(120, 120, 120), (214, 39, 40), (31, 119, 180), (255, 127, 14), (44, 160, 44), (148, 103, 189),
            (140, 86, 75), (227, 119, 194), (23, 190, 207), (188, 189, 34), (90, 90, 200), (0, 0, 0),

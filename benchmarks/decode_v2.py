@@ -131,6 +131,12 @@ def probe() -> bool:
             pre = cp.make_step([(s, s) for s in lens], gen, width=PROBE_BUCKET // cp.BS, reserve=PROBE_BUCKET)
             v2_prefill = contract_v2.v2_fn(pre, True, "v2fma_fold512")()
             per_req = torch.full((len(lens),), PROBE_BUCKET, dtype=torch.int32, device=pre["q"].device)
+            # the producer spread over four warps and the packed GQA tile: the same bits
+            for variant in ("v2fma_fold512_spread", "v2fma_fold512_spread_packed"):
+                o = contract_v2.v2_fn(pre, True, variant)()
+                torch.cuda.synchronize()
+                same_prefill[f"{heads} {lens} prefill {variant}"] = bool(torch.equal(o.view(torch.int16),
+                                                                                     v2_prefill.view(torch.int16)))
             # the v2 prefill through the product launcher, and on the constant-time walks: the same bits
             for name, variant, bucket in (("prefill", "v2", None), ("prefill/ct", "v2_ct", PROBE_BUCKET),
                                           ("prefill/ct-per-request", "v2_ct", per_req)):

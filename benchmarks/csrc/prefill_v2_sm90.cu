@@ -25,7 +25,8 @@
 // producer spread over four warps (produce_spread; block size 16, else -9); 45/46 v2fma
 // fold512 / nofold on three stages; 47 compat (today's contract, the same bits) with the
 // producer spread; 48 / 49 / 50 plain with the spread producer and FA3's intra-warpgroup
-// overlap / pingpong / both. bf16 only. 51: v2fma_fold512 on the product's constant-time walk
+// overlap / pingpong / both. bf16 only. 52: v2fma_fold512_spread with packed GQA rows
+// (rows_of_packed: 18 tokens x 7 heads in a tile for GQA 7, not 16 x 8 slots). 51: v2fma_fold512 on the product's constant-time walk
 // (consume_v2_ct; bf16 and fp16; through the full entry dhp_prefill_v2p_sm90, whose arguments
 // are the product entry's).
 //
@@ -47,7 +48,24 @@ namespace {
 using v2::quad_lanes;
 using v2::step_tree;
 
-template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP>
+// PACKED: the tile's rows are (token, head) pairs packed without slots, token r / GROUP and head
+// r % GROUP of the KV head's group, floor(128 / GROUP) tokens per tile (GROUP 7: 18 tokens, 126 of
+// 128 rows used, where the product's slots of a power of two use 112: 16 tokens x 8 slots). Each
+// row's arithmetic is the same (a wgmma output row depends on its own A row only): the same bits.
+__device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, int cw, int warp, int lane, int kvh) {
+  const int r = 64 * cw + 16 * warp + lane / 4;
+  Rows x;
+  x.qi_lo = w.tok0 + r / p.group;
+  x.qi_hi = w.tok0 + (r + 8) / p.group;
+  x.head_lo = kvh * p.group + r % p.group;
+  x.head_hi = kvh * p.group + (r + 8) % p.group;
+  x.ok_lo = r < p.block_q * p.group;
+  x.ok_hi = r + 8 < p.block_q * p.group;
+  x.first_qi = w.tok0 + (64 * cw) / p.group;
+  return x;
+}
+
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool PACKED = false>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES>;
@@ -56,7 +74,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   static_assert(!kFold || SPLIT % kCols == 0, "a split is whole 128-position steps");
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
+  const Rows rw = PACKED ? rows_of_packed(p, w, cw, warp, lane, kvh) : rows_of(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
   const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
   const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
@@ -375,13 +393,13 @@ __device__ __forceinline__ void load_quarter(uint32_t dst, const CUtensorMap* tm
   }
 }
 
-template <int STAGES>
+template <int STAGES, bool PACKED = false>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh, int req, int pw) {
   using L = Layout<STAGES>;
-  if (pw == 0) {
-    mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
+  if (pw == 0) {  // PACKED: the box is GROUP heads x block_q tokens (126 rows for GROUP 7)
+    mbar_arrive_expect_tx(bar.q_full(), PACKED ? 2 * p.group * p.block_q * 128 : kTileBytes);
     tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
     tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
   }
@@ -403,7 +421,7 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
 // register split (24 / 240).
 // CONSUMER: 0 consume_v2, 1 plain (the product's consume), 2 compat (the product's consume_compat, n128 form),
 // 3 / 4 / 5 plain with OVERLAP / PINGPONG / both (consume's flags: FA3's schedules).
-template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, int CONSUMER>
+template <bool BF16, int STAGES, int SPLIT, bool FMA_EXP, bool SPREAD, int CONSUMER, bool PACKED = false>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -448,7 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     regs_dealloc<24>();
     if constexpr (SPREAD) {
-      if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
+      if (threadIdx.x % 32 == 0)
+        produce_spread<STAGES, PACKED>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
     } else {
       if (threadIdx.x == 0) produce<STAGES, 0>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
     }
@@ -465,14 +484,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     else if constexpr (CONSUMER == 2)
       consume_compat<BF16, STAGES, true>(p, w, smem_ptr, smem, bar, kvh, g);
     else
-      consume_v2<BF16, STAGES, SPLIT, FMA_EXP>(p, w, smem_ptr, smem, bar, kvh);
+      consume_v2<BF16, STAGES, SPLIT, FMA_EXP, PACKED>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
-template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, int CONSUMER = 0, int STAGES = 2>
+template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, int CONSUMER = 0, int STAGES = 2, bool PACKED = false>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, CONSUMER>;
+  static_assert(!PACKED || (SPREAD && CONSUMER == 0), "packed rows: the v2 consumer with the spread producer");
+  auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, CONSUMER, PACKED>;
   constexpr int bytes = Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
@@ -508,6 +528,8 @@ int launch_v2_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk,
     case 49: return block_size == 16 ? launch_v2<0, false, true, 4>(tq, tk, tv, p, grid, st) : -9;
     case 50: return block_size == 16 ? launch_v2<0, false, true, 5>(tq, tk, tv, p, grid, st) : -9;
     case 45: return launch_v2<512, true, false, 0, 3>(tq, tk, tv, p, grid, st);
+    // v2fma_fold512_spread with packed GQA rows (the entry encodes Q and the tiling for it)
+    case 52: return block_size == 16 ? launch_v2<512, true, true, 0, 2, true>(tq, tk, tv, p, grid, st) : -9;
     case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
     default: return -5;
@@ -541,9 +563,11 @@ extern "C" int dhp_prefill_v2p_sm90(const void* q, int64_t q_tok_stride, int64_t
   if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
   int group_shift = 0;
   while ((1 << group_shift) < group) ++group_shift;
-  const int block_q = kRows >> group_shift;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
-                     block_q))
+  // code 52 packs (token, head) rows without slots: floor(128 / GROUP) tokens of GROUP heads per tile
+  const bool packed = variant == 52;
+  const int block_q = packed ? kRows / group : kRows >> group_shift;
+  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride,
+                     packed ? group : 1 << group_shift, block_q))
     return -2;
   if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
