@@ -48,6 +48,37 @@ namespace {
 using v2::quad_lanes;
 using v2::step_tree;
 
+// One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
+// scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
+// the running max, the rows' alphas, p in place and the per-lane l (v2_arith.cuh).
+__device__ __forceinline__ void v2_step(float (&s)[64], float scale, float& m_lo, float& m_hi, float& l_lo,
+                                        float& l_hi, float& a_lo, float& a_hi) {
+  float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), scale);
+  const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), scale);
+  a_lo = select_ex2(m_lo, new_lo);
+  a_hi = select_ex2(m_hi, new_hi);
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float g_lo[16], g_hi[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[4 * i] = v2::exp_score(s[4 * i], scale, new_lo);
+    s[4 * i + 1] = v2::exp_score(s[4 * i + 1], scale, new_lo);
+    s[4 * i + 2] = v2::exp_score(s[4 * i + 2], scale, new_hi);
+    s[4 * i + 3] = v2::exp_score(s[4 * i + 3], scale, new_hi);
+    g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
+    g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
+  }
+  l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
+  l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
+}
+
 // PACKED: the tile's rows are (token, head) pairs packed without slots, token r / GROUP and head
 // r % GROUP of the KV head's group, floor(128 / GROUP) tokens per tile (GROUP 7: 18 tokens, 126 of
 // 128 rows used, where the product's slots of a power of two use 112: 16 tokens x 8 slots). Each
@@ -106,33 +137,14 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 
     const int kv0 = t * kCols;
     const bool masked = kv0 + kCols > mask_from;
-    float g_lo[16], g_hi[16], a_lo, a_hi;
+    float a_lo, a_hi;
     if constexpr (FMA_EXP) {
       // FA3's exponent form: the max over the raw scores, p = 2^(s * scale - m) in one fma.
       if (masked) mask_scores(s, kv0, lim_lo, lim_hi, lane);
-      float mx_lo = s[0], mx_hi = s[2];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-      }
-      const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), p.scale_log2);
-      const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), p.scale_log2);
-      a_lo = select_ex2(m_lo, new_lo);
-      a_hi = select_ex2(m_hi, new_hi);
-      m_lo = new_lo;
-      m_hi = new_hi;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        s[4 * i] = v2::exp_score(s[4 * i], p.scale_log2, new_lo);
-        s[4 * i + 1] = v2::exp_score(s[4 * i + 1], p.scale_log2, new_lo);
-        s[4 * i + 2] = v2::exp_score(s[4 * i + 2], p.scale_log2, new_hi);
-        s[4 * i + 3] = v2::exp_score(s[4 * i + 3], p.scale_log2, new_hi);
-        g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
-        g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
-      }
+      v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     } else {
       // compat's exponent form: s * scale, the mask select, the max, p = 2^(s - m).
+      float g_lo[16], g_hi[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i)
         scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, p.scale_log2);
@@ -156,9 +168,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         g_lo[i] = __fadd_rn(s[4 * i], s[4 * i + 1]);
         g_hi[i] = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
       }
+      l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
+      l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
     }
-    l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
-    l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
     pack_p<BF16, 64>(s, pa);
 
     mbar_wait(bar.v_full(st), par);
@@ -248,29 +260,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const bool dead = kv0 >= w.seq_len;
     mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
                 select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
-    float mx_lo = s[0], mx_hi = s[2];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), p.scale_log2);
-    const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), p.scale_log2);
-    const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
-    m_lo = new_lo;
-    m_hi = new_hi;
-    float g_lo[16], g_hi[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      s[4 * i] = v2::exp_score(s[4 * i], p.scale_log2, new_lo);
-      s[4 * i + 1] = v2::exp_score(s[4 * i + 1], p.scale_log2, new_lo);
-      s[4 * i + 2] = v2::exp_score(s[4 * i + 2], p.scale_log2, new_hi);
-      s[4 * i + 3] = v2::exp_score(s[4 * i + 3], p.scale_log2, new_hi);
-      g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
-      g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
-    }
-    l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
-    l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
+    float a_lo, a_hi;
+    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
 
     mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
