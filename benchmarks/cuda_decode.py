@@ -44,21 +44,25 @@ from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, VARIANTS
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
     """``B<batch>-<ctx>k``: every request at ctx; ``B<batch>-r<ctx>k``: lengths uniform
     in [ctx / 8, ctx], seeded (vLLM's decode batches: requests of many lengths). A
-    suffix ``-w<cap>k`` (`_table_width`) only widens the block table."""
-    b, ctx = name.split("-")[:2]
+    suffix ``-w<cap>k`` (`_table_width`) only widens the block table; ``-q<n>`` gives every
+    request n query tokens (a step between decode and prefill: drafts, small chunks; the
+    decode kernel computes each token as its own row with its causal limit)."""
+    parts = name.split("-")
+    b, ctx = parts[:2]
     B = int(b[1:])
+    q = next((int(x[1:]) for x in parts[2:] if x.startswith("q")), 1)
     if ctx.startswith("r"):
         hi = int(ctx[1:-1]) * 1024
         rng = random.Random(f"{b}-{ctx}")  # the same lengths with or without a -w suffix
-        return B, hi, [(1, rng.randint(hi // 8, hi)) for _ in range(B)]
-    return B, int(ctx[:-1]) * 1024, [(1, int(ctx[:-1]) * 1024)] * B
+        return B, hi, [(q, rng.randint(max(hi // 8, q), hi)) for _ in range(B)]
+    return B, int(ctx[:-1]) * 1024, [(q, int(ctx[:-1]) * 1024)] * B
 
 
 def _table_width(name: str) -> int:
     """Block-table columns of a shape ``...-w<cap>k``: vLLM's table is max_model_len wide
     whatever the lengths (0: just wide enough)."""
-    parts = name.split("-")
-    return int(parts[2][1:-1]) * 1024 // BS if len(parts) > 2 and parts[2].startswith("w") else 0
+    w = next((x for x in name.split("-")[2:] if x.startswith("w")), None)
+    return int(w[1:-1]) * 1024 // BS if w else 0
 
 
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),

@@ -100,7 +100,7 @@ for step in "$@"; do
                 timeout 300 python3 -c "from ${lib}; library()" >>"$OUT/decodev2-build.log" 2>&1 &
               done; wait; tail -4 "$OUT/decodev2-build.log"
               timeout 240 python3 -m benchmarks.decode_v2 --probe 2>&1 | tee "$OUT/decodev2-probe.log" | tail -c 1500 \
-               && timeout ${DV2_BENCH_S:-240} python3 -m benchmarks.cuda_decode ${DV2_ARGS:---variants fa3,cuda_auto,cuda_p2x2_pv_ef:spp1,cuda_p2x2_pv_ef:spp2,exp_p2x2_pv_ef,exp_v2 --shapes B1-4k,B1-8k,B1-16k,B1-32k,B4-16k,B16-4k,B16-32k,B64-r32k,B256-r2k} \
+               && timeout ${DV2_BENCH_S:-240} python3 -m benchmarks.cuda_decode ${DV2_ARGS:---variants fa3,cuda_auto,cuda_p2x2_pv_ef:spp1,cuda_p2x2_pv_ef:spp2,exp_p2x2_pv_ef,exp_v2 --shapes B1-4k,B1-8k,B1-16k,B1-32k,B4-16k,B16-4k,B16-32k,B64-r32k,B256-r2k,B16-4k-q4,B64-r4k-q8} \
                     --out "$OUT" 2>&1 | tee "$OUT/decodev2.log" | tail -40 ;;
     cudadec) # As cudapf: every part under its own timeout.
              timeout 240 python3 -m benchmarks.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \

@@ -73,6 +73,12 @@ def test_decode_shape_names():
     assert cuda_decode._shape("B8-r4k-w128k") == cuda_decode._shape("B8-r4k-w128k")  # seeded
     assert cuda_decode._table_width("B1-4k") == 0
     assert cuda_decode._table_width("B1-4k-w128k") == 128 * 1024 // 16  # columns of 16-token pages
+    # -q<n>: n query tokens per request (a step between decode and prefill), with or without -w
+    assert cuda_decode._shape("B16-4k-q4") == (16, 4096, [(4, 4096)] * 16)
+    B, ctx, reqs = cuda_decode._shape("B8-r4k-q8-w128k")
+    assert all(q == 8 and 512 <= s <= 4096 for q, s in reqs)
+    assert [s for _, s in reqs] == [s for _, s in cuda_decode._shape("B8-r4k-w128k")[2]]  # the same lengths
+    assert cuda_decode._table_width("B8-r4k-q8-w128k") == 128 * 1024 // 16
 
 
 def test_sustained_table_and_plot(tmp_path):
