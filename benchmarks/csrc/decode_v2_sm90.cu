@@ -2,8 +2,8 @@
 // "Next", decision run (b)). Built by benchmarks/decode_v2.py into a library of its own;
 // the engine's library (csrc/decode_sm90.cu) is untouched and never holds these binaries.
 //
-// What it is: the csrc decode kernel's policy-off path with its consumer on the next
-// arithmetic contract (docs/kernels.md section 7), the contract measured in prefill by
+// What it is: the csrc decode kernel (policy off and the constant-time walks) with its pipe
+// consumer on the next arithmetic contract (docs/kernels.md section 7), the contract measured in prefill by
 // benchmarks/csrc/prefill_v2_sm90.cu variant 39 (v2fma_fold512). A decode row must give
 // that prefill's bits for the same position (benchmarks/decode_v2.py --probe checks it):
 //   - KV steps of 128 positions at absolute multiples of 128: two of the ring's
@@ -11,8 +11,8 @@
 //   - FA3's exponent form: masked scores -inf by select, m = max(m, rowmax(raw) * scale),
 //     p = ex2(fma(s, scale, -m)), alpha = select_ex2(m_old, m);
 //   - per-lane row sums: lane (row, q) adds its own column pairs; the step's 16 groups
-//     meet in the contract's order (v2_arith.cuh step_tree: ((g0..g3) + (g4..g7)) + ((g8..g11) +
-//     (g12..g15)), where warp w of the S pair holds groups 4w..4w+3 of the step's first
+//     meet in the contract's order (v2_arith.cuh step_tree: tree4 of the quads g0..g3, g4..g7,
+//     g8..g11, g12..g15), where warp w of the S pair holds groups 4w..4w+3 of the step's first
 //     stage and 8+4w..8+4w+3 of its second: each warp adds its two quads, the pair
 //     exchanges them through shared memory per lane; l = fma(l, alpha, tree) per lane;
 //     the four lanes meet once per split, (x + lane^2) + lane^1 (v2::quad_lanes);
