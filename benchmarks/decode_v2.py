@@ -138,12 +138,13 @@ def probe() -> bool:
                 same_prefill[f"{heads} {lens} prefill {variant}"] = bool(torch.equal(o.view(torch.int16),
                                                                                      v2_prefill.view(torch.int16)))
             # the v2 prefill through the product launcher, and on the constant-time walks: the same bits
+            pre_ref = cp.sdpa_ref(pre, True)
             for name, variant, bucket in (("prefill", "v2", None), ("prefill/ct", "v2_ct", PROBE_BUCKET),
                                           ("prefill/ct-per-request", "v2_ct", per_req)):
                 o = prefill_fn(pre, variant, bucket)
                 torch.cuda.synchronize()
                 key = f"{heads} {lens} {name}"
-                errs[key] = rel_err(o, cp.sdpa_ref(pre, True))
+                errs[key] = rel_err(o, pre_ref)
                 same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
             # every row of the prefill step as a row of the decode kernel (token tiles, each token its own
             # CTA row with its causal limit): prefill = chunk = decode for every position, not the last only

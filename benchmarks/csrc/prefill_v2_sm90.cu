@@ -48,6 +48,36 @@ namespace {
 using v2::quad_lanes;
 using v2::step_tree;
 
+// A stage's S = Q K^T (one m64n128 wgmma batch), then the K stage released by the warp.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void scores_of_stage(float (&s)[64], uint32_t q_base, uint32_t k_base,
+                                                const Barriers<STAGES>& bar, int st, uint32_t par, int lane) {
+  mbar_wait(bar.k_full(st), par);
+  wgmma_fence();
+  issue_qk<BF16>(s, q_base, k_base);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(s);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar.k_empty(st));
+}
+
+// O = O * alpha + P V over a stage (the caller has waited for its V rows), then the V stage released.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void accumulate_stage(float (&acc)[64], uint32_t (&pa)[32], float a_lo, float a_hi,
+                                                 uint32_t v_base, const Params& p, const Barriers<STAGES>& bar,
+                                                 int st, int lane) {
+  scale_rows(acc, a_lo, a_hi);
+  wgmma_fence();
+  issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(acc);
+  pin(pa);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar.v_empty(st));
+}
+
 // One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
 // scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
 // the running max, the rows' alphas, p in place and the per-lane l (v2_arith.cuh).
@@ -126,14 +156,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int st = t % STAGES;
     const uint32_t par = (t / STAGES) & 1;
     const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
-    mbar_wait(bar.k_full(st), par);
-    wgmma_fence();
-    issue_qk<BF16>(s, q_base, k_base);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(s);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.k_empty(st));
+    scores_of_stage<BF16>(s, q_base, k_base, bar, st, par, lane);
 
     const int kv0 = t * kCols;
     const bool masked = kv0 + kCols > mask_from;
@@ -176,15 +199,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     mbar_wait(bar.v_full(st), par);
     const int valid = w.seq_len - kv0;
     if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
-    scale_rows(acc, a_lo, a_hi);
-    wgmma_fence();
-    issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(acc);
-    pin(pa);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.v_empty(st));
+    accumulate_stage<BF16>(acc, pa, a_lo, a_hi, v_base, p, bar, st, lane);
 
     if constexpr (kFold) {
       if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // end of a split: fold (compat's fold)
@@ -247,14 +262,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const int st = t % STAGES;
     const uint32_t par = (t / STAGES) & 1;
     const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
-    mbar_wait(bar.k_full(st), par);
-    wgmma_fence();
-    issue_qk<BF16>(s, q_base, k_base);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(s);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.k_empty(st));
+    scores_of_stage<BF16>(s, q_base, k_base, bar, st, par, lane);
 
     const int kv0 = t * kCols;
     const bool dead = kv0 >= w.seq_len;
@@ -265,15 +273,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     pack_p<BF16, 64>(s, pa);
 
     mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
-    scale_rows(acc, a_lo, a_hi);
-    wgmma_fence();
-    issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(acc);
-    pin(pa);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.v_empty(st));
+    accumulate_stage<BF16>(acc, pa, a_lo, a_hi, v_base, p, bar, st, lane);
 
     // the commit: a fold after every step, kept at a split's last live step
     const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);
