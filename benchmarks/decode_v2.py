@@ -148,15 +148,13 @@ def probe() -> bool:
                 same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
             # every row of the prefill step as a row of the decode kernel (token tiles, each token its own
             # CTA row with its causal limit): prefill = chunk = decode for every position, not the last only
-            # split mode's workspace holds every row's partials: the product caps it (geometry's
-            # SPLIT_FLOATS) below a 9K-token step, so the longest lengths check fold mode only
-            fits = sum(lens) <= 4096
-            for mode, bucket in (("split", None), ("fold", None), ("split", PROBE_BUCKET)):
-                if mode == "split" and not fits:
-                    continue
+            # split mode's workspace holds every row's partials of every split of the table's width
+            # (geometry's SPLIT_FLOATS caps it): a step of many tokens runs in the mode the product's
+            # geometry picks for it (None), as the engine would run it
+            for mode, bucket in ((None, None), ("fold", None), (None, PROBE_BUCKET)):
                 o = exp_fn(pre, V2, mode, None, bucket)()
                 torch.cuda.synchronize()
-                key = f"{heads} {lens} every row via decode/{mode}{'/ct' if bucket else ''}"
+                key = f"{heads} {lens} every row via decode/{mode or 'auto'}{'/ct' if bucket else ''}"
                 same_prefill[key] = bool(torch.equal(o.view(torch.int16), v2_prefill.view(torch.int16)))
             st, last = decode_of_prefill(pre)
             ref = cp.sdpa_ref(st, True)
