@@ -44,7 +44,16 @@ VARIANTS = {"compat": 33, "plain": 38, "v2_fold512": 35, "v2_fold1024": 36, "v2_
             "v2fma_fold512_spread": 42, "v2fma_nofold_spread": 43, "plain_spread": 44,
             "v2fma_fold512_s3": 45, "v2fma_nofold_s3": 46, "compat_spread": 47,
             "plain_spread_overlap": 48, "plain_spread_pingpong": 49, "plain_spread_overlap_pingpong": 50,
-            "v2fma_fold512_spread_packed": 52}
+            "v2fma_fold512_spread_packed": 52,
+            # the same arithmetic, running state in shared memory, FA3's schedules (consume_v2_sched)
+            "v2s_spread": 53, "v2s_spread_overlap": 54, "v2s_spread_pingpong": 55,
+            "v2s_spread_overlap_pingpong": 56, "v2s_spread_overlap_packed": 57,
+            "v2s_spread_overlap_pingpong_packed": 58}
+# the variants whose rows must carry v2fma_fold512's bits (the contract: producer, tile packing,
+# stage count, where the running state lives and the warpgroups' schedule do not change a row)
+SAME_BITS_AS_V2 = ("v2fma_fold512_spread", "v2fma_fold512_s3", "v2fma_fold512_spread_packed", "v2s_spread",
+                   "v2s_spread_overlap", "v2s_spread_pingpong", "v2s_spread_overlap_pingpong",
+                   "v2s_spread_overlap_packed", "v2s_spread_overlap_pingpong_packed")
 DEFAULT_SHAPES = "causal-4k,causal-8k,causal-16k,batch4-4000,chunk2k+63dec"
 DEFAULT_HEADS = "32,8;28,4"  # Llama-3-8B (GQA 4) and Qwen2.5-7B (GQA 7: 8 tile slots, one unused)
 QWEN_SHAPES = "causal-8k,batch2-8k"  # the shapes timed at heads other than the first
@@ -229,19 +238,24 @@ def report(paths, out_dir: str, stem: str = "contract-v2-h200") -> list[str]:
 def probe() -> bool:
     """Every binary right on small shapes (not hung), at both head configurations' GQA."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    errs = {}
+    errs, differ = {}, []
     for heads in ("32,8", "28,4"):
         cp.H, cp.HKV = (int(x) for x in heads.split(","))
         for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 1300), (77, 77)], True),
-                             ([(700, 2100)], True)):
+                             ([(700, 2100)], True), ([(1, 513), (130, 1100), (511, 1535)], True)):
             st = cp.make_step(reqs, gen)
             ref = cp.sdpa_ref(st, causal)
+            outs = {}
             for name in VARIANTS:
-                o = v2_fn(st, causal, name)()
+                outs[name] = v2_fn(st, causal, name)()
                 torch.cuda.synchronize()
-                errs[f"{heads} {reqs} causal={causal} {name}"] = rel_err(o[: ref.shape[0]], ref)
-    ok = all(e < 2e-2 for e in errs.values())
-    print(f"probe: {'OK' if ok else 'WRONG'} " + json.dumps({k: round(v, 5) for k, v in errs.items()}), flush=True)
+                errs[f"{heads} {reqs} causal={causal} {name}"] = rel_err(outs[name][: ref.shape[0]], ref)
+            want = outs["v2fma_fold512"].view(torch.int16)
+            differ += [f"{heads} {reqs} causal={causal} {name}" for name in SAME_BITS_AS_V2
+                       if name in outs and not torch.equal(outs[name].view(torch.int16), want)]
+    ok = all(e < 2e-2 for e in errs.values()) and not differ
+    print(f"probe: {'OK' if ok else 'WRONG'} bits differ from v2fma_fold512: {differ} " +
+          json.dumps({k: round(v, 5) for k, v in errs.items()}), flush=True)
     return ok
 
 

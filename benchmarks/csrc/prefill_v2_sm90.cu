@@ -223,6 +223,161 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   }
 }
 
+// The v2 consumer (FA3's exponent form, folds every 512) with FA3's schedules: OVERLAP issues the
+// QK^T of step t + 1 right ahead of the PV of step t and computes step t + 1's softmax while that PV
+// runs; PINGPONG makes the two consumer warpgroups take turns at issuing (the product's Turns). The
+// running (folded) state lives in shared memory (the CT layout's run_smem) instead of 64 registers:
+// with OVERLAP, s of step t + 1, pa of step t, acc and a register-resident run would all be live.
+// The arithmetic and its order per row are consume_v2's (FMA_EXP, SPLIT 512): O = O * a(t) + P(t) V(t)
+// with a(t) applied right before PV(t); at a split's end the split's state is folded into the running
+// one with the m and l it had after its last step (saved before the next split's first softmax, which
+// starts from a fresh state), acc zeroed; the fold's operations are fold_stats / fold_value, the same
+// as fold_rows'. So every variant's bits are consume_v2's (the probe checks).
+template <bool BF16, int STAGES, bool PACKED, bool OVERLAP, bool PINGPONG>
+__device__ __forceinline__ void consume_v2_sched(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                                 const Barriers<STAGES>& bar, int kvh) {
+  using L = Layout<STAGES>;
+  constexpr int kStepsPerSplit = kSplitKV / kCols;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = PACKED ? rows_of_packed(p, w, cw, warp, lane, kvh) : rows_of(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
+  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+  const Turns<PINGPONG> turns{cw};
+
+  float acc[64], s[64];
+  uint32_t pa[32];
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+  float a_lo = 1.f, a_hi = 1.f;
+
+  auto scores = [&](int t) {  // issue S = Q K_t^T
+    const int st = t % STAGES;
+    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
+    wgmma_fence();
+    issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    wgmma_commit();
+  };
+  auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
+    const int st = t % STAGES;
+    mbar_wait(bar.v_full(st), (t / STAGES) & 1);
+    const int valid = w.seq_len - t * kCols;
+    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+  };
+  auto softmax = [&](int t) {  // step t's row arithmetic; a fresh state at a split's first step
+    const int kv0 = t * kCols;
+    if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+  };
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
+    __syncwarp();
+    if (lane == 0) mbar_arrive(barrier);
+  };
+  auto fold = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi) {  // acc (done) into run_smem; acc = 0
+    const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
+    const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float4 r = run_smem[128 * i];
+      run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
+                                      fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
+      acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
+    }
+  };
+  auto split_last = [&](int t) { return (t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps; };
+
+  mbar_wait(bar.q_full(), 0);
+  turns.start();
+  if constexpr (!OVERLAP) {
+    for (int t = 0; t < w.n_steps; ++t) {
+      turns.wait();
+      scores(t);
+      turns.pass();
+      wgmma_wait<0>();
+      pin(s);
+      release(bar.k_empty(t % STAGES));
+      softmax(t);
+      scale_rows(acc, a_lo, a_hi);
+      pack_p<BF16, 64>(s, pa);
+      turns.wait();
+      values(t);
+      turns.pass();
+      wgmma_wait<0>();
+      pin(acc);
+      pin(pa);
+      release(bar.v_empty(t % STAGES));
+      if (split_last(t)) {
+        fold(m_lo, m_hi, l_lo, l_hi);
+        m_lo = m_hi = kMInit;
+        l_lo = l_hi = 0.f;
+      }
+    }
+  } else {
+    turns.wait();
+    scores(0);
+    turns.pass();
+    wgmma_wait<0>();
+    pin(s);
+    release(bar.k_empty(0));
+    softmax(0);
+    scale_rows(acc, a_lo, a_hi);
+    pack_p<BF16, 64>(s, pa);
+    // Steady state peeled so that every path has the same wgmma structure (as consume's).
+    for (int t = 0; t + 1 < w.n_steps; ++t) {
+      turns.wait();
+      scores(t + 1);  // S of step t+1 runs while ...
+      values(t);      // ... PV of step t is queued behind it
+      turns.pass();
+      const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
+      const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;
+      if (boundary) {
+        m_lo = m_hi = kMInit;
+        l_lo = l_hi = 0.f;
+      }
+      wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
+      pin(s);
+      release(bar.k_empty((t + 1) % STAGES));
+      softmax(t + 1);
+      wgmma_wait<0>();
+      pin(acc);
+      pin(pa);
+      release(bar.v_empty(t % STAGES));
+      if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
+      scale_rows(acc, a_lo, a_hi);
+      pack_p<BF16, 64>(s, pa);
+    }
+    turns.wait();
+    values(w.n_steps - 1);
+    turns.pass();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    release(bar.v_empty((w.n_steps - 1) % STAGES));
+    fold(m_lo, m_hi, l_lo, l_hi);
+  }
+  turns.finish();
+
+  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // the running state back into the accumulator registers
+    const float4 r = run_smem[128 * i];
+    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+  }
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
+}
+
 // The v2 consumer (FA3's exponent form, folds every 512) on the product's constant-time walk
 // (prefill_sm90.cu consume_compat<..., CT>: work_ct, produce_ct, clean_v_ct, run_smem and
 // store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
@@ -474,6 +629,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       consume<BF16, true, true, STAGES, 0>(p, w, smem_ptr, smem, bar, kvh);
     else if constexpr (CONSUMER == 2)
       consume_compat<BF16, STAGES, true>(p, w, smem_ptr, smem, bar, kvh, g);
+    else if constexpr (CONSUMER >= 6)  // v2 with the running state in smem; 7 overlap, 8 pingpong, 9 both
+      consume_v2_sched<BF16, STAGES, PACKED, CONSUMER == 7 || CONSUMER == 9, CONSUMER >= 8>(p, w, smem_ptr, smem,
+                                                                                            bar, kvh);
     else
       consume_v2<BF16, STAGES, SPLIT, FMA_EXP, PACKED>(p, w, smem_ptr, smem, bar, kvh);
   }
@@ -482,9 +640,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int SPLIT, bool FMA_EXP = false, bool SPREAD = false, int CONSUMER = 0, int STAGES = 2, bool PACKED = false>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  static_assert(!PACKED || (SPREAD && CONSUMER == 0), "packed rows: the v2 consumer with the spread producer");
+  static_assert(!PACKED || (SPREAD && (CONSUMER == 0 || CONSUMER >= 6)),
+                "packed rows: a v2 consumer with the spread producer");
   auto kernel = prefill_v2_kernel<true, STAGES, SPLIT, FMA_EXP, SPREAD, CONSUMER, PACKED>;
-  constexpr int bytes = Layout<STAGES>::kBytes;
+  // consume_v2_sched keeps the running state where the CT binary does (Layout::kOffRun)
+  constexpr int bytes = CONSUMER >= 6 ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -522,6 +682,14 @@ int launch_v2_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk,
     // v2fma_fold512_spread with packed GQA rows (the entry encodes Q and the tiling for it)
     case 52: return block_size == 16 ? launch_v2<512, true, true, 0, 2, true>(tq, tk, tv, p, grid, st) : -9;
     case 46: return launch_v2<0, true, false, 0, 3>(tq, tk, tv, p, grid, st);
+    // v2fma_fold512_spread with the running state in smem and FA3's schedules (consume_v2_sched):
+    // 53 none, 54 overlap, 55 pingpong, 56 both; 57 / 58: 54 / 56 with packed GQA rows
+    case 53: return block_size == 16 ? launch_v2<512, true, true, 6>(tq, tk, tv, p, grid, st) : -9;
+    case 54: return block_size == 16 ? launch_v2<512, true, true, 7>(tq, tk, tv, p, grid, st) : -9;
+    case 55: return block_size == 16 ? launch_v2<512, true, true, 8>(tq, tk, tv, p, grid, st) : -9;
+    case 56: return block_size == 16 ? launch_v2<512, true, true, 9>(tq, tk, tv, p, grid, st) : -9;
+    case 57: return block_size == 16 ? launch_v2<512, true, true, 7, 2, true>(tq, tk, tv, p, grid, st) : -9;
+    case 58: return block_size == 16 ? launch_v2<512, true, true, 9, 2, true>(tq, tk, tv, p, grid, st) : -9;
     case 38: return launch<true, false, false, 2, 0, false, false, false, 0, true>(tq, tk, tv, p, grid, st);
     default: return -5;
   }
@@ -555,7 +723,7 @@ extern "C" int dhp_prefill_v2p_sm90(const void* q, int64_t q_tok_stride, int64_t
   int group_shift = 0;
   while ((1 << group_shift) < group) ++group_shift;
   // code 52 packs (token, head) rows without slots: floor(128 / GROUP) tokens of GROUP heads per tile
-  const bool packed = variant == 52;
+  const bool packed = variant == 52 || variant == 57 || variant == 58;
   const int block_q = packed ? kRows / group : kRows >> group_shift;
   if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride,
                      packed ? group : 1 << group_shift, block_q))
