@@ -2,25 +2,34 @@
 
     python -m benchmarks.cuda_decode [--out DIR] [--probe] [--shapes B1-32k,...] [--variants ...]
 
-``--probe`` runs every variant in both split modes on small steps and exits
-non-zero unless all are right and bit-equal to the Triton kernel (policy off):
-the first thing a device call runs (in a subprocess with a timeout, so a hung
-kernel costs seconds).
+``--probe`` runs every variant in both split modes (and the CT binaries on
+their walk) on small steps and exits non-zero unless all are right and bit-equal
+to each other (the csrc binaries' promise: mode, schedule, splits per CTA and
+policy never change a row's bits): the first thing a device call runs (in a
+subprocess with a timeout, so a hung kernel costs seconds).
 
 Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, one query token per
 request, NaN in every cache slot no request holds data in, a random block table
-(the steps of `benchmarks.cuda_prefill`). Every variant is checked against SDPA and its
-bits compared with ``triton_off`` before it is timed; timing is CUDA-graph
-replay (decode launches are microseconds), two input sets alternating.
-Bandwidth counts the K/V bytes of the true lengths (FA3's and ours alike).
+(the steps of `benchmarks.cuda_prefill`). Every variant is checked against SDPA
+before it is timed; timing is CUDA-graph replay (decode launches are
+microseconds), two input sets alternating. Bandwidth counts the K/V bytes of the
+true lengths (FA3's and ours alike). ``fa3``, ``triton_off`` and ``triton_strict``
+are timing anchors.
 
 ``--bucket L`` adds the constant-time walk to L (policy strict): rows
 ``triton_strict`` (DHP's Triton CONST_TIME kernel) and ``cuda_ct_<variant>`` (the
-csrc CT binaries, `CT_VARIANTS`), bits compared with ``triton_strict``, on shapes
-whose requests own their pages up to L (the address rule: each reads its L / 16
-reserved pages, so the cache holds B x L positions); their
-``exec_tb_s`` counts the K/V bytes walked (every request to L), and
-``exec_fa3_over`` = exec_tb_s / FA3's tb_s is the strict-efficiency ratio.
+csrc CT binaries, `CT_VARIANTS`), on shapes whose requests own their pages up to L
+(the address rule: each reads its L / 16 reserved pages, so the cache holds B x L
+positions); their ``exec_tb_s`` counts the K/V bytes walked (every request to L),
+and ``exec_fa3_over`` = exec_tb_s / FA3's tb_s is the strict-efficiency ratio.
+
+Bits, each family against itself (the csrc kernels and the Triton kernels have
+arithmetics of their own, docs/kernels.md section 2): every csrc row against the
+shape's first policy-off csrc row (``bits_equal_off``, with ``bits_vs`` naming it:
+the CT rows' policy invariance, and variants, schedules and splits per CTA giving
+the same bits), that row against the csrc prefill kernel (`ops.cuda_prefill`, the
+``v2`` binary) on the same step (``bits_equal_prefill``: decode = prefill), and
+``triton_strict`` against ``triton_off``.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from benchmarks import cuda_runs
 from benchmarks.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from benchmarks.inputs import rel_err
 from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, VARIANTS
+from dhp_backend.ops.cuda_prefill import V2 as PREFILL_V2
 
 
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
@@ -68,12 +78,11 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
-# exp_v2: issue 30's decode on the next arithmetic contract; exp_<variant>: the product's binary
-# built in that experiment's library (benchmarks/decode_v2.py; other bits, so not compared);
-# exp_ct_v2 (with --bucket): its constant-time walk.
 # cuda_<variant>[:grid|:lpt|:spp<N>]: fold mode's schedule forced off (grid order) or on
 # (longest first), or split mode's splits per CTA forced to N (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
+ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>], and with --bucket "
+                 f"triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
 
 
 def kv_bytes(reqs) -> int:
@@ -87,6 +96,19 @@ def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None):
     kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp)
     decode_sm90(*args, **kw)  # the metadata checked once
     return lambda: decode_sm90(*args, **kw, check=False)
+
+
+def prefill_rows(st):
+    """Step ``st`` through the csrc prefill kernel's policy-off binary: the bits every
+    csrc decode row must have. Once per shape, untimed."""
+    from dhp_backend.ops.cuda_prefill import prefill_sm90
+    out = torch.full_like(st["q"], float("nan"))
+    return prefill_sm90(st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out, scale=SCALE,
+                        causal=True, variant=PREFILL_V2)
+
+
+def same_bits(a, b) -> bool:
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
 def _short_kernel_name(name: str) -> str:
@@ -140,14 +162,15 @@ PROBE_BUCKET = 6144
 
 
 def probe() -> bool:
-    """Every variant and split mode right and bit-equal to Triton on small steps (and
-    not hung); the CT variants too, on the walk to PROBE_BUCKET (Triton strict's bits)."""
+    """Every variant and split mode right on small steps (and not hung), the CT
+    variants too on the walk to PROBE_BUCKET, and all of a step's runs bit-equal to
+    its first (policy off, split mode)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     errs, same = {}, {}
     for lens in ((1,), (17, 64, 513), (1000, 5000, 63, 2)):
         st = make_step([(1, s) for s in lens], gen, width=PROBE_BUCKET // BS, reserve=PROBE_BUCKET)
         ref = sdpa_ref(st, True)
-        tri = triton_off_fn(st, True)()
+        first = None
         runs = [(variant, mode, order, None, None) for variant in VARIANTS
                 for mode, order in (("split", None), ("fold", False), ("fold", True))]
         runs += [(variant, mode, None, PROBE_BUCKET, None) for variant in CT_VARIANTS for mode in ("split", "fold")]
@@ -158,11 +181,21 @@ def probe() -> bool:
             key = (f"{lens} {variant}/{mode}{'/lpt' if order else ''}{f'/ct{bucket}' if bucket else ''}"
                    f"{f'/spp{spp}' if spp else ''}")
             errs[key] = rel_err(o, ref)
-            same[key] = bool(torch.equal(o.view(torch.int16), tri.view(torch.int16)))
+            first = o.clone() if first is None else first
+            same[key] = same_bits(o, first)
     ok = all(e < 2e-2 for e in errs.values()) and all(same.values())
-    print(f"probe: {'OK' if ok else 'WRONG'} errs " + json.dumps(errs) + " bits==triton " + json.dumps(same),
+    print(f"probe: {'OK' if ok else 'WRONG'} errs " + json.dumps(errs) + " bits==first run " + json.dumps(same),
           flush=True)
     return ok
+
+
+def _known(name: str) -> bool:
+    return name in ("fa3", "triton_off", "triton_strict") or bool(_cuda_variant(name) or _ct_variant(name))
+
+
+def bits_mark(row) -> str:
+    """The progress line's flag for a row whose bits differ from those it must have."""
+    return " [BITS]" if False in (row.get("bits_equal_off"), row.get("bits_equal_prefill")) else ""
 
 
 def main(argv=None):
@@ -187,6 +220,13 @@ def main(argv=None):
     if args.bucket:
         ct_names = ["triton_strict", *(f"cuda_ct_{v}" for v in CT_VARIANTS)]
         args.variants += "," + ",".join(n for n in ct_names if n not in args.variants.split(","))
+    unknown = [n for n in args.variants.split(",") if not _known(n)]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; accepted: {ROWS_ACCEPTED}")
+    walks = [n for n in args.variants.split(",") if n == "triton_strict" or _ct_variant(n)]
+    if walks and not args.bucket:
+        ap.error(f"variant(s) {walks} without --bucket; accepted: {', '.join(walks)} with --bucket L "
+                 "(the constant-time walk's length)")
     t0 = time.time()
     stop = cuda_runs.probe_first(ap, probe, "decode", args.probe)
     if stop is not None:
@@ -221,7 +261,7 @@ def main(argv=None):
         ref = sdpa_ref(sets[0], True)
         outs = {}
         here = [n for n in names
-                if ct_here or not (n == "triton_strict" or _ct_variant(n) or n.startswith("exp_ct_"))]
+                if ct_here or not (n == "triton_strict" or _ct_variant(n))]
         for name in here:
             row = dict(shape=shape, batch=B, ctx=ctx, variant=name, us=None, tb_s=None, rel_err=None)
             try:
@@ -229,21 +269,13 @@ def main(argv=None):
                     fns = [fa3_fn(s, True) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, True) for s in sets]
-                elif name == "triton_strict" and args.bucket:
+                elif name == "triton_strict":
                     fns = [triton_off_fn(s, True, "strict", args.bucket) for s in sets]
-                elif _ct_variant(name) and args.bucket:
+                elif _ct_variant(name):
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
-                elif _cuda_variant(name):
+                else:  # cuda_<variant>[:...] (main refused any other name)
                     variant, order, spp = _cuda_variant(name)
                     fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
-                elif name.startswith("exp_ct_") and args.bucket:  # its constant-time walk to the bucket
-                    from benchmarks import decode_v2
-                    fns = [decode_v2.exp_fn(s, name[7:], bucket=args.bucket) for s in sets]
-                elif name.startswith("exp_"):  # issue 30's experiment library (benchmarks/decode_v2.py)
-                    from benchmarks import decode_v2
-                    fns = [decode_v2.exp_fn(s, name[4:]) for s in sets]
-                else:
-                    raise LookupError(f"unknown variant {name}")
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:
                     row["kernels_us"] = dict(profiled)
@@ -251,37 +283,47 @@ def main(argv=None):
                     outs[name] = o
                 if row["us"]:
                     row["tb_s"] = nbytes / row["us"] / 1e6
-                    if name == "triton_strict" or _ct_variant(name) or name.startswith("exp_ct_"):
+                    if name == "triton_strict" or _ct_variant(name):
                         row["exec_tb_s"] = exec_bytes / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
         mine = rows[-len(here):]
-        if "triton_off" in outs:
-            for r in mine:
-                if (r["variant"].startswith("cuda_") or r["variant"] == "triton_strict") and r["variant"] in outs:
-                    r["bits_equal_triton"] = bool(torch.equal(outs[r["variant"]].view(torch.int16),
-                                                              outs["triton_off"].view(torch.int16)))
+        # Bits, each family against its own policy-off row (the csrc and Triton
+        # arithmetics differ): every csrc row against the first policy-off csrc row, that
+        # row against the csrc prefill kernel on the same step, triton_strict against triton_off.
+        off = next((n for n in here if _cuda_variant(n) and n in outs), None)
+        for r in mine:
+            vs = "triton_off" if r["variant"] == "triton_strict" else off if r["variant"].startswith("cuda_") else None
+            if r["variant"] in outs and vs in outs and vs != r["variant"]:
+                r["bits_vs"] = vs
+                r["bits_equal_off"] = same_bits(outs[r["variant"]], outs[vs])
+            if r["variant"] == off:
+                try:
+                    r["bits_equal_prefill"] = same_bits(outs[off], prefill_rows(sets[0]))
+                except Exception as e:  # noqa: BLE001 - the prefill kernel refusing this step is a finding too
+                    r["prefill_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         cuda_runs.fa3_ratios(mine)
         fa3_tb = next((r["tb_s"] for r in mine if r["variant"] == "fa3" and r["tb_s"]), None)
         for r in mine:
             if r.get("exec_tb_s") and fa3_tb:
                 r["exec_fa3_over"] = r["exec_tb_s"] / fa3_tb
-        cuda_runs.print_progress(k, len(shapes), t0, shape, mine,
-                                 lambda r: "" if r.get("bits_equal_triton", True) else " [BITS]")
+        cuda_runs.print_progress(k, len(shapes), t0, shape, mine, bits_mark)
         del sets
         torch.cuda.empty_cache()
 
-    print(f"\n{'shape':10s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'x FA3':>6s} {'rel err':>8s} bits==triton"
-          f"{'  [executed TB/s, x FA3]' if args.bucket else ''}")
+    print(f"\n{'shape':10s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'x FA3':>6s} {'rel err':>8s} "
+          f"bits (==policy-off row, ==csrc prefill){'  [executed TB/s, x FA3]' if args.bucket else ''}")
     for r in rows:
         us = f"{r['us']:9.1f}" if r["us"] else f"{'-':>9s}"
         bw = f"{r['tb_s']:6.2f}" if r["tb_s"] else f"{'-':>6s}"
         fx = f"{r['fa3_over']:6.3f}" if r["fa3_over"] else f"{'-':>6s}"
         er = f"{r['rel_err']:8.1e}" if r["rel_err"] is not None else f"{'-':>8s}"
         ex = f"  [{r['exec_tb_s']:.2f}, {r.get('exec_fa3_over') or 0:.3f}]" if r.get("exec_tb_s") else ""
-        print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {r.get('bits_equal_triton', '')}{ex} "
-              f"{r.get('error', '')}")
+        bits = " ".join(x for x in (f"=={r['bits_vs']} {r['bits_equal_off']}" if "bits_vs" in r else "",
+                                    f"==prefill {r.get('bits_equal_prefill', r.get('prefill_error'))}"
+                                    if "bits_equal_prefill" in r or "prefill_error" in r else "") if x)
+        print(f"{r['shape']:10s} {r['variant']:14s} {us} {bw} {fx} {er} {bits}{ex} {r.get('error', '')}")
     if args.kernels:
         print("\nwhere the time goes (us per call, graph replay; gap = replay time - the kernels' sum)")
         for r in rows:

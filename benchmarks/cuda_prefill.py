@@ -1,6 +1,6 @@
 """The csrc Hopper prefill kernel against FA3 and DHP's Triton kernel, same tensors, same run.
 
-    python -m benchmarks.cuda_prefill [--out DIR] [--probe] [--shapes ...]
+    python -m benchmarks.cuda_prefill [--out DIR] [--probe] [--shapes ...] [--variants ...] [--bucket L]
 
 ``--probe`` runs every binary on three small problems and exits non-zero unless
 all are right: the first thing a device call runs (in a subprocess with a
@@ -10,19 +10,24 @@ Every variant is checked against SDPA (dense per request, bf16) before it is
 timed. Llama-3-8B heads (32 query, 8 KV, d 128), block 16, bf16, NaN garbage in
 every cache slot no request holds data in (the kernel must not let it through), a
 random block table (`testing.pages.reserved_table`; with ``--bucket L`` every request
-owns its pages up to L, the address rule of the constant-time walk). FA3 gets the
-same data in its own paged layout (NHD, contiguous), DHP's Triton kernel runs under
-policy ``off`` (its fastest), and the CUDA kernel's ``compat`` binary (``cuda_compat``,
-what ops.paged_attention routes policy-off prefill steps to; compared bit for bit
-with ``triton_off``). FLOPs are the useful count (the
-causal triangle).
+owns its pages up to L, the address rule of the constant-time walk). Rows: FA3 on
+the same data in its own paged layout (NHD, contiguous), DHP's Triton kernel under
+policy ``off`` (``triton_off``, its fastest), and the csrc kernel's ``v2`` binary
+(``cuda_v2``: what `ops.plan` runs policy-off prefill and mixed steps on where the
+csrc kernels take the layer). FLOPs are the useful count (the causal triangle).
 
 ``--bucket L`` adds the constant-time policy's rows: ``triton_strict`` (DHP's
-Triton kernel under policy strict, bucket L) and ``cuda_compat_ct`` (the csrc
-constant-time binary, bucket L; bits compared with ``triton_strict``; every request
-reads its L / 16 reserved pages), with the
+Triton kernel under policy strict, bucket L) and ``cuda_v2_ct`` (the csrc
+constant-time binary, bucket L; every request reads its L / 16 reserved pages), with the
 executed work (every query row to L) as ``exec_tflops`` and its ratio to FA3's
 useful rate as ``strict_eff`` (the harness's strict_efficiency).
+
+Bits (the csrc kernels' contract, docs/kernels.md section 2; the Triton kernels have
+an arithmetic of their own, so their rows are timing anchors, never compared with
+the csrc rows): ``cuda_v2`` against the csrc decode kernel computing every row of the
+same step through token tiles (``bits_equal_decode``: prefill = decode), and each
+constant-time row against its family's policy-off row (``bits_equal_off``:
+``cuda_v2_ct`` against ``cuda_v2``, ``triton_strict`` against ``triton_off``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 
 from benchmarks import cuda_runs
 from benchmarks.inputs import rel_err
-from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, COMPAT_CT_VARIANTS, COMPAT_VARIANTS, V_DESC
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, V_DESC
 
 H, HKV, D, BS = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -56,10 +61,14 @@ SHAPES = {
     "batch2-8k": ([(8192, 8192)] * 2, True),  # issue 30's Qwen2.5-7B row (with --heads 28,4)
     # The mixed chunked-prefill step of design.md (a 2048-token chunk on 4K context
     # plus 63 decodes at 4K): a "prefill" step by the launcher's rule, so policy
-    # off routes it to the compat binary.
+    # off routes it to the v2 binary.
     "chunk2k+63dec": ([(2048, 4096)] + [(1, 4096)] * 63, True),
 }
-DEFAULT_VARIANTS = f"fa3,triton_off,cuda_{COMPAT}"
+DEFAULT_VARIANTS = f"fa3,triton_off,cuda_{V2}"
+# Rows only --bucket gives a meaning (the constant-time walk to L), and their
+# family's policy-off row, whose bits they must have.
+CT_ROWS = {"triton_strict": "triton_off", f"cuda_{V2_CT}": f"cuda_{V2}"}
+ROWS = ("fa3", "triton_off", f"cuda_{V2}", *CT_ROWS)
 
 
 def set_heads(ap, spec: str) -> None:
@@ -151,20 +160,20 @@ def cuda_fn(st, causal, variant, bucket=None):
     return lambda: prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket, check=False)
 
 
-def exp_fn(st, causal, variant, bucket=None):
-    """cuda_fn for issue 30's experiment library (benchmarks.contract_v2.product_launcher): ``v2`` (folds
-    every 512, policy off) or ``v2_ct`` (its constant-time walk to ``bucket``)."""
-    from benchmarks.contract_v2 import product_launcher
-
+def decode_rows(st, causal):
+    """Every row of step ``st`` through the csrc decode kernel (token tiles: each query
+    token its own CTA row with its causal limit): the bits every csrc prefill row must
+    have. Run once per shape, untimed (the decode kernel is no prefill kernel: a long
+    prompt costs it many times the prefill kernel's time)."""
+    from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
-    args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    with product_launcher() as cpf:
-        cpf.prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket)
+    decode_sm90(st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out, scale=SCALE, causal=causal,
+                num_tokens=st["q"].shape[0])
+    return out
 
-    def run():
-        with product_launcher() as cpf:
-            return cpf.prefill_sm90(*args, scale=SCALE, causal=causal, variant=variant, bucket=bucket, check=False)
-    return run
+
+def same_bits(a, b) -> bool:
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
 def triton_off_fn(st, causal, policy="off", bucket=None):
@@ -199,14 +208,19 @@ def probe() -> bool:
     for reqs, causal in (([(200, 200)], True), ([(128, 128)], False), ([(100, 300), (77, 77)], True)):
         st = make_step(reqs, gen, reserve=PROBE_BUCKET)
         ref = sdpa_ref(st, causal)
-        for variant in [*COMPAT_VARIANTS, COMPAT_CT]:
-            bucket = PROBE_BUCKET if variant == COMPAT_CT else None
+        for variant in (V2, V2_CT):
+            bucket = PROBE_BUCKET if variant == V2_CT else None
             o = cuda_fn(st, causal, variant, bucket)()
             torch.cuda.synchronize()
             errs[f"{reqs} causal={causal} {variant}"] = rel_err(o[: ref.shape[0]], ref)
     ok = all(e < 2e-2 for e in errs.values())
     print(f"probe: {'OK' if ok else 'WRONG'} " + json.dumps(errs), flush=True)
     return ok
+
+
+def bits_mark(row) -> str:
+    """The progress line's flag for a row whose bits differ from those it must have."""
+    return " [BITS]" if False in (row.get("bits_equal_off"), row.get("bits_equal_decode")) else ""
 
 
 def main(argv=None):
@@ -219,12 +233,26 @@ def main(argv=None):
     ap.add_argument("--heads", default=f"{H},{HKV}",
                     help="query heads,KV heads (default Llama-3-8B's 32,8; Qwen2.5-7B: 28,4)")
     ap.add_argument("--bucket", type=int, default=0,
-                    help="add triton_strict and cuda_compat_ct rows at this bucket L (>= every shape's length)")
+                    help=f"add the rows {', '.join(CT_ROWS)} at this bucket L (>= every shape's length)")
     args = ap.parse_args(argv)
     set_heads(ap, args.heads)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    names = args.variants.split(",")
+    if args.bucket:
+        names += [n for n in CT_ROWS if n not in names]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; accepted: {', '.join(ROWS)}")
+    if not args.bucket and any(n in CT_ROWS for n in names):
+        ap.error(f"variant(s) {[n for n in names if n in CT_ROWS]} without --bucket; accepted: "
+                 f"{', '.join(CT_ROWS)} with --bucket L (the constant-time walk's length)")
+    for shape in args.shapes.split(","):
+        longest = max(s for _, s in SHAPES[shape][0])
+        if args.bucket and args.bucket < longest:
+            ap.error(f"--bucket {args.bucket} is shorter than shape {shape}'s longest request ({longest}); "
+                     "accepted: a bucket >= every shape's longest request")
     t0 = time.time()
     stop = cuda_runs.probe_first(ap, probe, "prefill", args.probe)
     if stop is not None:
@@ -233,16 +261,11 @@ def main(argv=None):
     from benchmarks.timer import CudaTimer
     timer = CudaTimer(reps=args.reps, warmup=3)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    names = args.variants.split(",")
-    if args.bucket:
-        names += [n for n in ("triton_strict", f"cuda_{COMPAT_CT}") if n not in names]
     rows = []
     shapes = args.shapes.split(",")
     for k, shape in enumerate(shapes):
         reqs, causal = SHAPES[shape]
         flop = useful_flop(reqs, causal)
-        if args.bucket and args.bucket < max(sq for _, sq in reqs):
-            ap.error(f"--bucket {args.bucket} is shorter than shape {shape}'s longest request")
         sets = [make_step(reqs, gen, width=-(-args.bucket // BS), reserve=args.bucket) for _ in range(2)]
         ref = sdpa_ref(sets[0], causal)
         outs = {}
@@ -253,57 +276,54 @@ def main(argv=None):
                     fns = [fa3_fn(s, causal) for s in sets]
                 elif name == "triton_off":
                     fns = [triton_off_fn(s, causal) for s in sets]
-                elif name == "triton_strict" and args.bucket:
+                elif name == "triton_strict":
                     fns = [triton_off_fn(s, causal, "strict", args.bucket) for s in sets]
-                elif name[5:] in COMPAT_CT_VARIANTS and args.bucket:
-                    fns = [cuda_fn(s, causal, name[5:], args.bucket) for s in sets]
-                elif name.startswith("cuda_") and name[5:] in COMPAT_VARIANTS:
-                    fns = [cuda_fn(s, causal, name[5:]) for s in sets]
-                elif name in ("exp_v2", "exp_v2_ct") and (name == "exp_v2" or args.bucket):
-                    # issue 30's v2 prefill (benchmarks/contract_v2.py) through this launcher; _ct: its walk
-                    fns = [exp_fn(s, causal, name[4:], args.bucket if name == "exp_v2_ct" else None) for s in sets]
-                else:
-                    raise LookupError(f"unknown variant {name}")
+                elif name == f"cuda_{V2_CT}":
+                    fns = [cuda_fn(s, causal, V2_CT, args.bucket) for s in sets]
+                else:  # cuda_v2 (main refused any other name)
+                    fns = [cuda_fn(s, causal, V2) for s in sets]
                 o = cuda_runs.check_and_time(row, fns, ref, lambda f: timer.measure(f).median_ms,
                                              rows_checked=ref.shape[0])
                 if o is not None:
                     outs[name] = o
                     row["tflops"] = flop / row["us"] / 1e6
-                    if name in ("triton_strict", "exp_v2_ct") or name[5:] in COMPAT_CT_VARIANTS:
+                    if name in CT_ROWS:
                         row["bucket"] = args.bucket
                         row["exec_tflops"] = executed_flop(reqs, args.bucket) / row["us"] / 1e6
             except Exception as e:  # noqa: BLE001 - a failing variant is a finding, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-        # Bits: compat against DHP's Triton kernel, compat_ct against its strict walk.
-        for cname in COMPAT_VARIANTS:
-            if f"cuda_{cname}" in outs and "triton_off" in outs:
-                same = bool(torch.equal(outs[f"cuda_{cname}"].view(torch.int16), outs["triton_off"].view(torch.int16)))
-                for r in rows[-len(names):]:
-                    r[f"{cname}_bits_equal_triton"] = same
-        for cname in COMPAT_CT_VARIANTS:
-            if f"cuda_{cname}" in outs and "triton_strict" in outs:
-                ct_out, strict_out = outs[f"cuda_{cname}"], outs["triton_strict"]
-                same = bool(torch.equal(ct_out.view(torch.int16), strict_out.view(torch.int16)))
-                for r in rows[-len(names):]:
-                    r[f"{cname}_bits_equal_triton_strict"] = same
-        cuda_runs.fa3_ratios(rows[-len(names):])
-        fa3 = next((r for r in rows[-len(names):] if r["variant"] == "fa3" and r["tflops"]), None)
-        for r in rows[-len(names):]:
+        mine = rows[-len(names):]
+        # Bits, each family against itself (the csrc and Triton arithmetics differ):
+        # a constant-time row has its policy-off row's bits (policy invariance), and the
+        # csrc prefill kernel the csrc decode kernel's on the same step (prefill = decode).
+        for r in mine:
+            off = CT_ROWS.get(r["variant"])
+            if r["variant"] in outs and off in outs:
+                r["bits_equal_off"] = same_bits(outs[r["variant"]], outs[off])
+        v2_row = next((r for r in mine if r["variant"] == f"cuda_{V2}"), None)
+        if v2_row is not None and f"cuda_{V2}" in outs:
+            try:
+                dec = decode_rows(sets[0], causal)[: ref.shape[0]]
+                v2_row["bits_equal_decode"] = same_bits(outs[f"cuda_{V2}"], dec)
+                del dec
+            except Exception as e:  # noqa: BLE001 - the decode kernel refusing this step is a finding too
+                v2_row["decode_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        cuda_runs.fa3_ratios(mine)
+        fa3 = next((r for r in mine if r["variant"] == "fa3" and r["tflops"]), None)
+        for r in mine:
             if fa3 and r.get("exec_tflops"):
                 r["strict_eff"] = r["exec_tflops"] / fa3["tflops"]
-        cuda_runs.print_progress(k, len(shapes), t0, shape, rows[-len(names):])
+        cuda_runs.print_progress(k, len(shapes), t0, shape, mine, bits_mark)
         del sets
         torch.cuda.empty_cache()
 
     for r in rows:
-        if r["variant"] == "triton_off":
-            print(f"{r['shape']}: bits equal to triton_off: " + ", ".join(
-                f"{k[:-len('_bits_equal_triton')]} {v}" for k, v in r.items() if k.endswith("_bits_equal_triton")))
-        if r["variant"] == "triton_strict":
-            print(f"{r['shape']}: bits equal to triton_strict: " + ", ".join(
-                f"{k[:-len('_bits_equal_triton_strict')]} {v}" for k, v in r.items()
-                if k.endswith("_bits_equal_triton_strict")))
+        if "bits_equal_decode" in r or "decode_error" in r:
+            print(f"{r['shape']}: {r['variant']} bits equal to the csrc decode kernel's: "
+                  f"{r.get('bits_equal_decode', r.get('decode_error'))}")
+        if "bits_equal_off" in r:
+            print(f"{r['shape']}: {r['variant']} bits equal to {CT_ROWS[r['variant']]}: {r['bits_equal_off']}")
     print(f"\n{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'x FA3':>6s} {'rel err':>8s} "
           f"{'exec TF/s':>9s} {'eff':>6s}")
     for r in rows:

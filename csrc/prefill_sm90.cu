@@ -57,6 +57,7 @@
 
 #include "compat_arith.cuh"
 #include "ct_walk.cuh"
+#include "v2_arith.cuh"
 #include "sm90_primitives.cuh"
 #include "tma_maps.h"
 
@@ -988,16 +989,483 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return static_cast<int>(cudaGetLastError());
 }
 
-// The binaries ops.cuda_prefill routes to: 33 compat (policy off; FA3's register split,
-// the m64n128 QK^T form), 34 compat_ct (the constant-time walk). Other codes: -5.
+using v2::quad_lanes;
+using v2::step_tree;
+
+// A stage's S = Q K^T (one m64n128 wgmma batch), then the K stage released by the warp.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void scores_of_stage(float (&s)[64], uint32_t q_base, uint32_t k_base,
+                                                const Barriers<STAGES>& bar, int st, uint32_t par, int lane) {
+  mbar_wait(bar.k_full(st), par);
+  wgmma_fence();
+  issue_qk<BF16>(s, q_base, k_base);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(s);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar.k_empty(st));
+}
+
+// O = O * alpha + P V over a stage (the caller has waited for its V rows), then the V stage released.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void accumulate_stage(float (&acc)[64], uint32_t (&pa)[32], float a_lo, float a_hi,
+                                                 uint32_t v_base, const Params& p, const Barriers<STAGES>& bar,
+                                                 int st, int lane) {
+  scale_rows(acc, a_lo, a_hi);
+  wgmma_fence();
+  issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(acc);
+  pin(pa);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(bar.v_empty(st));
+}
+
+// One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
+// scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
+// the running max, the rows' alphas, p in place and the per-lane l (v2_arith.cuh).
+__device__ __forceinline__ void v2_step(float (&s)[64], float scale, float& m_lo, float& m_hi, float& l_lo,
+                                        float& l_hi, float& a_lo, float& a_hi) {
+  float mx_lo = s[0], mx_hi = s[2];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+  }
+  const float new_lo = v2::step_max(m_lo, quad_max(mx_lo), scale);
+  const float new_hi = v2::step_max(m_hi, quad_max(mx_hi), scale);
+  a_lo = select_ex2(m_lo, new_lo);
+  a_hi = select_ex2(m_hi, new_hi);
+  m_lo = new_lo;
+  m_hi = new_hi;
+  float g_lo[16], g_hi[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    s[4 * i] = v2::exp_score(s[4 * i], scale, new_lo);
+    s[4 * i + 1] = v2::exp_score(s[4 * i + 1], scale, new_lo);
+    s[4 * i + 2] = v2::exp_score(s[4 * i + 2], scale, new_hi);
+    s[4 * i + 3] = v2::exp_score(s[4 * i + 3], scale, new_hi);
+    g_lo[i] = v2::pair_sum(s[4 * i], s[4 * i + 1]);
+    g_hi[i] = v2::pair_sum(s[4 * i + 2], s[4 * i + 3]);
+  }
+  l_lo = v2::step_l(l_lo, a_lo, step_tree(g_lo));
+  l_hi = v2::step_l(l_hi, a_hi, step_tree(g_hi));
+}
+
+// PACKED: the tile's rows are (token, head) pairs packed without slots, token r / GROUP and head
+// r % GROUP of the KV head's group, floor(128 / GROUP) tokens per tile (GROUP 7: 18 tokens, 126 of
+// 128 rows used, where the product's slots of a power of two use 112: 16 tokens x 8 slots). Each
+// row's arithmetic is the same (a wgmma output row depends on its own A row only): the same bits.
+__device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, int cw, int warp, int lane, int kvh) {
+  const int r = 64 * cw + 16 * warp + lane / 4;
+  Rows x;
+  x.qi_lo = w.tok0 + r / p.group;
+  x.qi_hi = w.tok0 + (r + 8) / p.group;
+  x.head_lo = kvh * p.group + r % p.group;
+  x.head_hi = kvh * p.group + (r + 8) % p.group;
+  x.ok_lo = r < p.block_q * p.group;
+  x.ok_hi = r + 8 < p.block_q * p.group;
+  x.first_qi = w.tok0 + (64 * cw) / p.group;
+  return x;
+}
+
+// ---- the v2 arithmetic (docs/kernels.md section 2): the routed consumers ---------------
+// Policy off: the contract's row arithmetic (v2_step: 128-position steps, FA3's exponent form,
+// per-lane row sums in step_tree order, the quad's lanes once per split; splits of 512 folded
+// into a running state) with FA3's schedules. The QK^T of step t + 1 is issued right ahead of
+// the PV of step t and step t + 1's softmax runs while that PV does (intra-warpgroup overlap);
+// the two consumer warpgroups take turns at issuing (pingpong, Turns). The running state lives
+// in shared memory (Layout::kOffRun): with the overlap, s of step t + 1, pa of step t, acc and a
+// register-resident running state would all be live. Per row the operations and their order
+// are those of the constant-time consumer below and of csrc/decode_sm90.cu's consume_v2:
+// O = O * a(t) + P(t) V(t), a(t) applied right before PV(t); at a split's end the split's state
+// (m and l after its last step, saved before the next split's first softmax, which starts
+// fresh) is folded into the running one with fold_stats / fold_value, acc zeroed. Tiles pack
+// (token, head) rows without slots (rows_of_packed): a row's bits do not depend on its tile.
+// Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing
+// follow the true lengths.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                           const Barriers<STAGES>& bar, int kvh) {
+  using L = Layout<STAGES>;
+  constexpr int kStepsPerSplit = kSplitKV / kCols;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
+  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+  const Turns<true> turns{cw};
+
+  float acc[64], s[64];
+  uint32_t pa[32];
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+  float a_lo = 1.f, a_hi = 1.f;
+
+  auto scores = [&](int t) {  // issue S = Q K_t^T
+    const int st = t % STAGES;
+    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
+    wgmma_fence();
+    issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    wgmma_commit();
+  };
+  auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
+    const int st = t % STAGES;
+    mbar_wait(bar.v_full(st), (t / STAGES) & 1);
+    const int valid = w.seq_len - t * kCols;
+    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+  };
+  auto softmax = [&](int t) {  // step t's row arithmetic; a fresh state at a split's first step
+    const int kv0 = t * kCols;
+    if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+  };
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
+    __syncwarp();
+    if (lane == 0) mbar_arrive(barrier);
+  };
+  auto fold = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi) {  // acc (done) into run_smem; acc = 0
+    const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
+    const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float4 r = run_smem[128 * i];
+      run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
+                                      fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
+      acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
+    }
+  };
+
+  mbar_wait(bar.q_full(), 0);
+  turns.start();
+  turns.wait();
+  scores(0);
+  turns.pass();
+  wgmma_wait<0>();
+  pin(s);
+  release(bar.k_empty(0));
+  softmax(0);
+  scale_rows(acc, a_lo, a_hi);
+  pack_p<BF16, 64>(s, pa);
+  // Steady state peeled so that every path has the same wgmma structure (as consume's).
+  for (int t = 0; t + 1 < w.n_steps; ++t) {
+    turns.wait();
+    scores(t + 1);  // S of step t+1 runs while ...
+    values(t);      // ... PV of step t is queued behind it
+    turns.pass();
+    const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
+    const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;
+    if (boundary) {
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+    wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
+    pin(s);
+    release(bar.k_empty((t + 1) % STAGES));
+    softmax(t + 1);
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    release(bar.v_empty(t % STAGES));
+    if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
+    scale_rows(acc, a_lo, a_hi);
+    pack_p<BF16, 64>(s, pa);
+  }
+  turns.wait();
+  values(w.n_steps - 1);
+  turns.pass();
+  wgmma_wait<0>();
+  pin(acc);
+  pin(pa);
+  release(bar.v_empty((w.n_steps - 1) % STAGES));
+  fold(m_lo, m_hi, l_lo, l_hi);
+  turns.finish();
+
+  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // the running state back into the accumulator registers
+    const float4 r = run_smem[128 * i];
+    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+  }
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
+}
+
+// The v2 consumer (FA3's exponent form, folds every 512) on the product's constant-time walk
+// (prefill_sm90.cu consume_compat<..., CT>: work_ct, produce_ct, clean_v_ct, run_smem and
+// store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
+// every score is masked by select; V rows past the true length are zeroed by the cleaners
+// (the consumers wait on v_clean); a dead step (all positions past the true length) runs
+// unmasked for the rows of the request and is dropped by the commit; the split's state is
+// folded into the running state (shared memory) after every step and kept, by selection, at
+// the split's last live step. The commit's fold takes the quad's l (v2::quad_lanes) every
+// step: four shuffles a step that the off binary spends once per split. No branch, trip count
+// or address follows the true length.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                              const Barriers<STAGES>& bar, int kvh, int g) {
+  using L = Layout<STAGES>;
+  constexpr int kStepsPerSplit = kSplitKV / kCols;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  // rows outside the request attend nothing (kernels: limit = 0)
+  const int lim_lo = select_int(rw.qi_lo < w.q_len, p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1, -1);
+  const int lim_hi = select_int(rw.qi_hi < w.q_len, p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1, -1);
+  const uint32_t q_base = smem + 64 * cw * 128;
+
+  float acc[64], s[64];
+  uint32_t pa[32];
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+
+  mbar_wait(bar.q_full(), 0);
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int st = t % STAGES;
+    const uint32_t par = (t / STAGES) & 1;
+    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
+    scores_of_stage<BF16>(s, q_base, k_base, bar, st, par, lane);
+
+    const int kv0 = t * kCols;
+    const bool dead = kv0 >= w.seq_len;
+    mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
+                select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
+    float a_lo, a_hi;
+    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    pack_p<BF16, 64>(s, pa);
+
+    mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
+    accumulate_stage<BF16>(acc, pa, a_lo, a_hi, v_base, p, bar, st, lane);
+
+    // the commit: a fold after every step, kept at a split's last live step
+    const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);
+    const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
+    float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+    const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, quad_lanes(l_lo));
+    const FoldCoef hi = fold_stats(mf_hi, lf_hi, m_hi, quad_lanes(l_hi));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float4 r = run_smem[128 * i];
+      const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
+      const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
+      run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
+                                      select_f32(commit, z, r.z), select_f32(commit, u, r.w));
+    }
+    mr_lo = select_f32(commit, mf_lo, mr_lo);
+    lr_lo = select_f32(commit, lf_lo, lr_lo);
+    mr_hi = select_f32(commit, mf_hi, mr_hi);
+    lr_hi = select_f32(commit, lf_hi, lr_hi);
+    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+  }
+  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
+    const float4 r = run_smem[128 * i];
+    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+  }
+  const int r = 64 * cw + 16 * warp + lane / 4;
+  store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
+  store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, g, r + 8, lane, acc, inv_hi);
+}
+
+// The v2 consumer's constant-time kernel: the product prefill_kernel's CT branch (work_ct,
+// producer warpgroup: Q rows by load_q_ct, K/V by produce_ct, V cleaning by clean_v_ct) with
+// consume_v2_ct. LMODE 0: one bucket; 1: per-request buckets.
+template <bool BF16, int LMODE>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_v2_ct_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                         const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  constexpr int STAGES = 2;
+  using L = Layout<STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x;
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
+  const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
+  if (threadIdx.x == 0) {
+    bar.init(8);
+    for (int i = 0; i < STAGES; ++i) mbar_init(v_clean(bar, i), kCleanThreads / 32);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<40>();
+    load_q_ct(p, w, smem_ptr, bar, kvh);
+    if (threadIdx.x < 32) {
+      produce_ct<STAGES>(p, w, &tm_k, &tm_v, smem, bar, kvh, threadIdx.x);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 32 + kCleanThreads) {
+      clean_v_ct<STAGES>(w, smem_ptr, bar, threadIdx.x - 32);
+    }
+  } else {
+    regs_alloc<232>();
+    consume_v2_ct<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh, g);
+  }
+}
+
+template <bool BF16, int LMODE>
+int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+                 cudaStream_t stream) {
+  auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
+  constexpr int bytes = Layout<2>::kBytesCT;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The producer spread over the producer warpgroup's four warps (one per scheduler partition;
+// the one-thread producer shares its partition with two consumer warps, which then issue ~1.5x
+// the other partitions' instructions: docs/perf-notes.md). A stage holds pps = 128 / bs pages;
+// warp pw loads pages [pw * per, pw * per + n) (per = max(pps / 4, 1), n = per or 0) and arms
+// the stage's full barrier with its share of the bytes (possibly none): the barrier completes
+// on the four warps' arrivals. Every warp waits for the stage's release first. The Q box is
+// GROUP heads x block_q tokens (rows_of_packed). Policy off: pages past the request's last one
+// repeat it (masked out of S and zeroed in V by the consumers).
+__device__ __forceinline__ void load_share(uint32_t dst, const CUtensorMap* tm, uint32_t full, int first, int n,
+                                           const int (&blk)[2], int bs, int kvh) {
+  mbar_arrive_expect_tx(full, n * bs * 256);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j < n) {  // block size: public
+      tma_load_4d(dst + (first + j) * bs * 128, tm, full, 0, 0, kvh, blk[j]);
+      tma_load_4d(dst + kHalfBytes + (first + j) * bs * 128, tm, full, 64, 0, kvh, blk[j]);
+    }
+  }
+}
+
+template <int STAGES>
+__device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
+                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
+                                               const Barriers<STAGES>& bar, int kvh, int req, int pw) {
+  using L = Layout<STAGES>;
+  if (pw == 0) {
+    mbar_arrive_expect_tx(bar.q_full(), 2 * p.group * p.block_q * 128);
+    tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
+    tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
+  }
+  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
+  const int bs = p.block_size, pps = kCols / bs;
+  const int per = pps >= 4 ? pps / 4 : 1, first = pw * per, n = first < pps ? per : 0;
+  const int last_page = (w.seq_len + bs - 1) / bs - 1;
+  for (int t = 0; t < w.n_steps; ++t) {
+    const int s = t % STAGES;
+    const uint32_t parity = ((t / STAGES) - 1) & 1;  // the release of step t - STAGES
+    const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
+    int blk[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) blk[j] = j < n ? table[min(t * pps + first + j, last_page)] : 0;
+    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    load_share(k_dst, tm_k, bar.k_full(s), first, n, blk, bs, kvh);
+    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    load_share(v_dst, tm_v, bar.v_full(s), first, n, blk, bs, kvh);
+  }
+}
+
+// The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
+// consumer; FA3's register split (producer warpgroup 24, consumers 240).
+template <bool BF16>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v, const Params p) {
+  constexpr int STAGES = 2;
+  using L = Layout<STAGES>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
+  uint8_t* smem_ptr = smem_raw + pad;
+  const uint32_t smem = raw + pad;
+  const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x;
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
+  const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
+  if (req == p.num_seqs) {  // padding rows: zeros
+    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
+    const int toks = min(p.block_q, p.num_out_rows - first);
+    char* out = static_cast<char*>(p.out);
+    for (int i = threadIdx.x; i < toks * p.group * 16; i += kThreads) {
+      const int64_t tok = first + (i / 16) / p.group, head = kvh * p.group + (i / 16) % p.group;
+      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const Work w = work_of(p, req, g);
+  if (w.tok0 >= w.q_len) return;
+  if (threadIdx.x == 0) {  // full barriers complete on the four producer warps' arrivals
+    mbar_init(bar.q_full(), 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(bar.k_full(i), 4);
+      mbar_init(bar.v_full(i), 4);
+      mbar_init(bar.k_empty(i), 8);
+      mbar_init(bar.v_empty(i), 8);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<24>();
+    if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
+  } else {
+    regs_alloc<240>();
+    consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
+  }
+}
+
+template <bool BF16>
+int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
+              cudaStream_t stream) {
+  auto kernel = prefill_v2_kernel<BF16>;
+  constexpr int bytes = Layout<2>::kBytesCT;  // the running state in shared memory (kOffRun)
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    configured = true;
+  }
+  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The binaries ops.cuda_prefill routes to: 60 v2 (policy off: consume_v2, the spread producer,
+// packed rows), 61 v2_ct (the constant-time walk; one binary per bucket mode, l_mode 1:
+// per-request buckets, policy request). Every one has the same bits. Other codes: -5.
 template <bool BF16>
 int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
                    const Params& p, dim3 grid, cudaStream_t st) {
-  if (variant == 33) return launch<BF16, false, false, 2, 0, true, true, false, 0, true>(tq, tk, tv, p, grid, st);
-  if (variant == 34) {  // one binary per bucket mode (l_mode 1: per-request buckets, policy request)
-    if (p.l_mode == 1) return launch<BF16, false, false, 2, 0, true, false, true, 1>(tq, tk, tv, p, grid, st);
-    return launch<BF16, false, false, 2, 0, true, false, true, 0>(tq, tk, tv, p, grid, st);
-  }
+  if (variant == 60) return launch_v2<BF16>(tq, tk, tv, p, grid, st);
+  if (variant == 61) return p.l_mode == 1 ? launch_v2_ct<BF16, 1>(tq, tk, tv, p, grid, st)
+                                          : launch_v2_ct<BF16, 0>(tq, tk, tv, p, grid, st);
   return -5;
 }
 
@@ -1009,13 +1477,10 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // rejected: alignment or stride not a multiple of 16 bytes), -5 (unknown variant),
 // -6 (more than 65535 tiles: num_tokens / block_q + num_seqs + 1), -7 (query heads per
 // KV head not a divisor ratio <= 128).
-// variant bits: 1 intra-warpgroup overlap, 2 pingpong schedule, 4 three stages;
-// 8, 16, 24 diagnostic binaries (wrong results: no softmax, no loads, neither);
-// 32 the Triton-bit-compatible binary (COMPAT), 33 the same with one m64n128 QK^T,
-// 34 that arithmetic on the constant-time walk (CT: l_mode .. sink are its
-// arguments, ignored by the others; -8 when they are out of range; each request's
-// table line must hold its reserved pages up to its bucket, the address rule that
-// ops.paged_attention checks). qk_scale = softmax scale * log2(e) as the caller
+// variant: 60 v2 (policy off), 61 v2_ct (the constant-time walk: l_mode .. sink are its
+// arguments, ignored by 60; -8 when they are out of range; each request's table line must
+// hold its reserved pages up to its bucket, the address rule that ops.paged_attention
+// checks). qk_scale = softmax scale * log2(e) as the caller
 // computes it (the Triton launcher's value, for equal bits).
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
@@ -1034,9 +1499,12 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
   int group_shift = 0;  // 2^group_shift tile slots per token: GROUP rounded up to a power of two
   while ((1 << group_shift) < group) ++group_shift;
-  const int block_q = kRows >> group_shift;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride, 1 << group_shift,
-                     block_q))
+  // v2 (60) packs (token, head) rows without slots: floor(128 / GROUP) tokens of GROUP heads per
+  // tile; the constant-time walk (61) keeps the slots (load_q_ct, rows_of)
+  const bool packed = variant == 60;
+  const int block_q = packed ? kRows / group : kRows >> group_shift;
+  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride,
+                     packed ? group : 1 << group_shift, block_q))
     return -2;
   if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
@@ -1075,7 +1543,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.q_magic = q_magic;
   p.sink = sink;
   if (p.num_tiles > 65535) return -6;
-  if (variant == 34 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
+  if (variant == 61 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
   const dim3 grid(num_kv_heads, p.num_tiles, 1);

@@ -6,13 +6,6 @@
 #   bench     quick kernel timing vs anchors (benchmarks/quick_kernel_bench.py; BENCH_ARGS)
 #   benchbase the same on a baseline package in .work/base (BASE_BENCH_ARGS, default BENCH_ARGS)
 #   cudapf    csrc Hopper prefill kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_prefill.py; CUDAPF_ARGS)
-#   contractv2 issue 30's experiment (benchmarks/contract_v2.py: candidate prefill contracts vs compat, plain, FA3):
-#             probe (subprocess, 150 s limit), then the bench (CV2_ARGS, e.g. --variants ...; CV2_BENCH_S, default 300)
-#   decodev2  issue 30's decode on the next contract (benchmarks/decode_v2.py): its libraries built in parallel,
-#             probe (240 s limit:
-#             right, and a decode row == the v2 prefill's row), then benchmarks.cuda_decode with its rows
-#             (DV2_ARGS, default below; DV2_BENCH_S, default 240). The split-size question: the product binary
-#             with two 512-splits per CTA (:spp2) has the parallelism of 1024-position splits
 #   cudadec   csrc Hopper decode kernel: probe (subprocess, 240 s limit), GPU tests, bench vs FA3 (benchmarks/cuda_decode.py; CUDADEC_ARGS)
 #   ceiling   Triton with TMA + Hopper warp specialisation, dense and paged (benchmarks/triton_ceiling.py; CEIL_ARGS)
 #   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode;
@@ -91,17 +84,6 @@ for step in "$@"; do
                     | tee "$OUT/cudapf-tests.log" | grep -v "^\s*$" | tail -12
                   timeout ${CUDAPF_BENCH_S:-300} python3 -m benchmarks.cuda_prefill ${CUDAPF_ARGS:-} --out "$OUT" 2>&1 \
                     | tee "$OUT/cudapf.log" | tail -45; } ;;
-    contractv2) timeout 150 python3 -m benchmarks.contract_v2 --probe 2>&1 | tee "$OUT/contractv2-probe.log" | tail -c 600 \
-               && timeout ${CV2_BENCH_S:-300} python3 -m benchmarks.contract_v2 ${CV2_ARGS:-} --out "$OUT" 2>&1 \
-                    | tee "$OUT/contract_v2.log" | grep -v "^\[" | tail -80 ;;
-    decodev2) # the three libraries the probe loads, built side by side first (nvcc is one thread each)
-              for lib in "benchmarks.decode_v2 import library" "benchmarks.contract_v2 import library" \
-                         "dhp_backend.ops.cuda_build import prebuild as library"; do
-                timeout 300 python3 -c "from ${lib}; library()" >>"$OUT/decodev2-build.log" 2>&1 &
-              done; wait; tail -4 "$OUT/decodev2-build.log"
-              timeout 240 python3 -m benchmarks.decode_v2 --probe 2>&1 | tee "$OUT/decodev2-probe.log" | tail -c 1500 \
-               && timeout ${DV2_BENCH_S:-240} python3 -m benchmarks.cuda_decode ${DV2_ARGS:---variants fa3,cuda_auto,cuda_p2x2_pv_ef:spp1,cuda_p2x2_pv_ef:spp2,exp_p2x2_pv_ef,exp_v2 --shapes B1-4k,B1-8k,B1-16k,B1-32k,B4-16k,B16-4k,B16-32k,B64-r32k,B256-r2k,B16-4k-q4,B64-r4k-q8} \
-                    --out "$OUT" 2>&1 | tee "$OUT/decodev2.log" | tail -40 ;;
     cudadec) # As cudapf: every part under its own timeout.
              timeout 240 python3 -m benchmarks.cuda_decode --probe 2>&1 | tee "$OUT/cudadec-probe.log" | tail -c 3000 \
              && { timeout ${CUDADEC_TEST_S:-240} python3 -m pytest -q -m gpu tests/test_cuda_decode_gpu.py -x -p no:cacheprovider 2>&1 \
@@ -145,9 +127,9 @@ for step in "$@"; do
     ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
              # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target
              S=${NCUDEC_SHAPE:-B16-32k}; first=1
-             for tg in ${NCUDEC_TARGETS:-p2x2_pv_ef fa3}; do
+             for tg in ${NCUDEC_TARGETS:-v2 fa3}; do
                if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"
-               else K="--kernel-name regex:decode_kernel"; fi
+               else K="--kernel-name regex:decode_v2_kernel"; fi
                timeout 240 ncu --clock-control none $K --launch-skip 2 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
                  --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
@@ -165,10 +147,10 @@ for step in "$@"; do
     ncuprobe) # what this ncu reports per opcode and per SASS instruction for the CT prefill kernel (G1 design)
              ncu --version | tail -1
              CH="python3 -m dhp_backend.audit.counters --child ${PROBE_SHAPE:-B4-L4096-q64} random --launches 2 --sidecar $OUT/probe-child.json"
-             timeout 200 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 \
+             timeout 200 ncu --clock-control none --kernel-name regex:prefill_v2_ct_kernel --launch-skip 1 --launch-count 1 \
                --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum --print-metric-instances values --csv $CH \
                > "$OUT/ncuprobe-opcode.csv" 2>&1; grep -v "^==PROF" "$OUT/ncuprobe-opcode.csv" | tail -c 3000; echo
-             timeout 200 ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 \
+             timeout 200 ncu --clock-control none --kernel-name regex:prefill_v2_ct_kernel --launch-skip 1 --launch-count 1 \
                --section SourceCounters -o "$OUT/ncuprobe" -f $CH > "$OUT/ncuprobe-src.log" 2>&1; tail -3 "$OUT/ncuprobe-src.log"
              timeout 100 ncu --import "$OUT/ncuprobe.ncu-rep" --page source --csv --print-source sass \
                > "$OUT/ncuprobe-source.csv" 2>&1; head -c 2000 "$OUT/ncuprobe-source.csv"; echo; wc -l "$OUT/ncuprobe-source.csv"

@@ -1,8 +1,8 @@
 """One decode step launched a few times: a target for ncu. Usage:
     python scripts/ncu_decode.py B16-32k [TARGET [MODE]]
-TARGET: a csrc decode variant (default p2x2_pv_ef; see ops.cuda_decode.VARIANTS) or ``fa3``;
+TARGET: a csrc decode variant (default v2; see ops.cuda_decode.VARIANTS) or ``fa3``;
 MODE: split (default) or fold, for the csrc kernel. Profile the decode kernel with
-``ncu --kernel-name regex:decode_kernel``, its merge with ``regex:merge_kernel``, FA3's main
+``ncu --kernel-name regex:decode_v2_kernel``, its merge with ``regex:merge_kernel``, FA3's main
 kernel with ``--kernel-name-base demangled --kernel-name regex:FlashAttnFwd``."""
 import sys
 
@@ -12,7 +12,7 @@ from benchmarks.cuda_decode import _shape, cuda_fn
 from benchmarks.cuda_prefill import fa3_fn, make_step
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "B16-32k"
-target = sys.argv[2] if len(sys.argv) > 2 else "p2x2_pv_ef"
+target = sys.argv[2] if len(sys.argv) > 2 else "v2"
 mode = sys.argv[3] if len(sys.argv) > 3 else "split"
 B, ctx, reqs = _shape(shape)
 st = make_step(reqs, torch.Generator(device="cuda").manual_seed(0))

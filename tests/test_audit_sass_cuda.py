@@ -108,18 +108,18 @@ def test_wait_and_cfg_slice_on_a_recorded_snippet():
 # --- instances ------------------------------------------------------------------------------------
 
 def test_instances_from_mangled_names():
-    base = ("_ZN3dhp48_GLOBAL__N__79ae1585_15_prefill_sm90_cu_8545efc114prefill_kernelI{}"
-            "EEv14CUtensorMap_stS2_S2_NS0_6ParamsE")
-    ct0 = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb0ELb1ELi0ELb0E"))
-    ct1 = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb0ELb1ELi1ELb0E"))
-    off = cuda_rules.instance(base.format("Lb1ELb0ELb0ELi2ELi0ELb1ELb1ELb0ELi0ELb1E"))
-    assert ct0.gating and ct0.args == (1, 0, 0, 2, 0, 1, 0, 1, 0, 0)
+    """prefill_sm90.cu: the v2 CT kernel gates with LMODE 0, is reported with the request's
+    bucket documented with LMODE 1; the policy-off kernel is listed only."""
+    base = "_ZN3dhp48_GLOBAL__N__79ae1585_15_prefill_sm90_cu_8545efc1{}I{}EEv14CUtensorMap_stS2_S2_NS0_6ParamsE"
+    ct0 = cuda_rules.instance(base.format("20prefill_v2_ct_kernel", "Lb1ELi0E"))
+    ct1 = cuda_rules.instance(base.format("20prefill_v2_ct_kernel", "Lb1ELi1E"))
+    off = cuda_rules.instance(base.format("17prefill_v2_kernel", "Lb1E"))
+    assert ct0.kernel == "prefill_v2_ct_kernel" and ct0.gating and ct0.args == (1, 0)
     assert not ct1.gating and ct1.documented == frozenset({"mem"})
-    assert not off.gating and not off.documented and "policy off" in off.note
-    # A template list of another length (a flag added to the kernel, not to the table) fails closed: gated,
-    # e.g. the nine arguments before WIDE_REGS, or an eleventh.
-    for extra in ("Lb1ELb0ELb0ELi2ELi0ELb1ELb1ELb0ELi0E", "Lb1ELb0ELb0ELi2ELi0ELb1ELb1ELb0ELi0ELb1ELi3E"):
-        new_arity = cuda_rules.instance(base.format(extra))
+    assert off.kernel == "prefill_v2_kernel" and not off.gating and not off.documented and "policy off" in off.note
+    # A template list of another length (a flag added to the kernel, not to the table) fails closed: gated.
+    for extra in ("Lb1E", "Lb1ELi0ELi3E"):
+        new_arity = cuda_rules.instance(base.format("20prefill_v2_ct_kernel", extra))
         assert new_arity.gating and "gated until" in new_arity.note
     assert cuda_rules.instance("_Z12some_helperv") is None
 
@@ -128,13 +128,13 @@ def test_decode_instances_from_mangled_names():
     """decode_sm90.cu: option kConstTime (128) gates, with kBucketPerReq (256) it is
     reported with the request's bucket documented; the merge by its WALK; policy-off
     binaries are listed only."""
-    dec = ("_ZN3dhp47_GLOBAL__N__2b23ac5e_14_decode_sm90_cu_63b36a6b13decode_kernelI{}"
+    dec = ("_ZN3dhp47_GLOBAL__N__2b23ac5e_14_decode_sm90_cu_63b36a6b16decode_v2_kernelI{}"
            "EEv14CUtensorMap_stS2_S2_NS0_6ParamsE")
     merge = "_ZN3dhp47_GLOBAL__N__2b23ac5e_14_decode_sm90_cu_63b36a6b12merge_kernelI{}EEvNS0_6ParamsE"
-    ct1 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi217E"))
-    ct2 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi473E"))
-    off = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELb0ELi89E"))
-    assert ct1.gating and ct1.args == (1, 2, 1, 2, 1, 0, 217)
+    ct1 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELi217E"))
+    ct2 = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELi473E"))
+    off = cuda_rules.instance(dec.format("Lb1ELi2ELb1ELi2ELb1ELi89E"))
+    assert ct1.gating and ct1.args == (1, 2, 1, 2, 1, 217)
     assert not ct2.gating and ct2.documented == frozenset({"mem"})
     assert not off.gating and not off.documented and "policy off" in off.note
     assert cuda_rules.instance(merge.format("Lb1ELi1E")).gating
@@ -290,12 +290,12 @@ def test_decode_constant_time_binaries_pass_the_gate():
     s = cuda_gate.audit_sources(("decode_sm90.cu",), progress=lambda m: None)
     gating = [r for r in s["results"] if r["gating"]]
     reported = [r for r in s["results"] if not r["gating"] and r.get("audited", True)]
-    decode = [r for r in gating if r["kernel"] == "decode_kernel"]
-    # The one-bucket CT binary (p2x2_pv_ef's walk): fp16/bf16 x split/fold x small/large Q tile, + 2 merges.
+    decode = [r for r in gating if r["kernel"] == "decode_v2_kernel"]
+    # The one-bucket CT binary (the v2 consumer's walk): fp16/bf16 x split/fold x small/large Q tile, + 2 merges.
     assert len(decode) == 8 and len(gating) == 10 and s["passed"], [f for r in gating for f in r["failures"]][:5]
     for r in decode:  # every kind of branch the CT walk has, each explained
-        assert {"dec-locate-loop", "dec-split-loop", "dec-step-loop", "dec-role", "wait", "elect-loop"} \
-            <= set(r["by_rule"])
+        assert {"dec-locate-loop", "dec-split-loop", "v2-step-loop", "v2-split-end", "dec-role", "wait",
+                "elect-loop"} <= set(r["by_rule"])
         assert not r["documented"]
     assert reported and all(r["passed"] and r["documented"] == ["mem"] for r in reported)
 

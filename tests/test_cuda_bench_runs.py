@@ -1,15 +1,13 @@
 """benchmarks.cuda_runs (what the csrc kernels' benches share), on CPU tensors: a row is
 timed only when its output is right; a missing anchor
-is a row that says so; the benches refuse a machine without an sm_90 GPU; the
-shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot; benchmarks.contract_v2's
-refusals and its merged report; benchmarks.decode_v2's variant code and its use of the product launcher."""
+is a row that says so; the benches refuse a machine without an sm_90 GPU, and a row
+name they do not know (or a constant-time row without --bucket) before any GPU work; the
+shape names of benchmarks.cuda_decode; benchmarks.sustained's table and plot."""
 
 import pytest
 import torch
 
-import json
-
-from benchmarks import contract_v2, cuda_decode, cuda_prefill, cuda_runs, decode_v2, sustained
+from benchmarks import cuda_decode, cuda_prefill, cuda_runs, sustained
 
 REF = torch.ones(4, 2, 8)
 
@@ -58,12 +56,47 @@ def test_fa3_ratios():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("bench,argv", [(cuda_decode, ["--probe"]), (cuda_prefill, ["--probe"]),
-                                        (sustained, ["--shapes", "B1-4k"]), (contract_v2, ["--probe"]),
-                                        (decode_v2, ["--probe"])])
+                                        (sustained, ["--shapes", "B1-4k"])])
 def test_benches_refuse_without_gpu(bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and "needs an sm_90 GPU (no CUDA device)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench,argv,why", [
+    # the rows of the Triton-bit compat binaries and of issue 30's experiment library are gone
+    (cuda_prefill, ["--variants", "fa3,cuda_compat"], "unknown variant(s) ['cuda_compat']; accepted: fa3, "
+                                                      "triton_off, cuda_v2, triton_strict, cuda_v2_ct"),
+    (cuda_prefill, ["--variants", "exp_v2"], "unknown variant(s) ['exp_v2']"),
+    (cuda_prefill, ["--variants", "cuda_v2_ct"], "variant(s) ['cuda_v2_ct'] without --bucket; accepted: "
+                                                 "triton_strict, cuda_v2_ct with --bucket L"),
+    (cuda_prefill, ["--bucket", "2048", "--shapes", "causal-4k"], "--bucket 2048 is shorter than shape causal-4k"),
+    (cuda_decode, ["--variants", "fa3,exp_v2,cuda_p2x2_pv_ef"], "unknown variant(s) ['exp_v2', 'cuda_p2x2_pv_ef']; "
+                                                                "accepted: fa3, triton_off, cuda_<auto|v2>"),
+    (cuda_decode, ["--variants", "cuda_ct_v2"], "variant(s) ['cuda_ct_v2'] without --bucket"),
+])
+def test_benches_refuse_unknown_rows_before_the_gpu(bench, argv, why, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_bench_default_and_ct_rows_are_known():
+    assert all(n in cuda_prefill.ROWS for n in cuda_prefill.DEFAULT_VARIANTS.split(","))
+    assert cuda_prefill.CT_ROWS == {"triton_strict": "triton_off", "cuda_v2_ct": "cuda_v2"}
+    names = cuda_decode.DEFAULT_VARIANTS.split(",")
+    assert names == ["fa3", "triton_off", "cuda_auto", "cuda_v2"] and all(map(cuda_decode._known, names))
+    assert all(map(cuda_decode._known, ["triton_strict", "cuda_ct_v2", "cuda_ct_auto", "cuda_v2:spp2",
+                                        "cuda_auto:lpt"]))
+    assert not any(map(cuda_decode._known, ["cuda_ct_v2:spp2", "cuda_v2:fast", "cuda_m2x3_pv_ef"]))
+
+
+def test_bits_mark_flags_only_a_difference():
+    assert cuda_prefill.bits_mark(dict(variant="cuda_v2", bits_equal_decode=True)) == ""
+    assert cuda_prefill.bits_mark(dict(variant="cuda_v2_ct", bits_equal_off=False)) == " [BITS]"
+    assert cuda_prefill.bits_mark(dict(variant="fa3")) == ""
+    assert cuda_decode.bits_mark(dict(variant="cuda_v2", bits_equal_prefill=False)) == " [BITS]"
+    assert cuda_decode.bits_mark(dict(variant="cuda_ct_v2", bits_equal_off=True)) == ""
 
 
 def test_decode_shape_names():
@@ -100,72 +133,3 @@ def test_sustained_table_and_plot(tmp_path):
     else:
         assert why is None and (tmp_path / "s.png").stat().st_size > 1000
         assert "no DHP row" in sustained.plot(rows[:1], str(tmp_path / "t.png"))
-
-
-def test_contract_v2_refuses_bad_variant_and_dtype():
-    st = dict(q=torch.zeros(4, 32, 128, dtype=torch.float16))
-    with pytest.raises(ValueError, match="variant 'nope'; accepted: compat, plain, v2_fold512"):
-        contract_v2.v2_fn(st, True, "nope")
-    with pytest.raises(ValueError, match="dtype torch.float16; accepted: torch.bfloat16"):
-        contract_v2.v2_fn(st, True, "v2_fold512")
-    with pytest.raises(SystemExit):
-        contract_v2.main(["--variants", "fa3,warp_speed"])
-
-
-def _run(tmp_path, name, commit, rows):
-    path = tmp_path / name
-    path.write_text(json.dumps(dict(device="NVIDIA H200", torch="x", commit=commit, command="contract_v2.py --out o",
-                                    rows=rows)))
-    return str(path)
-
-
-def test_contract_v2_report_merges_runs(tmp_path):
-    def row(variant, us, fa3_over, compat_over, shape="causal-4k"):
-        return dict(shape=shape, heads="32,8", variant=variant, us=us, fa3_over=fa3_over, compat_over=compat_over)
-    first = _run(tmp_path, "a.json", "aaa", [row("fa3", 100.0, 1.0, 1.6), row("compat", 160.0, 0.625, 1.0),
-                                             row("v2_fold512", 150.0, 0.667, 1.067)])
-    second = _run(tmp_path, "b.json", "bbb", [row("fa3", 101.0, 1.0, 1.6), row("compat", 161.0, 0.627, 1.0),
-                                              row("v2_fold512", 140.0, 0.721, 1.15),
-                                              dict(row("plain", None, None, None), error="wrong result")])
-    lines = contract_v2.report([first, second], str(tmp_path / "out"))
-    assert lines[0] == "| variant | causal-4k (32,8) | run |"
-    v2 = next(x for x in lines if x.startswith("| v2_fold512 |"))
-    assert v2 == "| v2_fold512 | 0.721 (1.15) | 2 |"  # the later run's cell, both ratios from that run
-    assert not any(x.startswith("| plain |") for x in lines)  # a row without a time is no cell
-    md = (tmp_path / "out" / "contract-v2-h200.md").read_text()
-    assert "1: commit aaa" in md and "2: commit bbb" in md and "`v2_fold512`: 128-position steps" in md
-    merged = json.loads((tmp_path / "out" / "contract-v2-h200.json").read_text())
-    assert [r["commit"] for r in merged["runs"]] == ["aaa", "bbb"] and "compat" in merged["about"]
-    assert (tmp_path / "out" / "contract-v2-h200.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_decode_v2_code_matches_the_kernel_sources():
-    """The v2 consumer's variant code is the product's kPipe options plus the experiment's kV2 bit, read
-    from the two .cu files: a renumbering in either would launch another binary."""
-    import re
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    product = (root / "csrc" / "decode_sm90.cu").read_text()
-    opts = {k: int(v) for k, v in re.findall(r"\b(k[A-Z]\w+) = (\d+)", product)}
-    pipe = opts["kPairedV"] | opts["kEvictFirst"] | opts["kMmaSync"] | opts["kMmaPipe"]
-    assert re.search(r"constexpr int kPipe = kSync \| kMmaPipe;", product)
-    assert re.search(r"constexpr int kSync = kPairedV \| kEvictFirst \| kMmaSync;", product)
-    kv2 = int(re.search(r"constexpr int kV2 = (\d+);", decode_v2.SOURCE.read_text()).group(1))
-    assert kv2 & pipe == 0 and kv2 not in opts.values()
-    assert decode_v2.V2_CODE == 4 + 8 * (pipe | kv2)
-    assert "4 + 8 * (kPipe | kV2)" in decode_v2.SOURCE.read_text()
-
-
-def test_decode_v2_patches_the_product_launcher_only_inside():
-    from dhp_backend.ops import cuda_decode as cd
-
-    entry, variants = cd._entry, dict(cd.VARIANTS)
-    with decode_v2.experiment_entry() as mod:
-        assert mod is cd and cd.VARIANTS[decode_v2.V2] == (decode_v2.V2_CODE, 2)
-        assert cd._entry is not entry
-    assert cd._entry is entry and cd.VARIANTS == variants and decode_v2.V2 not in cd.VARIANTS
-    with pytest.raises(RuntimeError, match="boom"):
-        with decode_v2.experiment_entry():
-            raise RuntimeError("boom")
-    assert cd._entry is entry and cd.VARIANTS == variants

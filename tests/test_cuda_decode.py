@@ -30,7 +30,7 @@ def test_cpu_tensors_refused_with_the_accepted_device():
     (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
     (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
     (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads; accepted: a divisor"),
-    (dict(H=128, Hkv=1), r"the number of KV heads is 1 for 128 query heads; accepted: at most 64"),
+    (dict(H=32, Hkv=1), r"the number of KV heads is 1 for 32 query heads; accepted: at most 16"),
 ])
 def test_shapes_refused(monkeypatch, kw, pattern):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
@@ -40,7 +40,7 @@ def test_shapes_refused(monkeypatch, kw, pattern):
 
 def test_variant_and_mode_refused(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: auto, p2x2_pv_ef, m2x3_pv_ef$"):
+    with pytest.raises(ValueError, match=r"variant is 'fast'; accepted: auto, v2$"):
         decode_sm90(*cpu_step(), scale=0.1, variant="fast")
     with pytest.raises(ValueError, match=r"mode is 'both'; accepted: None, 'fold', 'split'"):
         decode_sm90(*cpu_step(), scale=0.1, mode="both")
@@ -58,9 +58,9 @@ SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128,
 def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
     assert step_kernel(SPEC, "off", 64, 64) == plan.CUDA_DECODE  # 64 requests x 1 token
     assert step_kernel(SPEC, "off", 65, 64) == plan.CUDA_DECODE  # one request with 2 tokens: still token tiles
-    assert step_kernel(SPEC, "off", 3 * 16, 16) == dispatch.TRITON  # 3 tokens each: request tiles (mixed)
+    assert step_kernel(SPEC, "off", 3 * 16, 16) == plan.CUDA_PREFILL  # 3 tokens each: request tiles (mixed)
     assert step_kernel(SPEC, "off", 4096, 1) == plan.CUDA_PREFILL
-    assert step_kernel(SPEC, "off", 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
+    assert step_kernel(SPEC, "off", 40 * 8, 40) == plan.CUDA_PREFILL  # mixed: the prefill kernel
     for policy in ("strict", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == plan.CUDA_DECODE_CT  # constant-time: the CT binaries
     import dataclasses
@@ -144,36 +144,22 @@ def test_merge_coefficients_scanned_equal_the_sequential_fold(seed):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (m, a, b)
 
 
-@pytest.mark.parametrize("B, ctx, group, expected", [
-    (256, 16384, 4, "m2x3_pv_ef"),   # fold mode, 2048 CTAs: >= 4 waves of 396 slots
-    (256, 4096, 8, "m2x3_pv_ef"),
-    (64, 32768, 4, "p2x2_pv_ef"),    # fold mode, 512 CTAs: 1.3 waves of three per SM
-    (16, 32768, 4, "p2x2_pv_ef"),    # split mode
-    (1, 4096, 4, "p2x2_pv_ef"),
-    (256, 16384, 16, "p2x2_pv_ef"),  # no small Q tile: three CTAs per SM do not fit
-])
-def test_pick_variant_by_waves(monkeypatch, B, ctx, group, expected):
+def test_pick_variant_is_the_one_binary_family(monkeypatch):
     from dhp_backend.ops import cuda_decode
-    from dhp_backend.ops import geometry
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(geometry, "num_sms_of", lambda device: 132)
-    got = cuda_decode.pick_variant(B, B, 8 * group, 8, ctx, "bfloat16", None)
-    assert got == expected
-    assert got in cuda_decode.VARIANTS
+    for B, ctx, group in ((256, 16384, 4), (1, 4096, 4), (16, 32768, 16)):
+        assert cuda_decode.pick_variant(B, B, 8 * group, 8, ctx, "bfloat16", None) == cuda_decode.V2
+    assert tuple(cuda_decode.VARIANTS) == cuda_decode.CT_VARIANTS == (cuda_decode.V2,)
 
 
 def test_constant_time_arguments_refused(monkeypatch):
-    """With a bucket (the constant-time walk): only the consume_mma_pipe binary,
-    no longest-first order (it sorts by the true lengths), GROUP <= 16, and a bucket
-    the table can hold; each refusal says what is accepted."""
+    """With a bucket (the constant-time walk): no longest-first order (it sorts by the
+    true lengths), GROUP <= 16, and a bucket the table can hold; each refusal says what
+    is accepted."""
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    with pytest.raises(ValueError, match=r"variant is 'm2x3_pv_ef' with a bucket \(the constant-time walk\); "
-                                         r"accepted: auto, p2x2_pv_ef$"):
-        decode_sm90(*cpu_step(), scale=0.1, variant="m2x3_pv_ef", bucket=64)
     with pytest.raises(ValueError, match=r"order is True with a bucket; accepted: None or False"):
         decode_sm90(*cpu_step(), scale=0.1, order=True, bucket=64)
-    with pytest.raises(ValueError, match=r"the number of KV heads is 1 for 32 query heads with a bucket; "
+    with pytest.raises(ValueError, match=r"the number of KV heads is 1 for 32 query heads; "
                                          r"accepted: at most 16 query heads per KV head"):
         decode_sm90(*cpu_step(Hkv=1), scale=0.1, bucket=64)
     with pytest.raises(ValueError, match=r"bucket is 65; accepted: an int in \[1, block_table.shape\[1\] \* "
@@ -185,11 +171,12 @@ def test_constant_time_arguments_refused(monkeypatch):
 
 def test_step_kernel_routes_constant_time_decode_steps(with_nvcc):
     """Decode steps of strict/request go to cuda_decode_ct where the group fits its
-    tile; mixed steps stay on Triton; policy off's decode steps on cuda_decode."""
+    tile; mixed steps to the csrc prefill kernel's CT binary; policy off's decode steps
+    on cuda_decode; a group the tile does not hold keeps every step on Triton."""
     import dataclasses
     for policy in ("strict", "request"):
         assert step_kernel(SPEC, policy, 64, 64) == plan.CUDA_DECODE_CT
-        assert step_kernel(SPEC, policy, 40 * 8, 40) == dispatch.TRITON  # mixed: request tiles
+        assert step_kernel(SPEC, policy, 40 * 8, 40) == plan.CUDA_PREFILL_CT  # mixed: request tiles
         assert step_kernel(dataclasses.replace(SPEC, num_heads=64, num_kv_heads=2), policy, 64, 64) \
             == dispatch.TRITON  # GROUP 32: no mma.sync tile for it
     assert step_kernel(SPEC, "off", 64, 64) == plan.CUDA_DECODE

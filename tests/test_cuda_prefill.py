@@ -29,7 +29,7 @@ def test_cpu_tensors_refused_with_the_accepted_device():
     (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
     (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
     (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads"),
-    (dict(H=256, Hkv=1), r"the number of KV heads is 1 for 256 query heads; accepted: .*ratio <= 128"),
+    (dict(H=32, Hkv=1), r"the number of KV heads is 1 for 32 query heads; accepted: .*ratio <= 16"),
 ])
 def test_shapes_refused(monkeypatch, kw, pattern):
     # Validation past the device check: pretend the tensors are on CUDA.
@@ -82,17 +82,17 @@ def _on_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(variant="compat_ct"), r"bucket is missing; accepted: a bucket with variant 'compat_ct' and none"),
-    (dict(variant="compat", bucket=64), r"bucket is given; accepted: a bucket with variant 'compat_ct'"),
-    (dict(variant="compat_ct", bucket=65), r"bucket is 65; accepted: an int in \[1, block_table.shape\[1\] \* "
+    (dict(variant="v2_ct"), r"bucket is missing; accepted: a bucket with variant 'v2_ct' and none"),
+    (dict(variant="v2", bucket=64), r"bucket is given; accepted: a bucket with variant 'v2_ct'"),
+    (dict(variant="v2_ct", bucket=65), r"bucket is 65; accepted: an int in \[1, block_table.shape\[1\] \* "
                                            r"block_size = 64\]"),
-    (dict(variant="compat_ct", bucket=0), r"bucket is 0; accepted: an int in \[1, "),
-    (dict(variant="compat_ct", bucket=True), r"bucket is True; accepted: an int in \[1, "),
-    (dict(variant="compat_ct", bucket=torch.tensor([64], dtype=torch.int64)),
+    (dict(variant="v2_ct", bucket=0), r"bucket is 0; accepted: an int in \[1, "),
+    (dict(variant="v2_ct", bucket=True), r"bucket is True; accepted: an int in \[1, "),
+    (dict(variant="v2_ct", bucket=torch.tensor([64], dtype=torch.int64)),
      r"bucket is a torch.int64 tensor of shape \(1,\) on cuda:0; accepted: an int, or an int32 tensor of 1 "),
-    (dict(variant="compat_ct", bucket=torch.tensor([64, 64], dtype=torch.int32)),
+    (dict(variant="v2_ct", bucket=torch.tensor([64, 64], dtype=torch.int32)),
      r"bucket is a torch.int32 tensor of shape \(2,\)"),
-    (dict(variant="nope"), r"variant is 'nope'; accepted: compat, compat_ct$"),
+    (dict(variant="nope"), r"variant is 'nope'; accepted: v2, v2_ct$"),
 ])
 def test_ct_bucket_refused(monkeypatch, kw, pattern):
     """The constant-time binary needs the policy's public bucket (an int up to the
@@ -102,32 +102,59 @@ def test_ct_bucket_refused(monkeypatch, kw, pattern):
         prefill_sm90(*cpu_step(), scale=0.1, check=False, **kw)
 
 
-def test_prefill_steps_route_to_the_compat_binaries(monkeypatch):
-    """ops.step_kernel: prefill steps of strict/request go to the csrc CT binary on
-    an sm_90 GPU, policy off's to the compat binary; decode steps do not go to
-    them; an older GPU keeps every step on Triton. The plan names the binary."""
+def test_a_layer_runs_every_step_on_one_family(monkeypatch):
+    """ops.step_kernel: on an sm_90 GPU a layer the csrc kernels take runs prefill and
+    mixed steps on the csrc prefill kernel (v2 / v2_ct binary) and decode steps on the
+    csrc decode kernel, under every policy; a layer they do not take (an older GPU, a
+    group over 16, a soft-cap) runs every step, decode steps included, on Triton: the
+    two families' bits differ, so a layer never mixes them. The plan names the binary."""
     from dhp_backend.ops import dispatch, plan, step_kernel
-    from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, routes_prefill_ct
+    from dhp_backend.ops.cuda_prefill import V2, V2_CT, routes_prefill_ct
 
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
     spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                                 block_size=16, device_capability=(9, 0))
     plan.clear_caches()
+    steps = {"prefill": (4096, 2), "mixed": (2048 + 63, 64), "decode": (16, 16)}
     try:
         assert routes_prefill_ct(spec)[0]
-        for policy in ("strict", "request"):
-            assert step_kernel(spec, policy, 4096, 2) == plan.CUDA_PREFILL_CT
-            assert step_kernel(spec, policy, 16, 16) != plan.CUDA_PREFILL_CT  # a decode step
-        assert step_kernel(spec, "off", 4096, 2) == plan.CUDA_PREFILL
+        for policy, pre, dec in (("strict", plan.CUDA_PREFILL_CT, plan.CUDA_DECODE_CT),
+                                 ("request", plan.CUDA_PREFILL_CT, plan.CUDA_DECODE_CT),
+                                 ("off", plan.CUDA_PREFILL, plan.CUDA_DECODE)):
+            got = {kind: step_kernel(spec, policy, *nr) for kind, nr in steps.items()}
+            assert got == {"prefill": pre, "mixed": pre, "decode": dec}, (policy, got)
         strict = plan.plan_step(spec, "strict", num_tokens=4096, num_reqs=2, max_blocks=512, bucket_l=8192,
                                 num_sms=132)
-        assert (strict.kernel, strict.prefill_variant) == (plan.CUDA_PREFILL_CT, COMPAT_CT)
+        assert (strict.kernel, strict.prefill_variant) == (plan.CUDA_PREFILL_CT, V2_CT)
         off = plan.plan_step(spec, "off", num_tokens=4096, num_reqs=2, max_blocks=512, num_sms=132)
-        assert (off.kernel, off.prefill_variant) == (plan.CUDA_PREFILL, COMPAT)
-        assert "csrc/prefill_sm90.cu, compat_ct binary" in strict.describe()
-        hopperless = dataclasses.replace(spec, device_capability=(8, 0))
-        assert not routes_prefill_ct(hopperless)[0]
-        assert step_kernel(hopperless, "strict", 4096, 2) == dispatch.TRITON
+        assert (off.kernel, off.prefill_variant) == (plan.CUDA_PREFILL, V2)
+        assert "csrc/prefill_sm90.cu, v2_ct binary" in strict.describe()
+        others = {"an older GPU": dataclasses.replace(spec, device_capability=(8, 0)),
+                  "group 32": dataclasses.replace(spec, num_heads=64, num_kv_heads=2),
+                  "a soft-cap": dataclasses.replace(spec, logits_soft_cap=30.0)}
+        for what, other in others.items():
+            assert not plan.layer_family(other)[0], what
+            for policy in ("strict", "request", "off"):
+                for kind, nr in steps.items():
+                    assert step_kernel(other, policy, *nr) == dispatch.TRITON, (what, policy, kind)
+        assert "at most 16" in plan.step_route(others["group 32"], "off", 16, 16)[1]
+    finally:
+        plan.clear_caches()
+
+
+def test_a_failed_build_refuses_both_csrc_kernels(monkeypatch):
+    """One csrc library failing to build sends every step of the layer to Triton, the
+    other kernel's steps included (a layer never mixes the two arithmetics)."""
+    from dhp_backend.ops import cuda_common, dispatch, plan, step_kernel
+
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(cuda_common, "_BUILD_FAILED", {"prefill_sm90.cu": "nvcc: error"})
+    spec = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                                block_size=16, device_capability=(9, 0))
+    plan.clear_caches()
+    try:
+        assert step_kernel(spec, "off", 16, 16) == dispatch.TRITON  # a decode step
+        assert "prefill_sm90.cu failed to build" in plan.step_route(spec, "off", 16, 16)[1]
     finally:
         plan.clear_caches()
 

@@ -3,10 +3,11 @@ against the reference over random packed steps (GQA/MHA/MQA, fp16/bf16, block
 sizes 16-128, causal and full, chunked prefill with cached context, NaN/inf
 garbage in every cache slot and block-table entry no request owns), padding rows
 zero and rows past num_tokens untouched, repeatable bits, batch invariance (a
-request's rows alone = inside any batch), and the ``compat`` binary's bits equal
-to DHP's Triton kernel under policy off (what lets ops.paged_attention route
-prefill steps to it).
-The constant-time binary (``compat_ct``) runs on block tables that obey the address
+request's rows alone = inside any batch), chunked prefill = whole prefill, and
+every row's bits equal to the csrc decode kernel's for the same position (the
+arithmetic contract, docs/kernels.md section 2: what lets ops.paged_attention run
+a layer's prefill, mixed and decode steps on the two kernels).
+The constant-time binary (``v2_ct``) runs on block tables that obey the address
 rule (design.md section 2: each request owns distinct pages up to its bucket,
 `testing.pages.reserved_table`), with NaN/inf garbage in the reserved pages past the
 true lengths.
@@ -20,11 +21,12 @@ import random
 import pytest
 import torch
 
-from triton_steps import assemble, bits, make_request, reference, rel_err, reserved_step
+from triton_steps import Request, assemble, bits, make_request, reference, rel_err, reserved_step
 
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops import paged_attention
-from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT, COMPAT_VARIANTS, prefill_sm90, unavailable_reason
+from dhp_backend.ops.cuda_decode import decode_sm90
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, prefill_sm90, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,15 +38,16 @@ pytestmark = [
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def run(step, causal, variant=COMPAT, out=None):
+def run(step, causal, variant=V2, out=None):
     out = torch.full_like(step.query, float("nan")) if out is None else out
     return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens, variant=variant)
 
 
-def run_triton(step, causal):
+def run_decode(step, causal):
+    """Every row of the step through the csrc decode kernel (token tiles: each query token
+    its own CTA row with its causal limit): the bits every prefill row must have."""
     out = torch.full_like(step.query, float("nan"))
-    return paged_attention(*step.args(), out, scale=0.0883, causal=causal, policy="off", path="triton",
-                           num_tokens=step.num_tokens)
+    return decode_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens)
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=700):
@@ -76,12 +79,9 @@ def test_matches_reference(H, Hkv, dtype, bs, causal):
         assert err < TOL[dtype], f"trial {trial}: rel err {err:.2e} for {[(r.q_len, r.seq_len) for r in reqs]}"
         assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
         assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
-        triton_bits = run_triton(step, causal)
-        for name in COMPAT_VARIANTS:
-            compat = run(step, causal, name)
-            assert rel_err(compat, ref, n) < TOL[dtype]
-            assert torch.equal(bits(compat[: step.num_tokens]), bits(triton_bits[: step.num_tokens])), (
-                f"{name} binary differs from the Triton kernel's bits for {[(r.q_len, r.seq_len) for r in reqs]}")
+        decode_bits = bits(run_decode(step, causal)[: step.num_tokens])
+        assert torch.equal(bits(out[: step.num_tokens]), decode_bits), (
+            f"differs from the decode kernel's bits for {[(r.q_len, r.seq_len) for r in reqs]}")
         again = run(step, causal)
         assert torch.equal(bits(again[:n]), bits(out[:n])), "not repeatable bit for bit"
 
@@ -101,10 +101,32 @@ def test_batch_invariant():
         assert torch.equal(bits(got), bits(alone)), f"request's bits changed with {n_other} others at {pos}"
 
 
-def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
-    """ops.paged_attention (path auto, policy off) on a prefill step runs the csrc
-    compat binary, and the rows have the Triton kernel's bits; a decode step stays
-    on Triton."""
+def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
+    """prefill = chunked prefill = decode for every position: a request's rows computed
+    as one prefill, as chunks on their cached context (chunk edges inside and on
+    128-position steps and 512-position splits), and token by token as decode steps,
+    at GQA 4 and 7, in fp16 and bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    for H, Hkv, dtype in ((32, 8, torch.bfloat16), (28, 4, torch.float16)):
+        full = make_request(1500, 1500, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen)
+        whole = run(assemble([full], block_size=16, gen=gen), True)[:1500]
+        for a, b in ((0, 1), (0, 127), (127, 128), (128, 600), (511, 1024), (1024, 1500), (700, 1500)):
+            chunk = Request(q=full.q[a:b], k=full.k[:b], v=full.v[:b])
+            got = run(assemble([chunk], block_size=16, gen=gen), True)[: b - a]
+            assert torch.equal(bits(got), bits(whole[a:b])), f"chunk [{a}, {b}) at {H}/{Hkv}"
+        positions = (0, 1, 63, 64, 127, 128, 511, 512, 513, 1499)
+        decodes = [Request(q=full.q[p: p + 1], k=full.k[: p + 1], v=full.v[: p + 1]) for p in positions]
+        step = assemble(decodes, block_size=16, gen=gen)
+        for mode in ("split", "fold"):
+            out = torch.full_like(step.query, float("nan"))
+            decode_sm90(*step.args(), out, scale=0.0883, causal=True, num_tokens=step.num_tokens, mode=mode)
+            assert torch.equal(bits(out[: len(positions)]), bits(whole[list(positions)])), f"decode/{mode} {H}/{Hkv}"
+
+
+def test_paged_attention_routes_off_prefill_and_mixed_steps(monkeypatch):
+    """ops.paged_attention (path auto, policy off) runs a prefill step and a mixed step
+    (a chunk and decodes) on the csrc v2 binary, a decode step on the decode kernel;
+    every row has the bits of the other kernel for the same step."""
     from dhp_backend.ops import cuda_prefill
 
     calls = []  # the variant of each csrc prefill launch
@@ -116,12 +138,15 @@ def test_paged_attention_routes_off_prefill_steps_with_triton_bits(monkeypatch):
 
     monkeypatch.setattr(cuda_prefill, "prefill_sm90", spy)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((700, 900), (300, 300))]
-    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4)
-    out = torch.full_like(step.query, float("nan"))
-    paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="off", num_tokens=step.num_tokens)
-    assert calls == [cuda_prefill.COMPAT], f"a policy-off prefill step did not run on the compat binary: {calls}"
-    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+    mixed = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in ((700, 900), (1, 300))]
+    mixed += [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for s in (17, 2000, 513)]
+    for reqs in (mixed[:1] + [make_request(300, 300, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)], mixed):
+        calls.clear()
+        step = assemble(reqs, block_size=16, gen=gen, pad_tokens=4)
+        out = torch.full_like(step.query, float("nan"))
+        paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="off", num_tokens=step.num_tokens)
+        assert calls == [cuda_prefill.V2], f"a policy-off prefill or mixed step did not run on the v2 binary: {calls}"
+        assert torch.equal(bits(out[: step.num_tokens]), bits(run_decode(step, True)[: step.num_tokens]))
     calls.clear()
     decode = assemble([make_request(1, 500, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for _ in range(4)],
                       block_size=16, gen=gen)
@@ -140,11 +165,11 @@ def test_interleaved_kv_cache_views():
     assert k.stride(2) == 256
     out = torch.full_like(step.query, float("nan"))
     prefill_sm90(step.query, k, v, step.block_table, step.query_start_loc, step.seq_lens, out, scale=0.0883,
-                 causal=True, num_tokens=step.num_tokens, variant=COMPAT)
-    assert torch.equal(bits(out[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+                 causal=True, num_tokens=step.num_tokens, variant=V2)
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run(step, True)[: step.num_tokens]))
 
 
-# ---- the constant-time walk (compat_ct) ------------------------------------------
+# ---- the constant-time walk (v2_ct) ------------------------------------------------
 
 def next_pow2(n):
     return 1 << max(0, n - 1).bit_length()
@@ -153,13 +178,7 @@ def next_pow2(n):
 def run_ct(step, causal, bucket):
     out = torch.full_like(step.query, float("nan"))
     return prefill_sm90(*step.args(), out, scale=0.0883, causal=causal, num_tokens=step.num_tokens,
-                        variant=COMPAT_CT, bucket=bucket)
-
-
-def run_triton_policy(step, causal, policy, bucket):
-    out = torch.full_like(step.query, float("nan"))
-    return paged_attention(*step.args(), out, scale=0.0883, causal=causal, policy=policy, bucket=bucket,
-                           path="triton", num_tokens=step.num_tokens)
+                        variant=V2_CT, bucket=bucket)
 
 
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [
@@ -169,10 +188,10 @@ def run_triton_policy(step, causal, policy, bucket):
     (28, 4, torch.bfloat16, 16), (40, 8, torch.bfloat16, 32), (6, 2, torch.float16, 64),
 ])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):
-    """compat_ct under one bucket (strict) and per-request buckets (request), each
-    on a table that obeys that policy's address rule: the Triton kernels' bits
-    under the same policy and bucket, which are also the policy-off bits; padding
+def test_ct_has_the_policy_off_bits(H, Hkv, dtype, bs, causal):
+    """v2_ct under one bucket (strict) and per-request buckets (request), each on a
+    table that obeys that policy's address rule: the policy-off bits (of this kernel
+    and of the decode kernel, off and on its constant-time walk); padding
     rows 0, rows past num_tokens untouched, NaN/inf garbage in every unowned slot
     and in the reserved pages past the true lengths."""
     rng = random.Random(H * 7 + bs + causal)
@@ -186,7 +205,7 @@ def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):
             step = reserved_step(reqs, policy, block_size=bs, width=width, gen=gen, pad_tokens=pad_tokens,
                                  extra_rows=3)
             n = int(step.query_start_loc[-1])
-            off_bits = bits(run_triton(step, causal)[: step.num_tokens])
+            off_bits = bits(run(step, causal)[: step.num_tokens])
             ref = reference(step, scale=0.0883, causal=causal)
             bucket = step.capacity if policy == "strict" else torch.tensor(
                 [min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
@@ -196,9 +215,10 @@ def test_ct_has_the_triton_constant_time_bits(H, Hkv, dtype, bs, causal):
             assert rel_err(got, ref, n) < TOL[dtype], what
             assert (got[n: step.num_tokens] == 0).all(), f"padding rows must be zero: {what}"
             assert torch.isnan(got[step.num_tokens:].float()).all(), f"rows at/after num_tokens written: {what}"
-            tri = bits(run_triton_policy(step, causal, policy, bucket)[: step.num_tokens])
-            assert torch.equal(bits(got[: step.num_tokens]), tri), f"differs from Triton's bits: {what}"
-            assert torch.equal(tri, off_bits), f"Triton {policy} differs from policy off: {what}"
+            assert torch.equal(bits(got[: step.num_tokens]), off_bits), f"differs from policy off's bits: {what}"
+            dec = torch.full_like(step.query, float("nan"))
+            decode_sm90(*step.args(), dec, scale=0.0883, causal=causal, num_tokens=step.num_tokens, bucket=bucket)
+            assert torch.equal(bits(dec[: step.num_tokens]), off_bits), f"decode kernel {policy} differs: {what}"
 
 
 def test_ct_many_requests_and_surplus_tiles():
@@ -212,7 +232,8 @@ def test_ct_many_requests_and_surplus_tiles():
     step = reserved_step(reqs, "strict", block_size=16, width=8, gen=gen, pad_tokens=7)  # max_model_len 128
     n = int(step.query_start_loc[-1])
     got = run_ct(step, True, 128)
-    assert torch.equal(bits(got[: step.num_tokens]), bits(run_triton(step, True)[: step.num_tokens]))
+    assert torch.equal(bits(got[: step.num_tokens]), bits(run(step, True)[: step.num_tokens]))
+    assert torch.equal(bits(got[: step.num_tokens]), bits(run_decode(step, True)[: step.num_tokens]))
     assert (got[n: step.num_tokens] == 0).all()
 
 
@@ -235,5 +256,4 @@ def test_paged_attention_routes_strict_prefill_steps_to_ct(monkeypatch):
     paged_attention(*step.args(), out, scale=0.0883, causal=True, policy="strict", bucket=2048,
                     num_tokens=step.num_tokens)
     assert calls == [2048], "a strict prefill step did not run on the csrc CT binary"
-    assert torch.equal(bits(out[: step.num_tokens]),
-                       bits(run_triton_policy(step, True, "strict", 2048)[: step.num_tokens]))
+    assert torch.equal(bits(out[: step.num_tokens]), bits(run(step, True)[: step.num_tokens]))

@@ -59,9 +59,9 @@ def test_strict_block():
     decode, prefill, mixed = lines[7:10]
     assert decode.startswith("    decode steps:   cuda_decode_ct: csrc/decode_sm90.cu") and decode.endswith(
         "; built now in 41.2 s (not in the cache: first build of these sources, flags and nvcc)")
-    assert prefill == ("    prefill steps:  cuda_prefill_ct: csrc/prefill_sm90.cu, compat_ct binary; found in the "
+    assert prefill == ("    prefill steps:  cuda_prefill_ct: csrc/prefill_sm90.cu, v2_ct binary; found in the "
                        "build cache (/c/dhp_prefill_sm90-k/libdhp_prefill_sm90.so)")
-    assert mixed.startswith("    mixed steps:    ")
+    assert mixed.startswith("    mixed steps:    cuda_prefill_ct: csrc/prefill_sm90.cu, v2_ct binary")
     assert lines[10] == ("  CUDA graphs: vLLM's mode FULL_AND_PIECEWISE; DHP's attention can be captured in full CUDA "
                          "graphs (declared ALWAYS: path triton)")
     assert lines[11].startswith("  KV reservation: policy 'strict' holds max_model_len=8192 tokens = 512 blocks of 16 "
@@ -91,7 +91,7 @@ def test_off_block_with_nothing_built_and_another_process_reserving():
     assert lines[1] == "  policy: off; true lengths (not constant-time; still deterministic and batch-invariant)"
     assert lines[7].startswith("    decode steps:   cuda_decode: csrc/decode_sm90.cu") and lines[7].endswith(
         "; csrc/decode_sm90.cu: not built in this process")
-    assert lines[8].startswith("    prefill steps:  cuda_prefill: csrc/prefill_sm90.cu, compat binary;")
+    assert lines[8].startswith("    prefill steps:  cuda_prefill: csrc/prefill_sm90.cu, v2 binary;")
     assert not [line for line in lines if "KV reservation:" in line and "in the engine core's block" not in line]
     assert lines[-1] == "  KV reservation and capacity: in the engine core's block (its scheduler reserves)"
     off = reservation_price("off", max_model_len=8192, block_size=16, num_blocks=40_001)

@@ -92,7 +92,7 @@ COUNT_METRICS = tuple(m for m in METRICS if m != DRAM_METRIC)
 DRAM_TOLERANCE = 0.01
 # The Triton kernels and the csrc prefill kernel (its CT binary runs constant-time
 # prefill steps) and decode kernel (its CT binaries run constant-time decode steps).
-KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_kernel|decode_kernel"
+KERNEL_FILTER = "regex:attention_kernel|merge_kernel|prefill_v2_ct_kernel|prefill_v2_kernel|decode_v2_kernel"
 DEFAULT_SHAPES = ("B16-L4096-q1", "B64-L4096-q1", "B16-L32768-q1", "B4-L4096-q64")
 SHORT_NAMES = {
     "smsp__inst_executed.sum": "instructions",
@@ -552,9 +552,9 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
           f"Commit {v.get('commit')}, dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')}, Triton "
           f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, {v.get('ncu')}. Produced by "
           "`dhp-backend audit counters` (`ncu --clock-control none`, kernels `attention_kernel|merge_kernel|"
-          "prefill_kernel|decode_kernel` of the last of each child's launches). Rule: every count identical, DRAM "
-          f"bytes read within {s['dram_tolerance'] * 100:g} %; for the warp-specialised csrc `prefill_kernel` and "
-          "`decode_kernel`, whose mbarrier (and setmaxnreg) wait loops spin as long as the hardware takes, the "
+          "prefill_v2_ct_kernel|prefill_v2_kernel|decode_v2_kernel` of the last of each child's launches). Rule: every count identical, DRAM "
+          f"bytes read within {s['dram_tolerance'] * 100:g} %; for the warp-specialised csrc `prefill_v2_ct_kernel` and "
+          "`decode_v2_kernel`, whose mbarrier (and setmaxnreg) wait loops spin as long as the hardware takes, the "
           "instruction and branch totals are judged "
           "per SASS instruction instead: every instruction outside the wait loops executes equally often "
           "(ncu SourceCounters; `audit/counters_pc.py`). Gating pairs decide the gate; reported pairs (degenerate "

@@ -1,8 +1,8 @@
 """G1 per instruction, for the warp-specialised csrc kernels: every SASS instruction's execution count
 identical across secret classes, except the instructions of wait loops.
 
-Why: the csrc constant-time binaries (`prefill_kernel<..., CT=1, ...>`, and
-`decode_kernel<...>` with option kConstTime) have a TMA producer warp and consumer
+Why: the csrc constant-time binaries (`prefill_v2_ct_kernel<...>`, and
+`decode_v2_kernel<...>` with option kConstTime) have a TMA producer warp and consumer
 warps that meet on mbarriers, and the prefill kernel's consumer
 warpgroups that take their registers with ``setmaxnreg.inc``. ptxas builds each
 wait as a retry loop (``SYNCS.PHASECHK`` or ``USETMAXREG.TRY_ALLOC``, the
@@ -33,7 +33,7 @@ import re
 
 # The kernels profiled per instruction: the warp-specialised csrc kernels (their
 # constant-time binaries: prefill_sm90.cu CT, decode_sm90.cu kConstTime).
-WARP_SPECIALISED = ("prefill_kernel", "decode_kernel")
+WARP_SPECIALISED = ("prefill_v2_ct_kernel", "prefill_v2_kernel", "decode_v2_kernel")
 PER_INSTRUCTION_FILTER = "regex:" + "|".join(WARP_SPECIALISED)  # ncu --kernel-name syntax
 
 

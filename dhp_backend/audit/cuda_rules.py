@@ -18,8 +18,8 @@ Anything else (``mem:*``: a value loaded from memory, a matrix result, another
 lane's data) makes the branch fail, whatever the rule says.
 
 Which binaries are gated: the constant-time walks with one public bucket (policies
-strict, request with one bucket): ``prefill_sm90.cu`` template flag CT with
-LMODE 0, and ``decode_sm90.cu``'s decode_kernel with option kConstTime and its
+strict, request with one bucket): ``prefill_sm90.cu``'s prefill_v2_ct_kernel with
+LMODE 0, and ``decode_sm90.cu``'s decode_v2_kernel with option kConstTime and its
 merge_kernel with WALK 1. Their per-request-bucket forms (prefill LMODE 1, decode
 kBucketPerReq, merge WALK 2; policy request) are reported with their documented
 extra label (the bucket of the tile's request: docs/kernels.md section 5, as the
@@ -50,16 +50,17 @@ class CudaRule:
 class Instance:
     """One template instance of a csrc kernel, from its mangled name."""
 
-    kernel: str  # prefill_kernel, decode_kernel...
+    kernel: str  # prefill_v2_ct_kernel, decode_v2_kernel...
     args: tuple  # template arguments in order (bools as 0/1)
     gating: bool
     documented: frozenset  # extra label classes a non-gating instance is documented to add
     note: str
 
 
-_PREFILL_ARGS = ("BF16", "OVERLAP", "PINGPONG", "STAGES", "DIAG", "COMPAT", "S_N128", "CT", "LMODE", "WIDE_REGS")
-_DECODE_ARGS = ("BF16", "STAGES", "WRITE_PARTIALS", "MIN_BLOCKS", "SMALL_Q", "OVERLAP", "OPT")
-_MERGE_ARGS = ("BF16", "WALK")
+# The template arguments of each kernel the csrc libraries hold, in order.
+_ARGS = {"prefill_v2_ct_kernel": ("BF16", "LMODE"), "prefill_v2_kernel": ("BF16",),
+         "decode_v2_kernel": ("BF16", "STAGES", "WRITE_PARTIALS", "MIN_BLOCKS", "SMALL_Q", "OPT"),
+         "merge_kernel": ("BF16", "WALK")}
 DECODE_CONST_TIME, DECODE_BUCKET_PER_REQ = 128, 256  # decode_sm90.cu: kConstTime, kBucketPerReq
 
 RULES = (
@@ -126,6 +127,36 @@ RULES = (
              r"if \(d < (n|32)\) \{|float v = base \+ d < n \? m_s\[base \+ d\] : -INFINITY;)", PUBLIC,
              "the merge folds the bucket's splits, min(ceil(L / 512), n_split_grid), in chunks of 64 by the "
              "thread index: public counts"),
+    # prefill_sm90.cu, the v2 constant-time consumer and kernel (consume_v2_ct, prefill_v2_ct_kernel).
+    CudaRule("v2p-role", "prefill_sm90.cu", r"^(\} else )?if \((threadIdx\.x (==|<|>=) [^)]*|lane == 0)\)( \{)?",
+             PUBLIC, "warp-specialised roles by thread index: barrier init, producer warpgroup (Q rows, the TMA "
+                     "thread, the V cleaners), consumers, the lane that releases a stage"),
+    CudaRule("v2p-split-end", "prefill_sm90.cu",
+             r"^if \(\(t \+ 1\) % kStepsPerSplit == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
+             "a split's end: the step index and the bucket's step count"),
+    CudaRule("v2p-init", "prefill_sm90.cu", r"^for \(int i = 0; i < STAGES; \+\+i\) mbar_init\(", PUBLIC,
+             "a constant trip count"),
+    # decode_sm90.cu, the v2 consumer (consume_v2, decode_v2_kernel) on the constant-time walk.
+    CudaRule("v2-role", "decode_sm90.cu",
+             r"^(\} else )?if \((threadIdx\.x (==|>=) \d+|warp < 2|lane == 0|lane % 4 == 0|"
+             r"ws == 0 && lane % 4 == 0( && last_split\(w, sp\))?)\)( \{)?(\s+//.*)?$", PUBLIC,
+             "warp-specialised roles by thread index (barrier init, producer, S / PV pairs, the lanes that write "
+             "a row's values); last_split: the split index of the bucket's walk"),
+    CudaRule("v2-step-loop", "decode_sm90.cu",
+             r"^for \(int j = split_first\(sp\); j < je; j \+= 2, k \+= 2\) \{$", PUBLIC,
+             "a split's 128-position steps below the bucket's step count"),
+    CudaRule("v2-ring-reuse", "decode_sm90.cu", r"^if \(u >= 2\) mbar_wait\(", PUBLIC,
+             "the P ring's second round on: step index only"),
+    CudaRule("v2-split-end", "decode_sm90.cu", r"^if \(j \+ 2 == je\) \{", PUBLIC,
+             "a split's last step: step index of the bucket's walk"),
+    CudaRule("v2-cta-end", "decode_sm90.cu", r"^if \((k \+ 2 == n_steps|n_steps == 0)\) store_out_rows\(", PUBLIC,
+             "the CTA's output after its last step: the bucket's step count"),
+    CudaRule("v2-inv", "decode_sm90.cu", r"^if \(!WRITE_PARTIALS && k \+ 2 == n_steps\) \{", PUBLIC,
+             "the CTA's last step"),
+    CudaRule("v2-rows", "decode_sm90.cu",
+             r"^if \((ws != 0 \|\| lane % 4 != 0 \|\| !\(h == 0 \? ok_lo : ok_hi\)|"
+             r"h == 0 \? !ok_lo : !ok_hi)\) continue;$", PUBLIC,
+             "the tile rows that are query heads of the group, by the lanes that write them: thread index, GROUP"),
     CudaRule("mbarrier-wait", "sm90_primitives.cuh", r"^\} while \(!done\);$", PUBLIC | {"mbarrier"},
              "mbar_wait's retry loop: it spins until a barrier phase completes. The phase completes on a fixed "
              "number of arrivals and TMA bytes (the same for every secret class); the number of spins is the "
@@ -138,7 +169,7 @@ _MANGLED_ARGS = re.compile(r"(Lb[01]E|Li-?\d+E)")
 
 def instance(mangled: str) -> Instance | None:
     """The csrc kernel instance a cubin function is, or None for a function this table does not know."""
-    for kernel in ("prefill_kernel", "decode_kernel", "merge_kernel"):
+    for kernel in _ARGS:
         k = mangled.find(kernel)
         if k >= 0:
             break
@@ -146,32 +177,26 @@ def instance(mangled: str) -> Instance | None:
         return None
     tail = mangled[k + len(kernel):]
     args = tuple(int(m[2:-1]) for m in _MANGLED_ARGS.findall(tail.split("EEv", 1)[0] + "E"))
-    names = {"prefill_kernel": _PREFILL_ARGS, "decode_kernel": _DECODE_ARGS, "merge_kernel": _MERGE_ARGS}[kernel]
+    names = _ARGS[kernel]
     if len(args) != len(names):  # fail closed: a new template flag the table does not name yet gates
         return Instance(kernel, args, True, frozenset(),
                         f"{len(args)} template arguments, the table names {len(names)}: gated until it does")
     named = dict(zip(names, args))
-    # decode_sm90.cu: the walk of a binary (kWalk: 0 true lengths, 1 one bucket, 2 per-request buckets).
-    walk = None
-    if kernel == "decode_kernel" and named["OPT"] & DECODE_CONST_TIME:
+    # The walk of a binary: 0 true lengths (policy off), 1 one bucket, 2 per-request buckets.
+    walk = 0
+    if kernel == "decode_v2_kernel" and named["OPT"] & DECODE_CONST_TIME:
         walk = 2 if named["OPT"] & DECODE_BUCKET_PER_REQ else 1
-    elif kernel == "merge_kernel" and named["WALK"]:
+    elif kernel == "merge_kernel":
         walk = named["WALK"]
+    elif kernel == "prefill_v2_ct_kernel":
+        walk = 1 + named["LMODE"]
     if walk == 1:
         return Instance(kernel, args, True, frozenset(),
                         "constant-time walk, one public bucket (strict, request with one bucket)")
     if walk == 2:
         return Instance(kernel, args, False, frozenset({"mem"}),
-                        "constant-time walk, per-request buckets (policy request): each token's walk is its "
-                        "request's bucket, loaded by the token's request index (docs/kernels.md section 5)")
-    if kernel == "prefill_kernel":
-        if named["CT"]:
-            if named["LMODE"] == 0:
-                return Instance(kernel, args, True, frozenset(),
-                                "constant-time walk, one public bucket (strict, request with one bucket)")
-            return Instance(kernel, args, False, frozenset({"mem"}),
-                            "constant-time walk, per-request buckets (policy request): each tile's step count is "
-                            "its request's bucket, loaded by the tile's request index (docs/kernels.md section 5)")
+                        "constant-time walk, per-request buckets (policy request): each token's or tile's walk is "
+                        "its request's bucket, loaded by its request index (docs/kernels.md section 5)")
     return Instance(kernel, args, False, frozenset(),
                     "policy off only: true lengths, not constant-time by contract (design.md section 2)")
 

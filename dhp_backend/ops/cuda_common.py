@@ -11,6 +11,11 @@ import torch
 HEAD_SIZE = 128
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
+# Query heads per KV head a csrc route takes: the 16 rows of the decode consumer's
+# mma.sync tile. The same limit for every csrc route, because a layer runs all its
+# steps on the csrc kernels (the arithmetic of docs/kernels.md section 2) or all on
+# the Triton kernels (their own arithmetic): never some of each (`ops.plan.step_route`).
+CSRC_MAX_GROUP = 16
 
 # The C entry points' negative return codes (csrc/*.cu; positive: a cudaError_t).
 _LAUNCH_ERRORS = {
@@ -69,8 +74,13 @@ def common_route_refusal(spec, source: str) -> str | None:
     if find_nvcc() is None:
         return (f"no nvcc to build csrc/{source} (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, "
                 "PATH; the csrc Hopper kernels are faster: install the CUDA toolkit >= 12.5)")
-    if source in _BUILD_FAILED:
-        return f"csrc/{source} failed to build ({_BUILD_FAILED[source]})"
+    g = spec.num_heads // max(1, spec.num_kv_heads)
+    if g > CSRC_MAX_GROUP:
+        return (f"{g} query heads per KV head (the csrc kernels take at most {CSRC_MAX_GROUP}: the decode "
+                "consumer's mma.sync tile)")
+    # One library failing refuses both: a layer's steps all run on the csrc kernels or none.
+    for failed, why in _BUILD_FAILED.items():
+        return f"csrc/{failed} failed to build ({why}); a layer runs every step on the csrc kernels or none"
     return None
 
 

@@ -1,12 +1,13 @@
-"""Paged decode attention on Hopper from ``csrc/decode_sm90.cu`` (policy ``off``), with the Triton kernels' bits.
+"""Paged decode attention on Hopper from ``csrc/decode_sm90.cu``: policy ``off`` and the constant-time walk.
 
-Decode steps (one query token per tile, the Triton launcher's token tiling) are
-bytes: the Triton decode binary reached 0.71-0.95 of FA3's bandwidth on an H200
-(docs/perf-notes.md). The csrc kernel streams K/V pages by TMA from a producer
-warp into a ring of 64-position stages and computes each row with the Triton
-kernels' arithmetic (csrc/compat_arith.cuh), so `ops.paged_attention` may run
-policy-``off`` decode steps on it without a row's bits depending on the kernel
-(batch invariance across step kinds; GPU test).
+Decode steps (one query token per tile, the launcher's token tiling) are bytes: the
+csrc kernel streams K/V pages by TMA from a producer warp into a ring of 64-position
+stages; its consumer (two warps computing S and the softmax, two accumulating PV, P
+through a two-slot ring) computes each row with the arithmetic contract of
+docs/kernels.md section 2 (csrc/v2_arith.cuh: 128-position steps as two stages, FA3's
+exponent form, per-lane row sums, splits of 512): a row's bits are those of the csrc
+prefill kernel's row for the same position (`ops.cuda_prefill`; GPU test), so a
+request's rows do not depend on which kernel, batch or policy computed them.
 
 - Semantics of `ops.paged_attention` under policy ``off``: true lengths, causal
   with cached context (a request may have several query tokens, e.g. drafts),
@@ -23,8 +24,8 @@ policy-``off`` decode steps on it without a row's bits depending on the kernel
   its request's reserved block-table line (``block_table[r, :ceil(L_r /
   block_size)]``, the address rule of design.md section 2: the caller reserves
   those pages), masks and V zeroing by selection, no longest-first order (csrc:
-  kConstTime, consume_mma_pipe; GROUP <= 16). Same bits as the Triton
-  constant-time kernels (GPU test). `ops.paged_attention` runs decode steps of
+  kConstTime, consume_v2; GROUP <= 16). Same bits as policy ``off``
+  (GPU test). `ops.paged_attention` runs decode steps of
   those policies on it (`routes_decode_ct`).
 - Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
@@ -45,38 +46,31 @@ import torch
 from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import DECODE_LIBRARY, load
-from dhp_backend.ops.cuda_common import (common_route_refusal, ct_bucket, launch_error, unavailable_reason,
-                                         validate_common)
+from dhp_backend.ops.cuda_common import (CSRC_MAX_GROUP, common_route_refusal, ct_bucket, launch_error,
+                                         unavailable_reason, validate_common)
 from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.validation import check_values
 
-MAX_GROUP = 64  # query heads per KV head: the GROUP rows of one 64-row wgmma tile
-# The binaries (csrc: launch_variant), the ones `pick_variant` and the CT walk route
-# to; the same arithmetic, the same bits. Each maps to (csrc variant code, CTAs per SM).
-# Options in the code's high bits (8 x options + base): V pages by one TMA box
-# holding both 64-column halves (kPairedV, 1), K/V loads with an L2 evict_first
-# policy so that the split states stay in L2 for the merge (kEvictFirst, 8), the
-# consumer on a 16-row tile by warp-level mma.sync (kMmaSync, 16: a quarter of the
-# 64-row wgmma tile's tensor work; GROUP <= 16, larger groups run the wgmma consumer).
-# "p2x2_pv_ef" (+ kMmaPipe, 64): the mma.sync consumer split by role, two warps
-# computing S and the softmax, two accumulating PV, P passed through a two-slot
-# ring (csrc: consume_mma_pipe); two stages x two CTAs per SM (docs/perf-notes.md
-# change 29). "m2x3_pv_ef": the mma.sync consumer, two stages x three CTAs per SM
-# (the 2 KB Q tile of GROUP <= 8; larger groups run "p2x2_pv_ef"), for fold-mode
-# launches of many waves (change 26). The other variants, diagnostics and the
-# merge without PDL measured in changes 20-29 are in git history.
-_PAIRED_V, _EVICT_FIRST, _MMA_SYNC, _MMA_PIPE = 1, 8, 16, 64
-_SYNC = _PAIRED_V | _EVICT_FIRST | _MMA_SYNC
-VARIANTS = {"p2x2_pv_ef": (4 + 8 * (_SYNC | _MMA_PIPE), 2), "m2x3_pv_ef": (5 + 8 * _SYNC, 3)}
-# "auto" (the default): `pick_variant` (p2x2_pv_ef or m2x3_pv_ef).
+# Query heads per KV head: the 16 rows of the consumer's mma.sync tile (every csrc route,
+# cuda_common.CSRC_MAX_GROUP: a layer runs all its steps on the csrc kernels or none).
+MAX_GROUP = MAX_CT_GROUP = CSRC_MAX_GROUP
+# The binaries (csrc: launch_variant) `ops.plan` and the CT walk route to. Each maps to
+# (csrc variant code, CTAs per SM). Options in the code's high bits (8 x options + base 4):
+# V pages by one TMA box holding both 64-column halves (kPairedV, 1), K/V loads with an L2
+# evict_first policy so that the split states stay in L2 for the merge (kEvictFirst, 8), the
+# consumer on a 16-row tile by warp-level mma.sync (kMmaSync, 16) split by role (kMmaPipe,
+# 64), on the v2 arithmetic (kV2, 512). Two stages x two CTAs per SM. The compat consumers
+# (the Triton kernels' arithmetic) measured in changes 18-35 are in git history.
+_PAIRED_V, _EVICT_FIRST, _MMA_SYNC, _MMA_PIPE, _V2 = 1, 8, 16, 64, 512
+V2 = "v2"
+VARIANTS = {V2: (4 + 8 * (_PAIRED_V | _EVICT_FIRST | _MMA_SYNC | _MMA_PIPE | _V2), 2)}
+# "auto" (the default): `pick_variant`.
 AUTO = "auto"
 DEFAULT_VARIANT = AUTO
 MODES = (None, "fold", "split")
-# The constant-time walk (csrc option kConstTime, with kBucketPerReq for per-request
-# buckets) exists for the consume_mma_pipe consumer only (GROUP <= 16).
-CT_VARIANTS = ("p2x2_pv_ef",)
-CT_DEFAULT_VARIANT = "p2x2_pv_ef"
-MAX_CT_GROUP = 16
+# The constant-time walk (csrc option kConstTime, with kBucketPerReq for per-request buckets).
+CT_VARIANTS = (V2,)
+CT_DEFAULT_VARIANT = V2
 _CONST_TIME, _BUCKET_PER_REQ = 128, 256
 
 
@@ -86,18 +80,17 @@ def _fail(what: str, got: str, accepted: str) -> None:
 
 def routes_decode_ct(spec) -> tuple[bool, str]:
     """Whether `ops.plan` runs decode steps of the constant-time policies
-    (strict / request) of ``spec`` on the CT binaries, and why not: where the
-    csrc decode kernel runs and the group fits its tile (the Triton kernels' bits
-    at 1.1-1.4x their speed on those steps, docs/perf-notes.md change 34). The
-    setting ``path: triton`` keeps every step on the Triton kernels (same bits)."""
-    why = _refusal(spec, MAX_CT_GROUP, "the constant-time walk")
-    return (False, why) if why else (True, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)")
+    (strict / request) of ``spec`` on the CT binaries, and why not: exactly where
+    policy-``off`` decode steps run here (`routes_decode`): a layer's every step
+    runs on the csrc kernels or none (their bits are not the Triton kernels')."""
+    ok, why = routes_decode(spec)
+    return (ok, "constant-time decode steps: csrc/decode_sm90.cu (CT binary)" if ok else why)
 
 
 def routes_decode(spec) -> tuple[bool, str]:
     """Whether `ops.plan` runs policy-``off`` decode steps of ``spec`` (a
     `dispatch.ProblemSpec`) here, and why not. The setting ``path: triton`` keeps
-    every step on the Triton kernels (same bits)."""
+    every step of the layer on the Triton kernels."""
     why = _refusal(spec, MAX_GROUP, "the kernel")
     return (False, why) if why else (True, "policy off, decode steps: csrc/decode_sm90.cu")
 
@@ -132,7 +125,7 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     H, Hkv = query.shape[1], key_cache.shape[1]
     if H // Hkv > MAX_GROUP:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads",
-              f"at most {MAX_GROUP} query heads per KV head (one 64-row tile holds a token's group)")
+              f"at most {MAX_GROUP} query heads per KV head (the consumer's 16-row mma.sync tile holds a token's group)")
     if num_tokens > 65535:
         _fail("num_tokens", str(num_tokens), "at most 65535 (one CTA row per token)")
 
@@ -167,22 +160,12 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
-# Three CTAs per SM ("m2x3_pv_ef") read 2-3 % faster than two in fold-mode launches
-# of many waves (B256 at 4K-16K on an H200) and up to 16 % slower at one to two waves
-# (B64: the last wave runs a third of the SMs' slots), change 26.
-THREE_PER_SM_MIN_WAVES = 4
-
-
 def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
                  mode: str | None) -> str:
-    """The "auto" variant of a launch, from public values only: "m2x3_pv_ef" for
-    fold-mode launches of at least `THREE_PER_SM_MIN_WAVES` waves of three CTAs per
-    SM (small Q tiles: GROUP <= 8), else "p2x2_pv_ef". Every variant has the same bits."""
-    p = plan(num_tokens, num_reqs, num_heads, num_kv_heads, capacity, dtype_name, "m2x3_pv_ef", mode)
-    if (num_heads // num_kv_heads <= 8 and not p["split"]
-            and num_tokens * num_kv_heads >= THREE_PER_SM_MIN_WAVES * p["slots"]):
-        return "m2x3_pv_ef"
-    return "p2x2_pv_ef"
+    """The "auto" variant of a launch: `V2`, the one binary family (policy off). The
+    arguments are the launch's public geometry, for a choice among binaries of equal
+    bits (two and three CTAs per SM were measured: change 26)."""
+    return V2
 
 
 def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
@@ -228,10 +211,6 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             _fail("variant", f"{variant!r} with a bucket (the constant-time walk)", ", ".join([AUTO, *CT_VARIANTS]))
         if order:
             _fail("order", "True with a bucket", "None or False (the longest-first order sorts by the true lengths)")
-        g = query.shape[1] // key_cache.shape[1]
-        if g > MAX_CT_GROUP:
-            _fail("the number of KV heads", f"{key_cache.shape[1]} for {query.shape[1]} query heads with a bucket",
-                  f"at most {MAX_CT_GROUP} query heads per KV head (the constant-time walk's mma.sync tile)")
     reason = unavailable_reason(query.device)
     if reason:
         raise RuntimeError(f"cuda_decode: cannot run here: {reason}")

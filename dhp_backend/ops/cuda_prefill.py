@@ -1,28 +1,27 @@
-"""Paged prefill attention on Hopper from ``csrc/prefill_sm90.cu`` (policy ``off`` semantics).
+"""Paged prefill attention on Hopper from ``csrc/prefill_sm90.cu``: policy ``off`` and the constant-time walk.
 
-The kernel issue 4's notes name as the route past Triton 3.6 on this chip: a TMA
-producer warpgroup loading 16-token pages into 128-row shared-memory stages and
-two consumer warpgroups on wgmma with explicit waits (docs/kernels.md).
+A TMA producer warpgroup (its four warps each loading a share of every 128-position
+K and V stage) and two consumer warpgroups on wgmma with FA3's schedules (the QK^T
+of step t + 1 issued ahead of the PV of step t, the two warpgroups taking turns),
+docs/kernels.md.
 
-What it is and is not, today:
-- Semantics of `ops.paged_attention` under policy ``off`` (true lengths, causal
-  with cached context, GQA/MQA), same argument layouts. Deterministic and batch
-  invariant by construction: one CTA per (request, 128 query rows, head), no
-  atomics, a fixed KV order.
-- Not constant-time (it walks the true lengths).
-- The Triton kernels' arithmetic. The ``compat`` binary repeats it operation for
-  operation (64-position steps, 512-position splits folded, the same row-sum
-  tree, ex2/div instructions and roundings: csrc/prefill_sm90.cu), so its rows
-  have the Triton kernels' bits (GPU test) and `ops.paged_attention` may route
-  policy-``off`` prefill steps to it without breaking the cross-step-kind bit
-  equality that batch invariance rests on (`routes_prefill`). (FA3-like binaries,
-  faster but with other bits, were measured and never routed: docs/perf-notes.md;
-  the library does not build them.)
-- Head size 128, fp16/bf16, block size 16/32/64/128, any number of query heads per
-  KV head up to 128 (a ratio that is not a power of two, Qwen2.5's 7 or Qwen3-14B's
-  5, fills its tile's token rows with the next power of two of head slots, the
-  surplus slots computed and never stored), sm_90 only. Anything else
-  is refused with a message saying what is accepted.
+- Semantics of `ops.paged_attention` (true lengths under policy ``off``, causal
+  with cached context, GQA/MQA), same argument layouts. One CTA per (request,
+  tile of query rows, KV head), no atomics, a fixed KV order.
+- The arithmetic contract of docs/kernels.md section 2 (csrc/v2_arith.cuh): steps
+  of 128 positions at absolute multiples of 128, FA3's exponent form, per-lane row
+  sums, splits of 512 folded in order. The csrc decode kernel computes a row with
+  the same operations, so a request's rows have the same bits whether a prefill,
+  a chunk, a mixed step or a decode step computed them (GPU test); the Triton
+  kernels (layers the csrc kernels do not take) have an arithmetic of their own,
+  so `ops.plan` runs a layer's every step on one family.
+- `V2` (policy off) packs GROUP heads x floor(128 / GROUP) tokens into a tile's
+  128 rows (GQA 7: 18 tokens, 126 rows); `V2_CT` walks each request to its public
+  bucket (policies strict / request) with the slotted tile (128 >> ceil(log2
+  GROUP) tokens). A row's bits do not depend on its tile.
+- Head size 128, fp16/bf16, block size 16/32/64/128, up to 16 query heads per KV
+  head (`cuda_common.CSRC_MAX_GROUP`: the decode kernel's limit, the family's),
+  sm_90 only. Anything else is refused with a message saying what is accepted.
 
 Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
 rows past ``query_start_loc[-1]`` (as the Triton kernels do); nothing beyond.
@@ -38,8 +37,9 @@ import torch
 
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import PREFILL_LIBRARY, load
-from dhp_backend.ops.cuda_common import (BLOCK_SIZES, DTYPES, HEAD_SIZE, common_route_refusal, ct_bucket,  # noqa: F401
-                                         launch_error, unavailable_reason, validate_common)
+from dhp_backend.ops.cuda_common import (BLOCK_SIZES, CSRC_MAX_GROUP, DTYPES, HEAD_SIZE,  # noqa: F401
+                                         common_route_refusal, ct_bucket, launch_error, unavailable_reason,
+                                         validate_common)
 from dhp_backend.ops.validation import check_values
 
 
@@ -51,57 +51,41 @@ def _fail(what: str, got: str, accepted: str) -> None:
 # the two 64-column halves, and between 8-row swizzle atoms (csrc/sm90_primitives.cuh;
 # the swapped pair was measured wrong on the H200, cuda_prefill-cfd35f6.json).
 V_DESC = (128 * 128, 1024)
-# The Triton kernels' arithmetic (csrc: COMPAT), policy off: the csrc code of the binary.
-# Its QK^T runs as one m64n128 wgmma batch per 128 positions (Triton's tile issues two
-# m64n64 batches; the same products and bits, 4-5 % faster on an H200), with FA3's
-# register split (producer warpgroup 24, consumers 240 instead of 40 / 232: ptxas
-# spills 56 B per thread instead of 100), 1-2 % faster with the same bits (H200,
-# cuda_prefill-2efc818-r240.json; 32 / 240 hung in setmaxnreg.inc).
-COMPAT = "compat"
-_CODES = {COMPAT: 33}
-# The same arithmetic on the constant-time walk of the Triton kernels' CONST_TIME
-# binaries (csrc: CT; policies strict / request): every tile walks its request's
-# public bucket L_r over the request's reserved block-table line
-# (block_table[r, :ceil(L_r / block_size)], the address rule of design.md section 2),
-# selects instead of branches. Its QK^T is the m64n64 form (the n128 form spilled
-# in this binary).
-COMPAT_CT = "compat_ct"
-_CT_CODES = {COMPAT_CT: 34}
-# Every binary with the Triton kernels' bits under policy off.
-COMPAT_VARIANTS = tuple(_CODES)
-# Every binary with the Triton CONST_TIME kernels' bits (takes a bucket).
-COMPAT_CT_VARIANTS = tuple(_CT_CODES)
+# The binaries (csrc: launch_variant): policy off, and the constant-time walk of the
+# policies strict / request (every tile walks its request's public bucket L_r over the
+# request's reserved block-table line, block_table[r, :ceil(L_r / block_size)], the
+# address rule of design.md section 2; selects instead of branches). The same bits.
+V2 = "v2"
+_CODES = {V2: 60}
+V2_CT = "v2_ct"
+_CT_CODES = {V2_CT: 61}
 _ALL_CODES = {**_CODES, **_CT_CODES}
 
 
 def tile_tokens(group: int) -> int:
-    """Query tokens per 128-row tile: 128 / (``group`` rounded up to a power of two),
-    csrc ``Params::block_q``."""
+    """Query tokens per 128-row tile of the constant-time walk: 128 / (``group`` rounded
+    up to a power of two), csrc ``Params::block_q`` (policy off packs more: 128 // group;
+    the fewer tokens bound the grid)."""
     return 128 >> (max(1, group) - 1).bit_length()
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
-    """Whether `ops.plan` runs policy-``off`` prefill steps of ``spec`` (a
-    `dispatch.ProblemSpec`) on the ``compat`` binary, and why not. Cheap (no
-    build): the build happens on the first such step. The setting ``path: triton``
-    keeps every step on the Triton kernels (same bits)."""
+    """Whether `ops.plan` runs policy-``off`` prefill and mixed steps of ``spec`` (a
+    `dispatch.ProblemSpec`) on the `V2` binary, and why not (cheap: no build). The
+    setting ``path: triton`` keeps every step of the layer on the Triton kernels."""
     why = common_route_refusal(spec, "prefill_sm90.cu")
     if why:
         return False, why
-    g = spec.num_heads // max(1, spec.num_kv_heads)
-    if g > 128:
-        return False, f"{g} query heads per KV head (more than 128)"
-    return True, "policy off, prefill steps: csrc/prefill_sm90.cu (compat binary)"
+    return True, "policy off, prefill and mixed steps: csrc/prefill_sm90.cu (v2 binary)"
 
 
 def routes_prefill_ct(spec) -> tuple[bool, str]:
-    """Whether `ops.plan` runs prefill steps of the constant-time policies on the
-    ``compat_ct`` binary, and why not: wherever the csrc prefill kernel runs (its
-    G1 and G2 gates pass: docs/audit)."""
+    """Whether `ops.plan` runs prefill and mixed steps of the constant-time policies on
+    the `V2_CT` binary, and why not: exactly where `routes_prefill` says yes."""
     ok, why = routes_prefill(spec)
     if not ok:
         return False, why
-    return True, "constant-time prefill steps: csrc/prefill_sm90.cu (compat_ct binary)"
+    return True, "constant-time prefill and mixed steps: csrc/prefill_sm90.cu (v2_ct binary)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,10 +107,10 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     validate_common("cuda_prefill", query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out,
                     num_tokens)
     H, Hkv = query.shape[1], key_cache.shape[1]
-    if H // Hkv > 128:
+    if H // Hkv > CSRC_MAX_GROUP:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads",
-              "a divisor of the number of query heads with a ratio <= 128 (a tile packs 128 / slots tokens x "
-              "slots heads, slots = the ratio's next power of two)")
+              f"a divisor of the number of query heads with a ratio <= {CSRC_MAX_GROUP} (the csrc kernels' limit, "
+              "cuda_common.CSRC_MAX_GROUP)")
     n = seq_lens.shape[0]
     block_q = tile_tokens(H // Hkv)
     if num_tokens // block_q + n + 1 > 65535:
@@ -135,14 +119,13 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 
 
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
-                 causal: bool = True, num_tokens: int | None = None, variant: str = COMPAT,
+                 causal: bool = True, num_tokens: int | None = None, variant: str = V2,
                  bucket: int | torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
-    ``variant`` picks `COMPAT` (the Triton kernels' bits) or
-    `COMPAT_CT` (the same bits on the constant-time walk to ``bucket``: the public
-    length bucket L of the policy, an int or per-request int32 buckets; required
-    by `COMPAT_CT` and refused by the others; request r then reads
+    ``variant`` picks `V2` (policy off) or `V2_CT` (the same bits on the
+    constant-time walk to ``bucket``: the public length bucket L of the policy, an
+    int or per-request int32 buckets; required by `V2_CT` and refused by `V2`; request r then reads
     ``block_table[r, :ceil(L_r / block_size)]`` whatever its length, pages the
     caller must have reserved for it: design.md section 2).
     ``check`` reads the metadata on the host first (the facts `ops.paged_attention`
@@ -155,7 +138,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     ct = variant in _CT_CODES
     if ct != (bucket is not None):
         _fail("bucket", "given" if bucket is not None else "missing",
-              f"a bucket with variant {COMPAT_CT!r} and none with the others")
+              f"a bucket with variant {V2_CT!r} and none with {V2!r}")
     if ct:
         l_mode, l_scalar, bucket_t = ct_bucket("cuda_prefill", bucket, seq_lens.shape[0],
                                                block_table.shape[1] * key_cache.shape[2], query.device)
@@ -184,7 +167,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb, out.data_ptr(), out.stride(0),
                     out.stride(1), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
-                    float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
+                    float(scale) * math.log2(math.e),  # qk_scale: the decode launcher's value, for equal bits
                     int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
                     *ct_args, stream)
     if rc != 0:

@@ -38,8 +38,8 @@ logger = logging.getLogger("dhp_backend")
 
 REFERENCE = dispatch.REFERENCE
 TRITON = dispatch.TRITON
-CUDA_PREFILL = "cuda_prefill"        # policy off, prefill steps: csrc/prefill_sm90.cu, compat binary
-CUDA_PREFILL_CT = "cuda_prefill_ct"  # strict/request, prefill steps: compat_ct binary
+CUDA_PREFILL = "cuda_prefill"        # policy off, prefill and mixed steps: csrc/prefill_sm90.cu, v2 binary
+CUDA_PREFILL_CT = "cuda_prefill_ct"  # strict/request, prefill and mixed steps: v2_ct binary
 CUDA_DECODE = "cuda_decode"          # policy off, decode steps: csrc/decode_sm90.cu
 CUDA_DECODE_CT = "cuda_decode_ct"    # strict/request, decode steps: its constant-time binaries
 KERNELS = (REFERENCE, TRITON, CUDA_PREFILL, CUDA_PREFILL_CT, CUDA_DECODE, CUDA_DECODE_CT)
@@ -169,9 +169,9 @@ def _plan(spec, policy, num_tokens, num_reqs, max_blocks, bucket_l, path, allow_
             head_size=spec.head_size, dtype_name=spec.dtype, const_time=policy.is_constant_time, l_mode=mode,
             l_scalar=bucket_l or 0, capacity=capacity, num_sms=num_sms))
     if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
-        from dhp_backend.ops.cuda_prefill import COMPAT, COMPAT_CT
+        from dhp_backend.ops.cuda_prefill import V2, V2_CT
 
-        return dataclasses.replace(plan, prefill_variant=COMPAT_CT if kernel == CUDA_PREFILL_CT else COMPAT)
+        return dataclasses.replace(plan, prefill_variant=V2_CT if kernel == CUDA_PREFILL_CT else V2)
     if kernel in (CUDA_DECODE, CUDA_DECODE_CT) and torch.cuda.is_available():
         return dataclasses.replace(plan, decode=_decode_launch(plan, device_index))
     return plan
@@ -229,8 +229,9 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     inside a capture. A build logs itself as it happens (`cuda_build`); where each step kind runs and
     whether its library was built now or found in the cache is the start-up report's
     (`dhp_backend.startup_report`, from the returned builds). A library that fails to build is refused to
-    every route for this process (`cuda_common.mark_build_failed`): its steps run on the Triton kernels,
-    whose bits are the same, and the failure is logged once with nvcc's message. No nvcc: nothing is
+    every route for this process (`cuda_common.mark_build_failed`), and so is the other library: the
+    layer's every step runs on the Triton kernels (a layer never mixes families), and the failure is
+    logged once with nvcc's message. No nvcc: nothing is
     built and the routes say why (`cuda_common.common_route_refusal`). Returns the builds."""
     from dhp_backend.ops import cuda_common
 
@@ -248,9 +249,9 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
             cuda_common.mark_build_failed(library[1], str(e).splitlines()[0])
             _cuda_routes.cache_clear()
             _plan.cache_clear()
-            logger.error("DHP: csrc/%s failed to build; its steps run on the Triton kernels (same bits): %s",
+            logger.error("DHP: csrc/%s failed to build; every step of these layers runs on the Triton kernels: %s",
                          library[1], e)
-            continue
+            break  # the other library would be refused too
         built.append(b)
     return built
 
@@ -270,39 +271,50 @@ def _cuda_routes(spec, kind: str) -> tuple[bool, str]:
 
 
 def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_reqs: int) -> str:
-    """Which kernel the Triton path (path ``auto``) runs a step on, from the
-    public step geometry by the Triton launcher's own rules: policy-``off``
-    prefill steps on ``cuda_prefill`` (csrc/prefill_sm90.cu, compat binary),
-    policy-``off`` decode steps (token tiles) on ``cuda_decode``
-    (csrc/decode_sm90.cu), where the problem allows them; prefill steps of the
-    constant-time policies on ``cuda_prefill_ct`` (the compat arithmetic on the
-    constant-time walk, `cuda_prefill.routes_prefill_ct`), and their decode steps
-    on ``cuda_decode_ct`` (`cuda_decode.routes_decode_ct`); else ``triton``.
-    A layer with a logits soft-cap, attention sinks or a sliding window
-    (``spec.features``) runs every step on ``triton``: the csrc kernels do not
-    implement them. The
-    csrc kernels give the Triton kernels' bits (GPU tests), so which kernel ran
-    never shows in a row's bits (docs/perf-notes.md, changes 17-18, 21, 34-35)."""
+    """Which kernel the Triton path (path ``auto``) runs a step on, from the public
+    step geometry. A layer runs **every** step on one family of kernels:
+
+    - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
+      `cuda_decode.routes_decode`: sm_90, head size 128, at most
+      `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc, no soft-cap, sinks or
+      window): decode steps (the launcher's token tiles, `geometry.decode_step`) on
+      ``cuda_decode`` (``cuda_decode_ct`` under strict / request), prefill and mixed
+      steps on ``cuda_prefill`` (``cuda_prefill_ct``);
+    - else the Triton kernels (``triton``) for every step.
+
+    The csrc kernels share one arithmetic (docs/kernels.md section 2), the Triton
+    kernels another: a row's bits are the same whatever step kind, batch or policy
+    computed it within a family (GPU tests), and a layer never mixes families, so
+    batch invariance holds across steps. Which family runs a layer depends on its
+    public configuration and the device only, not on the step."""
     return step_route(spec, policy, num_tokens, num_reqs)[0]
+
+
+def layer_family(spec: ProblemSpec) -> tuple[bool, str]:
+    """Whether ``spec``'s layers run on the csrc kernels (every step), and why (not)."""
+    if spec.device_type != "cuda":
+        return False, "the csrc kernels run on CUDA devices only"
+    if spec.features:
+        # The csrc kernels implement no soft-cap, sinks or window: such layers run
+        # every step on the Triton kernels. A public decision (the model's config).
+        return False, f"the csrc kernels do not implement {' or '.join(spec.features)}"
+    for kind in (CUDA_PREFILL, CUDA_DECODE):
+        ok, why = _cuda_routes(spec, kind)
+        if not ok:
+            return False, why
+    return True, "the csrc kernels take every step of this layer"
 
 
 def step_route(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_reqs: int) -> tuple[str, str]:
     """`step_kernel`'s answer and why, in words (the start-up report and ``dhp-backend info`` print it)."""
-    if spec.device_type != "cuda":
-        return TRITON, "the csrc kernels run on CUDA devices only"
-    if spec.features:
-        # The csrc kernels implement no soft-cap, sinks or window: such layers run
-        # every step on the Triton kernels. A public decision (the model's config).
-        return TRITON, f"the csrc kernels do not implement {' or '.join(spec.features)}"
-    prefill = geometry.step_kind(num_tokens, num_reqs) == "prefill"
+    ok, why = layer_family(spec)
+    if not ok:
+        return TRITON, why
     group = spec.num_heads // max(1, spec.num_kv_heads)
-    decode = not prefill and geometry.decode_step(num_tokens, num_reqs, head_size=spec.head_size, group=group,
-                                                  dtype_name=spec.dtype)
-    if not (prefill or decode):
-        return TRITON, ("a mixed step on request tiles: the csrc kernels run prefill steps and decode steps "
-                        "(one query token per tile)")
+    decode = geometry.step_kind(num_tokens, num_reqs) != "prefill" and geometry.decode_step(
+        num_tokens, num_reqs, head_size=spec.head_size, group=group, dtype_name=spec.dtype)
     ct = Policy.parse(policy) is not Policy.OFF
-    kind = (CUDA_PREFILL_CT if ct else CUDA_PREFILL) if prefill else (CUDA_DECODE_CT if ct else CUDA_DECODE)
+    kind = (CUDA_DECODE_CT if ct else CUDA_DECODE) if decode else (CUDA_PREFILL_CT if ct else CUDA_PREFILL)
     ok, why = _cuda_routes(spec, kind)
     return (kind, why) if ok else (TRITON, why)
 

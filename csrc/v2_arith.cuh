@@ -1,10 +1,10 @@
-// EXPERIMENT (issue 30), not product code: the next arithmetic contract's row operations
-// (docs/kernels.md section 7) defined once, for the experiment's prefill consumer
-// (prefill_v2_sm90.cu, variants with FA3's exponent form) and its decode consumer
-// (decode_v2_sm90.cu), so that a row's operations are the same functions in both kernels
-// whatever their tiles; the migration moves this header into csrc/ beside compat_arith.cuh.
-// Unchanged from compat_arith.cuh: the mask value (-inf by select), kMInit, select_ex2
-// (alpha and the fold's coefficients), the fold and finalize_inv.
+// The arithmetic contract's row operations (docs/kernels.md section 2), defined once and used
+// by every consumer that routes: csrc/prefill_sm90.cu (consume_v2, consume_v2_ct) and
+// csrc/decode_sm90.cu (consume_v2, its constant-time walks), so that a row's operations are
+// the same functions in both kernels whatever their tiles: a row's bits do not depend on the
+// kernel, the tile, the batch or the policy. Shared with compat_arith.cuh: the mask value
+// (-inf by select), kMInit, select_ex2 (alpha and the fold's coefficients), the fold and
+// finalize_inv.
 //
 // Per thread, the m16n8k16 and m64nNk16 accumulator layouts agree: lane (r, q) holds columns
 // 8i + 2q and 8i + 2q + 1 of every 8-column group i of its rows. A 128-position step has 16
