@@ -147,7 +147,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("path", "DHP_PATH", "auto", _parse_path,
             ", ".join(PATHS),
             "force one implementation: 'triton' keeps every step on the Triton kernels (no csrc "
-            "kernel; the same bits), 'reference' on the PyTorch reference; an unsupported forced path "
+            "kernel: the Triton arithmetic, whose bits differ from the csrc kernels'), 'reference' on the "
+            "PyTorch reference; an unsupported forced path "
             "is an error"),
     Setting("check_values", "DHP_CHECK_VALUES", False, _parse_bool,
             "true/false",

@@ -12,7 +12,7 @@ run time) and runs each configuration in its own process:
   bi-solo      VLLM_BATCH_INVARIANT=1, each prompt alone
   bi-reversed  VLLM_BATCH_INVARIANT=1, one batch in reverse order -> bitwise equal to bi-solo
   bi-off-solo, bi-off-reversed  the same pair under policy off (its prefill steps run on
-               the csrc kernel's compat binary) -> bitwise equal to each other and to bi-solo
+               the csrc kernels) -> bitwise equal to each other and to bi-solo
   fa3-bi-...   the same pair for FLASH_ATTN, for comparison
   nobi-off-solo, nobi-off-reversed, fa3-solo, fa3-reversed  the solo/reversed pair
                WITHOUT VLLM_BATCH_INVARIANT (DHP off, FLASH_ATTN): reported, not required.
