@@ -1405,7 +1405,7 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
   return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, kWalk<OPT>>, p));
 }
 
-// ---- the v2 arithmetic (docs/kernels.md section 2): the routed consumer -----------------
+// ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumer -----------------
 // The binaries ops.cuda_decode routes to (its VARIANTS and CT_VARIANTS), by variant code
 // 8 x options + base 4: consume_v2 (below) with the producer, split schedule, merge and
 // workspace above, two stages x two CTAs per SM, GROUP <= 16 (the mma.sync tile; larger
@@ -1415,6 +1415,24 @@ int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, 
 //            buckets); strict / request.
 // Every one has the same bits, and a row's bits are those of csrc/prefill_sm90.cu's rows for
 // the same position (v2_arith.cuh). Other codes: -5.
+//
+// consume_v2's row arithmetic: KV steps of 128 positions at absolute multiples of 128, two of
+// the ring's 64-position stages each (one row max, one alpha, one rescale of O per step);
+// FA3's exponent form (masked scores -inf by select, m = max(m, rowmax(raw) * scale),
+// p = ex2(fma(s, scale, -m))); per-lane row sums whose 16 groups meet in step_tree's order:
+// warp w of the S pair holds groups 4w..4w+3 of the step's first stage and 8+4w..8+4w+3 of its
+// second, each warp adds its two quads and the pair swaps them per lane through shared memory;
+// l = fma(l, alpha, tree) per lane, the four lanes meeting once per split (quad_lanes); O
+// accumulates the step's P V over its 128 positions as 8 k16 slices in order after one rescale,
+// the prefill's wgmma chain; splits of 512 folded or merged with the fold and finalize above.
+//
+// Why the CT binaries' branches, trip counts and addresses depend only on public values: they
+// walk work_ct's constant-time walk (the public bucket over the request's reserved table line,
+// "constant-time walk" above) with its remedies on 128-position steps: every score masked by
+// select, V past the true length zeroed in the fragments (pv_step_mma's keep mask), the dead
+// steps (every position past the row's end) run unmasked and dropped by the commit's selection
+// (step_role_v2), a dead split stores the filler. The off binary walks the true lengths (the
+// trip count, the mask branch and the V-tail zeroing follow seq_len): policy off only.
 constexpr int kSync = kPairedV | kEvictFirst | kMmaSync;
 constexpr int kPipe = kSync | kMmaPipe;
 

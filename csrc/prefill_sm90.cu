@@ -1070,7 +1070,7 @@ __device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, i
   return x;
 }
 
-// ---- the v2 arithmetic (docs/kernels.md section 2): the routed consumers ---------------
+// ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumers ---------------
 // Policy off: the contract's row arithmetic (v2_step: 128-position steps, FA3's exponent form,
 // per-lane row sums in step_tree order, the quad's lanes once per split; splits of 512 folded
 // into a running state) with FA3's schedules. The QK^T of step t + 1 is issued right ahead of

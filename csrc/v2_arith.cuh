@@ -1,4 +1,4 @@
-// The arithmetic contract's row operations (docs/kernels.md section 2), defined once and used
+// The arithmetic contract's row operations (docs/kernels.md section 7), defined once and used
 // by every consumer that routes: csrc/prefill_sm90.cu (consume_v2, consume_v2_ct) and
 // csrc/decode_sm90.cu (consume_v2, its constant-time walks), so that a row's operations are
 // the same functions in both kernels whatever their tiles: a row's bits do not depend on the

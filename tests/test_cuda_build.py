@@ -150,16 +150,21 @@ def test_engine_start_up_builds_what_the_routes_use(fake_nvcc, caplog):
     plan.clear_caches()
 
 
-def test_a_failed_build_sends_its_steps_to_triton(fake_nvcc, monkeypatch, caplog):
+def test_a_failed_build_sends_every_step_of_the_layer_to_triton(fake_nvcc, monkeypatch, caplog):
+    """The first library that fails stops the preparation (the other would be refused too:
+    a layer runs every step on the csrc kernels or none), and every step kind of every policy
+    runs on Triton."""
     monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
     monkeypatch.setattr(cuda_common, "_BUILD_FAILED", {})
     plan.clear_caches()
     with caplog.at_level(logging.ERROR, logger="dhp_backend"):
         assert plan.prepare_kernels(_sm90_spec()) == []
-    assert "csrc/decode_sm90.cu failed to build; its steps run on the Triton kernels (same bits)" in caplog.text
+    assert "csrc/decode_sm90.cu failed to build; every step of these layers runs on the Triton kernels" in caplog.text
+    assert len(fake_nvcc()) == 1, "the second library was built after the first failed"
     spec = _sm90_spec()
-    assert plan.step_kernel(spec, "strict", 16, 16) == plan.TRITON  # decode
-    assert plan.step_kernel(spec, "off", 256, 2) == plan.TRITON      # prefill
+    for policy in ("strict", "request", "off"):
+        for num_tokens, num_reqs in ((16, 16), (256, 2), (2048 + 63, 64)):  # decode, prefill, mixed
+            assert plan.step_kernel(spec, policy, num_tokens, num_reqs) == plan.TRITON, (policy, num_tokens)
     plan.clear_caches()
 
 

@@ -13,7 +13,7 @@ BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # Query heads per KV head a csrc route takes: the 16 rows of the decode consumer's
 # mma.sync tile. The same limit for every csrc route, because a layer runs all its
-# steps on the csrc kernels (the arithmetic of docs/kernels.md section 2) or all on
+# steps on the csrc kernels (the arithmetic of docs/kernels.md section 7) or all on
 # the Triton kernels (their own arithmetic): never some of each (`ops.plan.step_route`).
 CSRC_MAX_GROUP = 16
 

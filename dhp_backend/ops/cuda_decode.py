@@ -4,7 +4,7 @@ Decode steps (one query token per tile, the launcher's token tiling) are bytes: 
 csrc kernel streams K/V pages by TMA from a producer warp into a ring of 64-position
 stages; its consumer (two warps computing S and the softmax, two accumulating PV, P
 through a two-slot ring) computes each row with the arithmetic contract of
-docs/kernels.md section 2 (csrc/v2_arith.cuh: 128-position steps as two stages, FA3's
+docs/kernels.md section 7 (csrc/v2_arith.cuh: 128-position steps as two stages, FA3's
 exponent form, per-lane row sums, splits of 512): a row's bits are those of the csrc
 prefill kernel's row for the same position (`ops.cuda_prefill`; GPU test), so a
 request's rows do not depend on which kernel, batch or policy computed them.

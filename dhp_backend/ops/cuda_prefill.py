@@ -8,7 +8,7 @@ docs/kernels.md.
 - Semantics of `ops.paged_attention` (true lengths under policy ``off``, causal
   with cached context, GQA/MQA), same argument layouts. One CTA per (request,
   tile of query rows, KV head), no atomics, a fixed KV order.
-- The arithmetic contract of docs/kernels.md section 2 (csrc/v2_arith.cuh): steps
+- The arithmetic contract of docs/kernels.md section 7 (csrc/v2_arith.cuh): steps
   of 128 positions at absolute multiples of 128, FA3's exponent form, per-lane row
   sums, splits of 512 folded in order. The csrc decode kernel computes a row with
   the same operations, so a request's rows have the same bits whether a prefill,

@@ -282,7 +282,7 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
       steps on ``cuda_prefill`` (``cuda_prefill_ct``);
     - else the Triton kernels (``triton``) for every step.
 
-    The csrc kernels share one arithmetic (docs/kernels.md section 2), the Triton
+    The csrc kernels share one arithmetic (docs/kernels.md section 7), the Triton
     kernels another: a row's bits are the same whatever step kind, batch or policy
     computed it within a family (GPU tests), and a layer never mixes families, so
     batch invariance holds across steps. Which family runs a layer depends on its
