@@ -1,20 +1,14 @@
-// The Triton kernels' per-row arithmetic (dhp_backend/ops/triton/kernels.py:
-// kv_step, row_sum, fold, finalize) as device functions, operation for
-// operation, and the tile helpers around it. Shared by the CUDA kernels that
-// must give the Triton kernels' bits: prefill_sm90.cu (COMPAT) and
-// decode_sm90.cu. Layout facts (per thread of a consumer warpgroup): an m64nN
-// wgmma accumulator element 4*i + e is row lane/4 (+8 for e >= 2) of the warp's
-// 16, column 8*i + 2*(lane % 4) + (e & 1); "lo"/"hi" name those two rows.
-//
-// The order, read off Triton 3.6's PTX of the policy-off binaries:
-//   KV steps of 64 positions at absolute multiples of 64, splits of SPLIT_KV =
-//   512 positions at absolute multiples of 512, each from a fresh state;
-//   s = qk * qk_scale (a multiply, then the mask select), m from -FLT_MAX,
-//   alpha selected to 1 when the max does not move, p = ex2.approx.ftz(s - m),
-//   row sums: own column pair, + lane^2, + lane^1 per 8-column group, then the
-//   groups in a pairwise tree; l = fma(l, alpha, rowsum); acc * alpha then the
-//   PV wgmma; fold with fma; 1 / l by div.full. The _rn intrinsics keep nvcc
-//   from contracting a multiply and an add into an fma where Triton does not.
+// The pieces of the Triton kernels' per-row arithmetic (dhp_backend/ops/triton/kernels.py:
+// fold, finalize, the mask value, the initial max, the alpha select) that the csrc
+// kernels' contract keeps (docs/kernels.md section 7; its own row operations are in
+// v2_arith.cuh), operation for operation, and the tile helpers around them: the running
+// max's quad reduction, P packed to 16 bits, a V tile's rows past the length zeroed, an
+// accumulator scaled by its rows' alphas. Layout facts (per thread of a consumer
+// warpgroup): an m64nN wgmma accumulator element 4*i + e is row lane/4 (+8 for e >= 2)
+// of the warp's 16, column 8*i + 2*(lane % 4) + (e & 1); "lo"/"hi" name those two rows.
+// The _rn intrinsics keep nvcc from contracting a multiply and an add into an fma where
+// the contract does not. (The Triton contract's 64-position softmax step and row-sum
+// tree, which the csrc kernels ran before issue 30, are in git history.)
 #pragma once
 
 #include <cstdint>
@@ -82,65 +76,6 @@ __device__ __forceinline__ float select_ex2(float a, float m) {
   return r;
 }
 
-// One 8-column group i of a thread's row pair (s[4i], s[4i+1]: row lo; s[4i+2],
-// s[4i+3]: row hi; col = the group's first column of this thread's pair): s * qk_scale,
-// then the mask select. The wgmma consumers hold 8 groups per 64-position step, the
-// mma.sync consumer (decode_sm90.cu consume_mma) 2.
-template <int N>
-__device__ __forceinline__ void scale_mask_group(float (&s)[N], int i, int col, int lim_lo, int lim_hi, bool masked,
-                                                 float qk_scale) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float lo = __fmul_rn(s[4 * i + e], qk_scale), hi = __fmul_rn(s[4 * i + 2 + e], qk_scale);
-    s[4 * i + e] = (masked && col + e > lim_lo) ? -INFINITY : lo;
-    s[4 * i + 2 + e] = (masked && col + e > lim_hi) ? -INFINITY : hi;
-  }
-}
-
-// Group i: p = 2^(s - m) in place, and the group's row sums (own column pair,
-// + lane^2, + lane^1): the row-sum tree's leaves.
-template <int N>
-__device__ __forceinline__ void exp_group_sums(float (&s)[N], int i, float m_lo, float m_hi, float& g_lo, float& g_hi) {
-  s[4 * i] = ex2(__fsub_rn(s[4 * i], m_lo));
-  s[4 * i + 1] = ex2(__fsub_rn(s[4 * i + 1], m_lo));
-  s[4 * i + 2] = ex2(__fsub_rn(s[4 * i + 2], m_hi));
-  s[4 * i + 3] = ex2(__fsub_rn(s[4 * i + 3], m_hi));
-  float x = __fadd_rn(s[4 * i], s[4 * i + 1]), y = __fadd_rn(s[4 * i + 2], s[4 * i + 3]);
-  x = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 2));
-  y = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 2));
-  g_lo = __fadd_rn(x, __shfl_xor_sync(0xffffffff, x, 1));
-  g_hi = __fadd_rn(y, __shfl_xor_sync(0xffffffff, y, 1));
-}
-
-// One 64-column half: mask, online-softmax update of (m, l), p in place; the
-// alphas for the running output come back.
-__device__ __forceinline__ void compat_softmax(float (&s)[32], int kv0, int lim_lo, int lim_hi, bool masked,
-                                               int lane, float qk_scale, float& m_lo, float& m_hi, float& l_lo,
-                                               float& l_hi, float& a_lo, float& a_hi) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) scale_mask_group(s, i, kv0 + 8 * i + 2 * (lane % 4), lim_lo, lim_hi, masked, qk_scale);
-  float mx_lo = s[0], mx_hi = s[2];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-  }
-  const float new_lo = fmaxf(m_lo, quad_max(mx_lo)), new_hi = fmaxf(m_hi, quad_max(mx_hi));
-  a_lo = select_ex2(m_lo, new_lo);
-  a_hi = select_ex2(m_hi, new_hi);
-  m_lo = new_lo;
-  m_hi = new_hi;
-  float g_lo[8], g_hi[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) exp_group_sums(s, i, new_lo, new_hi, g_lo[i], g_hi[i]);
-  auto tree = [](const float (&g)[8]) {
-    return __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), __fadd_rn(g[2], g[3])),
-                     __fadd_rn(__fadd_rn(g[4], g[5]), __fadd_rn(g[6], g[7])));
-  };
-  l_lo = __fmaf_rn(l_lo, a_lo, tree(g_lo));
-  l_hi = __fmaf_rn(l_hi, a_hi, tree(g_hi));
-}
-
 // An accumulator in the wgmma/mma.sync layout (N values: N / 4 groups of lo, lo, hi, hi)
 // scaled by its rows' alphas.
 template <int N>
@@ -183,14 +118,6 @@ __device__ __forceinline__ void fold_values(float (&run)[N], const float (&acc)[
     run[4 * i + 2] = fold_value(run[4 * i + 2], acc[4 * i + 2], hi);
     run[4 * i + 3] = fold_value(run[4 * i + 3], acc[4 * i + 3], hi);
   }
-}
-
-// This split's state (m, l, acc) of rows lo/hi folded into the running state (mr, lr, run).
-template <int N>
-__device__ __forceinline__ void fold_rows(float (&run)[N], float& mr_lo, float& mr_hi, float& lr_lo, float& lr_hi,
-                                          const float (&acc)[N], float m_lo, float m_hi, float l_lo, float l_hi) {
-  const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
-  fold_values(run, acc, lo, hi);
 }
 
 // kernels.finalize's reciprocal: 1 / l with l > 0 selected (div.full); rows

@@ -1,15 +1,17 @@
-// Paged decode attention for Hopper (sm_90a), policy `off` semantics, with the
-// Triton kernels' bits (compat_arith.cuh): what ops.paged_attention runs for
-// policy-off decode steps (one query token per tile) on sm_90.
+// Paged decode attention for Hopper (sm_90a): what ops.paged_attention runs for the
+// decode steps (the launcher's token tiles) of a layer the csrc kernels take, under
+// every policy. Its rows carry the csrc arithmetic contract (v2_arith.cuh,
+// docs/kernels.md section 7): a row's bits equal csrc/prefill_sm90.cu's for the same
+// position (tests/test_cuda_decode_gpu.py).
 //
-// The off binaries are NOT constant-time, on purpose: the KV trip count follows
+// The off binary is NOT constant-time, on purpose: the KV trip count follows
 // the true length (n_kv from seq_len and the causal diagonal), the mask and V-tail
 // branches and the row-guarded stores too, and so do the splits a CTA walks and
 // stores (split_schedule) and the number of splits merge_kernel folds. That is the
 // contract of policy `off` only.
-// The CT binaries (option kConstTime, the consume_mma_pipe consumer, GROUP <= 16)
-// run decode steps of the constant-time policies on the walk of the Triton
-// CONST_TIME binaries, with their bits (see "constant-time walk" below).
+// The CT binaries (option kConstTime, GROUP <= 16) run decode steps of the
+// constant-time policies on the walk of the Triton CONST_TIME binaries, with the off
+// binary's bits (see "constant-time walk" below and consume_v2).
 //
 // Why a CUDA kernel: decode is bytes. The Triton decode binary holds ~170
 // registers per thread, two programs per SM, and its K/V loads are per-thread
@@ -23,7 +25,7 @@
 // [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs].
 //
 // One CTA = one query token x the GROUP query heads of one KV head (the Triton
-// kernels' token tile; rows GROUP..63 of the 64-row wgmma tile are unused), and
+// kernels' token tile; rows GROUP..15 of the 16-row mma.sync tile are unused), and
 // the splits chunk, chunk + chunks, ... of its KV walk (512 positions each, at
 // absolute multiples of 512: the Triton kernels' splits; split_schedule). Two
 // modes, the Triton launcher's (launch.plan), with the same bits:
@@ -32,10 +34,9 @@
 //   split  (WRITE_PARTIALS true): each split's state (m, l, acc) goes to the
 //          workspace in the Triton kernels' layout; merge_kernel then folds the
 //          splits of each row left to right and finalizes.
-// Warps 0-3 are the consumer warpgroup (S = Q K^T by m64n64k16 wgmma from
-// shared memory, the compat softmax, O += P V by m64n128k16 wgmma with P from
-// registers; or, with kMmaSync, the same on a 16-row tile by mma.sync, each warp a
-// quarter of the positions and output columns: consume_mma); warp 4 is the
+// Warps 0-3 are the consumer (consume_v2: two warps compute S and the softmax of a
+// 128-position step by mma.sync, two accumulate O += P V, P through a two-slot ring);
+// warp 4 is the
 // producer (lane 0 issues the TMA, the warp reads a split's block ids one split
 // ahead, one lane per page). In split mode the merge is a programmatic dependent
 // launch (merge_launch_trigger).
@@ -86,13 +87,12 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
 //                   read by the merge) then stay in L2 instead of being pushed to
 //                   HBM by the stream (the merge read them at 0.4-1 TB/s, L2 hit
 //                   rate 12-19 %: ncu, docs/perf-notes.md change 24).
-//   kMmaSync        the consumer on a 16-row tile by warp-level mma.sync
-//                   (consume_mma) instead of the 64-row wgmma tile of which GROUP
-//                   rows are real: a quarter of the tensor work per step. GROUP <= 16
-//                   (larger groups run the wgmma consumer). Same bits.
+//   kMmaSync        the consumer on a 16-row tile by warp-level mma.sync instead of
+//                   the 64-row wgmma tile of which GROUP rows are real: a quarter of
+//                   the tensor work per step. GROUP <= 16.
 // (Bits 2 and 4 were timing diagnostics, 32 a merge without PDL: measurements, in git history.)
 constexpr int kPairedV = 1, kEvictFirst = 8, kMmaSync = 16;
-// kMmaPipe (with kMmaSync): consume_mma_pipe, S and PV on separate warp pairs.
+// kMmaPipe (with kMmaSync): S and PV on separate warp pairs (consume_v2).
 constexpr int kMmaPipe = 64;
 // kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
 // walks the public bucket L (one bucket: policy strict, or request with an int) over
@@ -103,10 +103,8 @@ constexpr int kConstTime = 128, kBucketPerReq = 256;
 // The walk of a binary: 0 true lengths (policy off), 1 one bucket, 2 per-request buckets.
 template <int OPT>
 constexpr int kWalk = (OPT & kConstTime) ? ((OPT & kBucketPerReq) ? 2 : 1) : 0;
-template <int OPT>
-constexpr int kMmaForm = (OPT & kMmaSync) ? ((OPT & kMmaPipe) ? 2 : 1) : 0;
 constexpr int kMmaMaxGroup = 16;
-constexpr uint32_t kBarRows = 2;  // named barrier of consume_mma's cross-warp row values
+constexpr uint32_t kBarRows = 2;  // named barrier of the S pair's cross-warp row values (consume_v2)
 
 // The Q tile. wgmma's A operand has 64 rows; GROUP of them are real. With
 // SMALL_Q (GROUP <= 8) only one 8-row swizzle atom per 64-column half is stored
@@ -132,8 +130,7 @@ struct RunState {
 
 // Shared memory: Q | K stages | V stages | running state | [MMA: P tile | cross-warp
 // row values] | mbarriers, 1 KB aligned (swizzle atoms).
-// MMA: 0 the wgmma consumer, 1 consume_mma, 2 consume_mma_pipe (P double-buffered,
-// its row values and the P ring's barriers).
+// MMA: 0 the producer's offsets only (consume_v2 uses LayoutV2, which keeps them).
 template <int STAGES, bool SMALL_Q, bool WRITE_PARTIALS, int MMA = 0>
 struct Layout {
   static constexpr int kOffK = QTile<SMALL_Q>::kBytes;
@@ -251,7 +248,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 //   - every score is masked by select, and every V operand at a position >= the true
 //     length is zeroed in registers after its ldmatrix (pv_step_mma), where the off
 //     binaries zero the last page's tail in shared memory behind a branch; except in
-//     the dead steps (every position past the row's end: step_role), which run unmasked
+//     the dead steps (every position past the row's end: step_role_v2), which run unmasked
 //     on the rows their pages hold and whose contribution is dropped by selection;
 //   - the padding pseudo-request (index num_seqs) reads the last request's line, with
 //     that request's page count (walk 1: its L pages, re-reads; walk 2: no step, its
@@ -310,13 +307,13 @@ __device__ __forceinline__ int split_end(const Work& w, int s) { return min((s +
 // the rows its reserved pages hold, the split's state evolving. Masked dead steps feed
 // the tensor cores zeros (P and V) and keep the accumulator frozen, which draws less
 // power than a live step: in the CT prefill that moved the step's time with the true
-// length (prefill_sm90.cu consume_compat: the same remedy cut G4's +0.1 % to
+// length (prefill_sm90.cu's constant-time walk: the same remedy cut G4's +0.1 % to
 // 0.03-0.06 %). In this kernel the dead steps alone left G4 decode strict L 32768 at
 // +0.017 % (H200); what made that difference was the zero partials of dead splits
-// (the filler at the split's end in consume_mma_pipe). Both are kept: a short request's
+// (the filler at the split's end in consume_v2). Both are kept: a short request's
 // step then differs from a long one's in neither operands nor stored values.
 // What a dead step adds never reaches the output: the split's state at
-// its last live step (commit) is kept by selection (consume_mma_pipe: stored in split
+// its last live step (commit) is kept by selection (consume_v2: stored in split
 // mode, folded into the running state in fold mode), and a dead split keeps the neutral
 // state. Dead steps are a suffix of the walk and exact no-ops of the masked form
 // (alpha selected to exactly 1, P = 0), so the committed state is the state the split's
@@ -325,13 +322,6 @@ __device__ __forceinline__ int split_end(const Work& w, int s) { return min((s +
 struct StepRole {
   bool dead, commit;
 };
-template <int OPT>
-__device__ __forceinline__ StepRole step_role(const Work& w, int j, int je) {
-  const int kv0 = j * kStep;
-  const bool dead = kWalk<OPT> != 0 && kv0 >= w.ext;
-  const bool commit = !dead & ((j + 1 == je) | (kv0 + kStep >= w.ext));
-  return {dead, commit};
-}
 // The number of steps the CTA walks (its last split may be short).
 __device__ __forceinline__ int cta_steps(const Work& w) {
   if (w.s_lo >= w.s_end) return 0;
@@ -447,186 +437,6 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // see merge_launch_trigger
 }
 
-// ---- consumer (one warpgroup) ------------------------------------------------------
-// Split state of rows lo/hi to the workspace (split mode), Triton's layout:
-// index (s * num_tokens + t) * num_heads + head, acc rows of 128 floats.
-__device__ __forceinline__ void store_state(const Params& p, int s, int t, int head, int lane, const float (&acc)[64],
-                                            int idx, float m, float l) {
-  const int64_t row = (static_cast<int64_t>(s) * p.num_tokens + t) * p.num_heads + head;
-  float2* dst = reinterpret_cast<float2*>(p.ws_acc + row * kHead);
-  const int c = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) dst[4 * i + c] = make_float2(acc[4 * i + idx], acc[4 * i + idx + 1]);
-  if (c == 0) {
-    p.ws_m[row] = m;
-    p.ws_l[row] = l;
-  }
-}
-
-template <bool BF16>
-__device__ __forceinline__ void store_out(const Params& p, int t, int head, int lane, const float (&o)[64], int idx,
-                                          float inv) {
-  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<char*>(p.out) +
-                                              2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                                   static_cast<int64_t>(head) * p.out_head_stride));
-  const int c = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + idx], inv), __fmul_rn(o[4 * i + idx + 1], inv));
-}
-
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, bool OVERLAP, int OPT>
-__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                        const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
-  using Q = QTile<SMALL_Q>;
-  constexpr bool kRunSmem = RunState<SMALL_Q, WRITE_PARTIALS>::kInSmem;
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int r_lo = 16 * warp + lane / 4, r_hi = r_lo + 8;  // this thread's two tile rows
-  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
-  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
-  const int lim = w.ext - 1;  // last attendable position (every row: one token)
-
-  float acc[64];
-  float run[WRITE_PARTIALS || kRunSmem ? 1 : 64];
-  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, fold mode
-  // kRunSmem: row r_lo's running accumulator (r_lo < 8: warp 0) at run_row[8 * i + 2 * (lane % 4)].
-  float2* run_row = reinterpret_cast<float2*>(smem_ptr + L::kOffRun) + (r_lo % 8) * (kHead / 2) + lane % 4;
-  if constexpr (kRunSmem) {
-    if (warp == 0) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) run_row[4 * i] = make_float2(0.f, 0.f);
-    }
-  } else if constexpr (!WRITE_PARTIALS) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) run[i] = 0.f;
-  }
-  float s[32];
-  uint32_t pa[16];
-
-  mbar_wait(bar.q_full(), 0);
-  const int n_steps = cta_steps(w);
-  // The B operand of the PV wgmma for positions [16 jj, 16 jj + 16) of a V stage.
-  auto v_desc = [&](uint32_t v_base, int jj) {
-    if constexpr (OPT & kPairedV) {
-      const int rows = p.box_rows, pos = 16 * jj;
-      return desc_sw128(v_base + (pos / rows) * (2 * rows * 128) + (pos % rows) * 128, rows * 128, 1024);
-    } else {
-      return desc_sw128(v_base + jj * 16 * 128, kHalf, 1024);
-    }
-  };
-  // S = Q K^T of the stage holding the CTA's step k into s (asynchronous:
-  // wgmma_wait before reading s). The wait for the stage's K is the caller's.
-  auto issue_qk = [&](int k) {
-    const uint32_t k_base = smem + L::kOffK + (k % STAGES) * kTile;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHead / 16; ++kk) {
-      const uint32_t q_off = (kk / 4) * Q::kHalfBytes + (kk % 4) * 32, k_off = (kk / 4) * kHalf + (kk % 4) * 32;
-      wgmma_m64n64k16_ss<BF16>(s, desc_sw128(smem + q_off, 16, Q::kSbo), desc_sw128(k_base + k_off, 16, 1024),
-                               kk > 0);
-    }
-    wgmma_commit();
-  };
-  auto wait_k = [&](int k) { mbar_wait(bar.k_full(k % STAGES), (k / STAGES) & 1); };
-  // OVERLAP: the QK^T of step j + 1 is issued right behind the PV of step j (its
-  // K stage is ready long before), so it runs while this warpgroup waits for the
-  // PV and writes split states; S does not depend on the softmax state, so the
-  // operations on every row, and the bits, are those of the plain schedule.
-  // The wgmmas are issued unconditionally (ptxas serialises wgmmas issued on a
-  // divergent path): with no step left, a throwaway QK^T reads the current
-  // stage, which the producer no longer refills; its S is never read.
-  if constexpr (OVERLAP) {
-    if (n_steps > 0) wait_k(0);
-    issue_qk(0);
-  }
-  int k = 0;  // the CTA's running step
-  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    enter_split<WRITE_PARTIALS>(w, sp);
-    // Every split from a fresh state (kernels.attention_kernel).
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
-    for (int j = split_first(sp); j < split_end(w, sp); ++j, ++k) {
-      const int st = k % STAGES;
-      const uint32_t par = (k / STAGES) & 1;
-      const uint32_t v_base = smem + L::kOffV + st * kTile;
-      if constexpr (!OVERLAP) {
-        wait_k(k);
-        issue_qk(k);
-      }
-      wgmma_wait<0>();  // S of step j (the PV of step j - 1 was waited for below)
-      pin(s);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.k_empty(st));
-
-      const int kv0 = j * kStep;
-      float a_lo, a_hi;
-      compat_softmax(s, kv0, lim, lim, kv0 + kStep > w.ext, lane, p.qk_scale, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
-      pack_p<BF16, 32>(s, pa);
-
-      mbar_wait(bar.v_full(st), par);
-      const int valid = w.seq_len - kv0;
-      if (valid < kStep)  // kPairedV stages are boxes of box_rows rows ([box][half][row])
-        zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
-                           (OPT & kPairedV) ? p.box_rows : kStep);
-      scale_rows(acc, a_lo, a_hi);
-      wgmma_fence();
-#pragma unroll
-      for (int jj = 0; jj < kStep / 16; ++jj) {
-        const uint32_t a[4] = {pa[4 * jj], pa[4 * jj + 1], pa[4 * jj + 2], pa[4 * jj + 3]};
-        wgmma_m64n128k16_rs<BF16>(acc, a, v_desc(v_base, jj));
-      }
-      wgmma_commit();
-      if constexpr (OVERLAP) {
-        if (k + 1 < n_steps) wait_k(k + 1);
-        issue_qk(min(k + 1, n_steps - 1));
-        wgmma_wait<1>();  // the PV of step j (groups complete in order); S of j + 1 may still run
-      } else {
-        wgmma_wait<0>();
-      }
-      pin(acc);
-      pin(pa);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.v_empty(st));
-    }
-    if constexpr (WRITE_PARTIALS) {
-      if (ok_lo) store_state(p, sp, t, head_lo, lane, acc, 0, m_lo, l_lo);
-      if (ok_hi) store_state(p, sp, t, head_hi, lane, acc, 2, m_hi, l_hi);
-    } else if constexpr (kRunSmem) {
-      if (warp == 0) {  // the small Q tile's 8 rows are the lo rows of warp 0
-        const FoldCoef c = fold_stats(mr_lo, lr_lo, m_lo, l_lo);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const float2 r = run_row[4 * i];
-          run_row[4 * i] = make_float2(fold_value(r.x, acc[4 * i], c), fold_value(r.y, acc[4 * i + 1], c));
-        }
-      }
-    } else {
-      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
-    }
-  }
-  if constexpr (OVERLAP) {
-    wgmma_wait<0>();  // the last (throwaway) QK^T
-    pin(s);
-  }
-  if constexpr (kRunSmem) {
-    if (ok_lo) {
-      const float inv = finalize_inv(lr_lo);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<char*>(p.out) +
-                                                  2 * (static_cast<int64_t>(t) * p.out_tok_stride +
-                                                       static_cast<int64_t>(head_lo) * p.out_head_stride));
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float2 r = run_row[4 * i];
-        dst[4 * i + lane % 4] = pack2<BF16>(__fmul_rn(r.x, inv), __fmul_rn(r.y, inv));
-      }
-    }
-  } else if constexpr (!WRITE_PARTIALS) {
-    if (ok_lo) store_out<BF16>(p, t, head_lo, lane, run, 0, finalize_inv(lr_lo));
-    if (ok_hi) store_out<BF16>(p, t, head_hi, lane, run, 2, finalize_inv(lr_hi));
-  }
-}
-
 // ---- the mma.sync consumers' PV product ------------------------------------------
 // The address of position pos, 16-byte chunk c (0..15: 8 columns) of a V stage (kPairedV:
 // boxes of box_rows rows, [box][half][row]; else [half][64 rows]), 128-byte swizzle.
@@ -703,174 +513,11 @@ __device__ __forceinline__ void store_out_half(const Params& p, int t, int head,
     dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
 }
 
-// ---- consumer, mma.sync form (kMmaSync, GROUP <= 16) ------------------------------
-// The operations of `consume` on the same operands, row for row, on a 16-row tile
-// (the GROUP real rows of the wgmma tile fit in one m16 fragment): warp w computes
-// S for positions [16 w, 16 w + 16) of each 64-position step and O for columns
-// [32 w, 32 w + 32). Its fragments have the wgmma accumulator's per-thread layout
-// (compat_arith.cuh), so each element sees the same operations:
-//   the row max crosses warps through shared memory (fmax: exact, any order);
-//   the row sum keeps compat's tree: warp w holds the 8-column groups 2w and 2w + 1
-//     and adds them (the tree's first level), the warps' sums are then added
-//     (t0 + t1) + (t2 + t3) (its second and third levels);
-//   P goes to shared memory as the A operand of the PV product, whose k16 slices
-//     accumulate in order as in the wgmma chain (mma.sync and wgmma give the same
-//     bits on these products: the Triton 16-row tile, docs/perf-notes.md change 12;
-//     checked again against the Triton kernel by the GPU tests and the bench).
-// S starts from -0.0: x + (-0.0) == x for every x, as wgmma's "no accumulate".
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
-__device__ __forceinline__ void consume_mma(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                            const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, 1>;
-  using Q = QTile<SMALL_Q>;
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int r_lo = lane / 4, r_hi = r_lo + 8, c2 = 2 * (lane % 4);  // this thread's rows, first column of a pair
-  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
-  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
-  const int lim = w.ext - 1;
-  const uint32_t p_tile = smem + L::kOffP;
-  float* red_max = reinterpret_cast<float*>(smem_ptr + L::kOffRed);  // [warp][row]
-  float* red_sum = red_max + 4 * 16;
-
-  // Q's A fragments for the 8 k16 slices, once (lane i: row i % 16, 8 columns i / 16;
-  // the small tile stores rows 0-7 only, rows 8-15 read them again).
-  mbar_wait(bar.q_full(), 0);
-  uint32_t qa[8][4];
-  {
-    const int qr = SMALL_Q ? lane % 8 : lane % 16;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
-  }
-  // K rows of this warp's 16 positions (lane i: position 16 w + 8 (i / 16) + i % 8,
-  // 8 columns (i / 8) % 2 of the slice): matrices {pos 0-7, pos 0-7, pos 8-15, pos 8-15}
-  // x {columns 0-7, 8-15}: the b0, b1 of two n8 tiles.
-  const int k_pos = 16 * warp + 8 * (lane / 16) + lane % 8, k_hi8 = (lane / 8) % 2;
-
-  float acc[16];
-  float run[WRITE_PARTIALS ? 1 : 16];
-  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;
-  if constexpr (!WRITE_PARTIALS) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) run[i] = 0.f;
-  }
-  int k = 0;  // the CTA's running step
-  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    enter_split<WRITE_PARTIALS>(w, sp);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-    float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
-    for (int j = split_first(sp); j < split_end(w, sp); ++j, ++k) {
-      const int st = k % STAGES;
-      const uint32_t par = (k / STAGES) & 1;
-      const uint32_t k_base = smem + L::kOffK + st * kTile, v_base = smem + L::kOffV + st * kTile;
-      float s[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] = -0.f;
-      mbar_wait(bar.k_full(st), par);
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        const int c = 2 * kk + k_hi8;
-        uint32_t kb[4];
-        ldmatrix_x4<false>(kb, k_base + (c / 8) * kHalf + sw128_offset(k_pos, c % 8));
-        mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[0]), qa[kk], kb[0], kb[1]);
-        mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[4]), qa[kk], kb[2], kb[3]);
-      }
-      // compat_softmax on this warp's two 8-column groups.
-      const int kv0 = j * kStep;
-      const bool masked = kv0 + kStep > w.ext;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) scale_mask_group(s, nt, kv0 + 16 * warp + 8 * nt + c2, lim, lim, masked, p.qk_scale);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.k_empty(st));  // this warp's K reads are done (release orders them)
-      float mx_lo = quad_max(fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5])));
-      float mx_hi = quad_max(fmaxf(fmaxf(s[2], s[3]), fmaxf(s[6], s[7])));
-      if (lane % 4 == 0) {
-        red_max[warp * 16 + r_lo] = mx_lo;
-        red_max[warp * 16 + r_hi] = mx_hi;
-      }
-      named_barrier(kBarRows, 128);
-      mx_lo = fmaxf(fmaxf(red_max[r_lo], red_max[16 + r_lo]), fmaxf(red_max[32 + r_lo], red_max[48 + r_lo]));
-      mx_hi = fmaxf(fmaxf(red_max[r_hi], red_max[16 + r_hi]), fmaxf(red_max[32 + r_hi], red_max[48 + r_hi]));
-      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-      const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
-      m_lo = new_lo;
-      m_hi = new_hi;
-      float g_lo[2], g_hi[2];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        exp_group_sums(s, nt, new_lo, new_hi, g_lo[nt], g_hi[nt]);
-        // P (16-bit) into the shared A tile: row r, positions 16 w + 8 nt + c2, + 1 (chunk 2 w + nt).
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 2 * warp + nt) + 2 * c2),
-                     "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 2 * warp + nt) + 2 * c2),
-                     "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
-      }
-      const float t_lo = __fadd_rn(g_lo[0], g_lo[1]), t_hi = __fadd_rn(g_hi[0], g_hi[1]);  // the tree's first level
-      if (lane % 4 == 0) {
-        red_sum[warp * 16 + r_lo] = t_lo;
-        red_sum[warp * 16 + r_hi] = t_hi;
-      }
-      named_barrier(kBarRows, 128);  // also: P is complete, and every warp has read red_max
-      const float sum_lo = __fadd_rn(__fadd_rn(red_sum[r_lo], red_sum[16 + r_lo]),
-                                     __fadd_rn(red_sum[32 + r_lo], red_sum[48 + r_lo]));
-      const float sum_hi = __fadd_rn(__fadd_rn(red_sum[r_hi], red_sum[16 + r_hi]),
-                                     __fadd_rn(red_sum[32 + r_hi], red_sum[48 + r_hi]));
-      l_lo = __fmaf_rn(l_lo, a_lo, sum_lo);
-      l_hi = __fmaf_rn(l_hi, a_hi, sum_hi);
-
-      mbar_wait(bar.v_full(st), par);
-      const int valid = w.seq_len - kv0;
-      if (valid < kStep)
-        zero_v_tail<kStep>(smem_ptr + L::kOffV + st * kTile, valid, tid, kBarVTail,
-                           (OPT & kPairedV) ? p.box_rows : kStep);
-      scale_rows(acc, a_lo, a_hi);
-      pv_step_mma<BF16, 2, OPT>(acc, p, p_tile, v_base, 4 * warp, lane);  // this warp's 32 columns
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.v_empty(st));
-    }
-    if constexpr (WRITE_PARTIALS) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 0 ? !ok_lo : !ok_hi) continue;
-        const int head = h == 0 ? head_lo : head_hi;
-        const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads + head;
-        store_split_half<4>(p, row, 32 * warp + c2, acc, h);
-        if (warp == 0 && lane % 4 == 0) {
-          p.ws_m[row] = h == 0 ? m_lo : m_hi;
-          p.ws_l[row] = h == 0 ? l_lo : l_hi;
-        }
-      }
-    } else {
-      fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
-    }
-  }
-  if constexpr (!WRITE_PARTIALS) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h == 0 ? !ok_lo : !ok_hi) continue;
-      store_out_half<BF16, 4>(p, t, h == 0 ? head_lo : head_hi, 32 * warp + c2, run, h,
-                              finalize_inv(h == 0 ? lr_lo : lr_hi));
-    }
-  }
-}
-
-// ---- consumer, mma.sync form on two warp pairs (kMmaSync | kMmaPipe) --------------
-// consume_mma's operations on the same operands, split by role so that a step's S
-// and softmax overlap the previous step's PV (in consume_mma every warp runs both,
-// one after the other, with two four-warp barriers per step):
-//   warps 0-1 (S): warp w computes S for positions [32 w, 32 w + 32) of a step (four
-//     n8 tiles, k16 slices in order from -0.0), the compat softmax (row max across
-//     the pair through shared memory; row sum: warp w adds its groups 4w..4w+3 as
-//     (g0 + g1) + (g2 + g3), the pair's two sums are added warp 0's first: compat's
-//     tree), keeps (m, l) and writes P and the rows' alphas into one of two P
-//     buffers; at a split's end the fold coefficients (fold mode) or (m, l) (split
-//     mode), at the CTA's end 1 / l;
-//   warps 2-3 (PV): warp w' scales and accumulates O for columns [64 w', 64 w' + 64)
-//     with the alphas and P of the buffer (k16 slices in order), folds or stores it
-//     at a split's end, and stores the output.
-// The P buffers form a two-slot ring (p_full: the 64 S threads arrive; p_empty: the
-// 64 PV threads arrive), so the S pair runs up to two steps ahead of the PV pair.
+// ---- the pipe consumer's P ring (consume_v2, below) ----------------------------------
+// The S pair (warps 0-1) writes P and the rows' alphas into one of two P buffers; the PV
+// pair (warps 2-3) scales and accumulates O with them. The buffers form a two-slot ring
+// (p_full: the 64 S threads arrive; p_empty: the 64 PV threads arrive), so the S pair
+// runs up to two steps ahead of the PV pair.
 constexpr int kPipeBarOff = 768;  // the P ring's barriers in the row-value area
 struct PipeBarriers {
   uint32_t base;
@@ -884,340 +531,7 @@ struct PipeBarriers {
     mbar_fence_init();
   }
 };
-// The row-value area (floats): red_max [2 warps][16 rows], red_sum [2][16],
-// alpha [2 buffers][16], coef [2 buffers][16 rows][al, be], inv [16].
-constexpr int kPipeMax = 0, kPipeSum = 32, kPipeAlpha = 64, kPipeCoef = 96, kPipeInv = 160;
 
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
-__device__ __forceinline__ void consume_mma_pipe(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                                 const Barriers<STAGES>& bar, int kvh, int t) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, 2>;
-  using Q = QTile<SMALL_Q>;
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const int r_lo = lane / 4, r_hi = r_lo + 8, c2 = 2 * (lane % 4);
-  const bool ok_lo = r_lo < p.group, ok_hi = r_hi < p.group;
-  const int head_lo = kvh * p.group + r_lo, head_hi = kvh * p.group + r_hi;
-  float* rv = reinterpret_cast<float*>(smem_ptr + L::kOffRed);
-  const PipeBarriers pb{smem + L::kOffRed + kPipeBarOff};
-  const int n_steps = cta_steps(w);
-
-  if (warp < 2) {  // ---- S pair
-    const int ws = warp;
-    mbar_wait(bar.q_full(), 0);
-    uint32_t qa[8][4];
-    {
-      const int qr = SMALL_Q ? lane % 8 : lane % 16;
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
-    }
-    const int lim = w.ext - 1;
-    float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;
-    int k = 0;
-    for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-      enter_split<WRITE_PARTIALS>(w, sp);
-      float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;
-      // CT: the split's committed (m, l): its state at its last live step (the dead steps below)
-      float mc_lo = kMInit, mc_hi = kMInit, lc_lo = 0.f, lc_hi = 0.f;
-      const int je = split_end(w, sp);
-      for (int j = split_first(sp); j < je; ++j, ++k) {
-        const int st = k % STAGES, b = k % 2;
-        const uint32_t k_base = smem + L::kOffK + st * kTile;
-        float s[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = -0.f;
-        mbar_wait(bar.k_full(st), (k / STAGES) & 1);
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-          const int c = 2 * kk + (lane / 8) % 2;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // positions 32 ws + 16 h + [0, 16): two n8 tiles
-            uint32_t kb[4];
-            ldmatrix_x4<false>(kb, k_base + (c / 8) * kHalf +
-                                       sw128_offset(32 * ws + 16 * h + 8 * (lane / 16) + lane % 8, c % 8));
-            mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[8 * h]), qa[kk], kb[0], kb[1]);
-            mma_m16n8k16<BF16>(*reinterpret_cast<float(*)[4]>(&s[8 * h + 4]), qa[kk], kb[2], kb[3]);
-          }
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar.k_empty(st));
-        const int kv0 = j * kStep;
-        const bool masked = kWalk<OPT> != 0 || kv0 + kStep > w.ext;  // CT: every step, by select
-        const StepRole role = step_role<OPT>(w, j, je);
-        const int lim_s = kWalk<OPT> != 0 ? ct::select_int(role.dead, INT_MAX, lim) : lim;  // dead: unmasked
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) scale_mask_group(s, nt, kv0 + 32 * ws + 8 * nt + c2, lim_s, lim_s, masked, p.qk_scale);
-        float mx_lo = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[4], s[5]));
-        float mx_hi = fmaxf(fmaxf(s[2], s[3]), fmaxf(s[6], s[7]));
-        mx_lo = fmaxf(mx_lo, fmaxf(fmaxf(s[8], s[9]), fmaxf(s[12], s[13])));
-        mx_hi = fmaxf(mx_hi, fmaxf(fmaxf(s[10], s[11]), fmaxf(s[14], s[15])));
-        mx_lo = quad_max(mx_lo);
-        mx_hi = quad_max(mx_hi);
-        if (lane % 4 == 0) {
-          rv[kPipeMax + ws * 16 + r_lo] = mx_lo;
-          rv[kPipeMax + ws * 16 + r_hi] = mx_hi;
-        }
-        named_barrier(kBarRows, 64);
-        mx_lo = fmaxf(rv[kPipeMax + r_lo], rv[kPipeMax + 16 + r_lo]);
-        mx_hi = fmaxf(rv[kPipeMax + r_hi], rv[kPipeMax + 16 + r_hi]);
-        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-        const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        if (k >= 2) mbar_wait(pb.empty(b), ((k / 2) - 1) & 1);  // the PV pair is done with buffer b
-        const uint32_t p_tile = smem + L::kOffP + b * (16 * 128);
-        float g_lo[4], g_hi[4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          exp_group_sums(s, nt, new_lo, new_hi, g_lo[nt], g_hi[nt]);
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 4 * ws + nt) + 2 * c2),
-                       "r"(pack2<BF16>(s[4 * nt], s[4 * nt + 1])) : "memory");
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_hi, 4 * ws + nt) + 2 * c2),
-                       "r"(pack2<BF16>(s[4 * nt + 2], s[4 * nt + 3])) : "memory");
-        }
-        // The tree's first two levels on this warp's four groups.
-        const float u_lo = __fadd_rn(__fadd_rn(g_lo[0], g_lo[1]), __fadd_rn(g_lo[2], g_lo[3]));
-        const float u_hi = __fadd_rn(__fadd_rn(g_hi[0], g_hi[1]), __fadd_rn(g_hi[2], g_hi[3]));
-        if (lane % 4 == 0) {
-          rv[kPipeSum + ws * 16 + r_lo] = u_lo;
-          rv[kPipeSum + ws * 16 + r_hi] = u_hi;
-        }
-        named_barrier(kBarRows, 64);  // also: both warps have read red_max
-        l_lo = __fmaf_rn(l_lo, a_lo, __fadd_rn(rv[kPipeSum + r_lo], rv[kPipeSum + 16 + r_lo]));
-        l_hi = __fmaf_rn(l_hi, a_hi, __fadd_rn(rv[kPipeSum + r_hi], rv[kPipeSum + 16 + r_hi]));
-        if (ws == 0 && lane % 4 == 0) {
-          rv[kPipeAlpha + 16 * b + r_lo] = a_lo;
-          rv[kPipeAlpha + 16 * b + r_hi] = a_hi;
-        }
-        if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
-          if constexpr (WRITE_PARTIALS) {
-            mc_lo = ct::select_f32(role.commit, m_lo, mc_lo);
-            mc_hi = ct::select_f32(role.commit, m_hi, mc_hi);
-            lc_lo = ct::select_f32(role.commit, l_lo, lc_lo);
-            lc_hi = ct::select_f32(role.commit, l_hi, lc_hi);
-          } else {  // the fold of this step's state, computed every step, kept at the commit
-            float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
-            const FoldCoef c_lo = fold_stats(mf_lo, lf_lo, m_lo, l_lo), c_hi = fold_stats(mf_hi, lf_hi, m_hi, l_hi);
-            mr_lo = ct::select_f32(role.commit, mf_lo, mr_lo);
-            lr_lo = ct::select_f32(role.commit, lf_lo, lr_lo);
-            mr_hi = ct::select_f32(role.commit, mf_hi, mr_hi);
-            lr_hi = ct::select_f32(role.commit, lf_hi, lr_hi);
-            if (ws == 0 && lane % 4 == 0) {
-              rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
-              rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
-              rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
-              rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
-            }
-          }
-        }
-        if (j + 1 == je) {  // the split's end: what the PV pair needs to fold or store it
-          if constexpr (WRITE_PARTIALS) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              if (ws != 0 || lane % 4 != 0 || !(h == 0 ? ok_lo : ok_hi)) continue;
-              const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
-                                  (h == 0 ? head_lo : head_hi);
-              if constexpr (kWalk<OPT> != 0) {  // CT: the committed state (neutral for a dead split)
-                p.ws_m[row] = h == 0 ? mc_lo : mc_hi;
-                p.ws_l[row] = h == 0 ? lc_lo : lc_hi;
-              } else {
-                p.ws_m[row] = h == 0 ? m_lo : m_hi;
-                p.ws_l[row] = h == 0 ? l_lo : l_hi;
-              }
-            }
-          } else {
-            if constexpr (kWalk<OPT> == 0) {  // (CT: folded and committed above)
-              const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, l_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, l_hi);
-              if (ws == 0 && lane % 4 == 0) {
-                rv[kPipeCoef + 32 * b + 2 * r_lo] = c_lo.al;
-                rv[kPipeCoef + 32 * b + 2 * r_lo + 1] = c_lo.be;
-                rv[kPipeCoef + 32 * b + 2 * r_hi] = c_hi.al;
-                rv[kPipeCoef + 32 * b + 2 * r_hi + 1] = c_hi.be;
-              }
-            }
-            if (ws == 0 && lane % 4 == 0) {
-              if (last_split(w, sp)) {
-                rv[kPipeInv + r_lo] = finalize_inv(lr_lo);
-                rv[kPipeInv + r_hi] = finalize_inv(lr_hi);
-              }
-            }
-          }
-        }
-        mbar_arrive(pb.full(b));  // every S thread: its P and row values are written
-      }
-    }
-    return;
-  }
-
-  // ---- PV pair
-  const int wv = warp - 2, tv = tid - 64;
-  float acc[32];
-  float run[WRITE_PARTIALS ? 1 : 32];
-  if constexpr (!WRITE_PARTIALS) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) run[i] = 0.f;
-  }
-  auto store_out_rows = [&](float inv_lo, float inv_hi) {  // fold mode: the CTA's output rows
-    if constexpr (!WRITE_PARTIALS) {
-      if (ok_lo) store_out_half<BF16, 8>(p, t, head_lo, 64 * wv + c2, run, 0, inv_lo);
-      if (ok_hi) store_out_half<BF16, 8>(p, t, head_hi, 64 * wv + c2, run, 1, inv_hi);
-    }
-  };
-  // CT split mode: the split's committed accumulator (its value at its last live step).
-  float acc_c[(kWalk<OPT> != 0 && WRITE_PARTIALS) ? 32 : 1];
-  int k = 0;
-  for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
-    enter_split<WRITE_PARTIALS>(w, sp);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-    if constexpr (kWalk<OPT> != 0 && WRITE_PARTIALS) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc_c[i] = 0.f;
-    }
-    const int je = split_end(w, sp);
-    for (int j = split_first(sp); j < je; ++j, ++k) {
-      const int st = k % STAGES, b = k % 2;
-      const uint32_t v_base = smem + L::kOffV + st * kTile, p_tile = smem + L::kOffP + b * (16 * 128);
-      mbar_wait(pb.full(b), (k / 2) & 1);
-      const float a_lo = rv[kPipeAlpha + 16 * b + r_lo], a_hi = rv[kPipeAlpha + 16 * b + r_hi];
-      mbar_wait(bar.v_full(st), (k / STAGES) & 1);
-      if constexpr (kWalk<OPT> == 0) {
-        const int valid = w.seq_len - j * kStep;
-        if (valid < kStep)
-          zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, valid, tv, kBarVTail,
-                                 (OPT & kPairedV) ? p.box_rows : kStep);
-      }
-      scale_rows(acc, a_lo, a_hi);
-      // this warp's 64 columns (CT: V past seq_len zeroed in the fragments, but for a dead step)
-      const StepRole role = step_role<OPT>(w, j, je);
-      const int v_len = kWalk<OPT> != 0 ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
-      pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, j * kStep, v_len);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar.v_empty(st));
-      if constexpr (kWalk<OPT> != 0) {  // CT: the commit (see step_role), by selection
-        if constexpr (WRITE_PARTIALS) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) acc_c[i] = ct::select_f32(role.commit, acc[i], acc_c[i]);
-        } else {  // the fold the S pair computed for this step, kept at the commit
-          const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
-          const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float f0 = fold_value(run[4 * i], acc[4 * i], c_lo);
-            const float f1 = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
-            const float f2 = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
-            const float f3 = fold_value(run[4 * i + 3], acc[4 * i + 3], c_hi);
-            run[4 * i] = ct::select_f32(role.commit, f0, run[4 * i]);
-            run[4 * i + 1] = ct::select_f32(role.commit, f1, run[4 * i + 1]);
-            run[4 * i + 2] = ct::select_f32(role.commit, f2, run[4 * i + 2]);
-            run[4 * i + 3] = ct::select_f32(role.commit, f3, run[4 * i + 3]);
-          }
-        }
-      }
-      if (j + 1 == je) {
-        if constexpr (kWalk<OPT> != 0 && WRITE_PARTIALS) {
-          // A dead split of a row with positions stores its evolving accumulator, made
-          // finite and non-negative, where the neutral state holds zeros: the merge
-          // multiplies it by be = 2^(kMInit - m) = +0 (its m stays kMInit), so the
-          // product is +0 as with zeros and the bits are the same. Zeros written and
-          // read back made a short request's step faster than a long one's (G4 decode
-          // strict L 32768, H200: +0.017 % with the dead steps alone). A row without
-          // positions (padding) keeps zeros: its merge has no live split to absorb them.
-          const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
-#pragma unroll
-          for (int i = 0; i < 32; ++i) {
-            const float a = fabsf(acc[i]);
-            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
-          }
-        }
-        if constexpr (WRITE_PARTIALS) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (h == 0 ? !ok_lo : !ok_hi) continue;
-            const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
-                                (h == 0 ? head_lo : head_hi);
-            if constexpr (kWalk<OPT> != 0)
-              store_split_half<8>(p, row, 64 * wv + c2, acc_c, h);
-            else
-              store_split_half<8>(p, row, 64 * wv + c2, acc, h);
-          }
-        } else if constexpr (kWalk<OPT> == 0) {  // (CT: committed above)
-          const FoldCoef c_lo{rv[kPipeCoef + 32 * b + 2 * r_lo], rv[kPipeCoef + 32 * b + 2 * r_lo + 1]};
-          const FoldCoef c_hi{rv[kPipeCoef + 32 * b + 2 * r_hi], rv[kPipeCoef + 32 * b + 2 * r_hi + 1]};
-          fold_values(run, acc, c_lo, c_hi);
-        }
-      }
-      // Buffer b's P, alphas and coefficients are read (the inv of the CTA's last
-      // step stays: nothing writes it after).
-      float inv_lo = 1.f, inv_hi = 1.f;
-      if (!WRITE_PARTIALS && k + 1 == n_steps) {
-        inv_lo = rv[kPipeInv + r_lo];
-        inv_hi = rv[kPipeInv + r_hi];
-      }
-      mbar_arrive(pb.empty(b));
-      if (k + 1 == n_steps) store_out_rows(inv_lo, inv_hi);
-    }
-  }
-  // No position to attend (padding rows, empty requests): zeros, as the fold of nothing.
-  if (n_steps == 0) store_out_rows(finalize_inv(0.f), finalize_inv(0.f));
-}
-
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP, int OPT>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
-    decode_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                  const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, kMmaForm<OPT>>;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
-  uint8_t* smem_ptr = smem_raw + pad;
-  const uint32_t smem = raw + pad;
-  const Barriers<STAGES> bar{smem + L::kOffBar};
-  static_assert(kWalk<OPT> == 0 || kMmaForm<OPT> == 2, "the constant-time walk runs on consume_mma_pipe");
-  const int kvh = blockIdx.x, chunk = blockIdx.z;
-  int t = blockIdx.y, req = -1;
-  if (kWalk<OPT> == 0 && p.order != nullptr) {
-    const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
-    t = e.x;
-    req = e.y;
-    // order_kernel lists every token of [0, num_tokens) once when the metadata
-    // holds its contract (query_start_loc[0] == 0, non-decreasing); never index
-    // outside the step with an entry it did not write.
-    if (static_cast<unsigned>(t) >= static_cast<unsigned>(p.num_tokens) ||
-        static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
-      return;
-  }
-  Work w;
-  if constexpr (kWalk<OPT> != 0)
-    w = work_ct<kWalk<OPT>>(p, t, chunk, WRITE_PARTIALS);
-  else
-    w = work_of(p, t, req, chunk, WRITE_PARTIALS);
-
-  if (threadIdx.x == 0) {
-    // One release per consumer warp that reads the stage (the pipe: two read K, two V).
-    bar.init(kMmaForm<OPT> == 2 ? 2 : 4);
-    if constexpr (kMmaForm<OPT> == 2) PipeBarriers{smem + L::kOffRed + kPipeBarOff}.init();
-  }
-  __syncthreads();
-  if (threadIdx.x >= 128)
-    produce<STAGES, SMALL_Q, WRITE_PARTIALS, OPT>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, t);
-  else if constexpr (kMmaForm<OPT> == 2)
-    consume_mma_pipe<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
-  else if constexpr (OPT & kMmaSync)
-    consume_mma<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
-  else
-    consume<BF16, STAGES, WRITE_PARTIALS, SMALL_Q, OVERLAP, OPT>(p, w, smem_ptr, smem, bar, kvh, t);
-}
-
-// Fold mode's schedule (policy off: the lengths are public). The hardware
-// starts CTAs in grid order as slots free up; with requests of different
-// lengths, a long walk started last is a tail in which most SMs idle. The
-// longest-first order (LPT) ends the launch with the shortest walks. One CTA
-// counting-sorts the step's tokens by their number of 64-position steps
-// (descending; bins past kOrderBins - 1 share the last) into order[] as
-// (token, request) pairs (the CTA then needs no search for its request); ties land
-// in atomic order, which moves timing only: every CTA computes its own row with
-// the same operations wherever it runs, so the bits do not depend on the order.
 constexpr int kOrderThreads = 1024;
 constexpr int kOrderBins = 2 * kOrderThreads;  // walks up to 2047 steps (131 K positions) sorted exactly
 
@@ -1367,44 +681,6 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
 }
 
 // ---- host ----------------------------------------------------------------------
-template <bool BF16, int STAGES, bool WRITE_PARTIALS, int MIN_BLOCKS, bool SMALL_Q, bool OVERLAP = false,
-          int OPT = 0>
-int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
-           cudaStream_t stream) {
-  auto kernel = decode_kernel<BF16, STAGES, WRITE_PARTIALS, MIN_BLOCKS, SMALL_Q, OVERLAP, OPT>;
-  constexpr int bytes = Layout<STAGES, SMALL_Q, WRITE_PARTIALS, kMmaForm<OPT>>::kBytes;
-  // 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA.
-  static_assert((bytes + 1024) * MIN_BLOCKS <= 228 * 1024, "the stages must fit MIN_BLOCKS CTAs per SM");
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured = true;
-  }
-  if (p.order != nullptr) {
-    order_kernel<<<1, kOrderThreads, 0, stream>>>(p, reinterpret_cast<int2*>(const_cast<int*>(p.order)));
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return static_cast<int>(e);
-  }
-  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || !WRITE_PARTIALS) return static_cast<int>(e);
-  // The merge as a programmatic dependent launch: its launch overlaps the decode
-  // grid (which triggers it at its start) instead of following its end (~2 us per
-  // call, the gap between the two kernels in a graph replay).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_tokens, p.num_heads);
-  cfg.blockDim = dim3(kHead);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, merge_kernel<BF16, kWalk<OPT>>, p));
-}
-
 // ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumer -----------------
 // The binaries ops.cuda_decode routes to (its VARIANTS and CT_VARIANTS), by variant code
 // 8 x options + base 4: consume_v2 (below) with the producer, split schedule, merge and
@@ -1456,7 +732,7 @@ struct LayoutV2 {
                 "produce() fills the product layout's stages");
 };
 // CT binaries: a 128-position step whose positions all lie at or past the row's end is dead;
-// the split's committed state is its state at its last live step (decode_sm90.cu step_role,
+// the split's committed state is its state at its last live step (the constant-time walk above,
 // on 128-position steps). dead and commit feed selects only.
 template <int OPT>
 __device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
@@ -1474,7 +750,7 @@ static_assert(kV2Inv + 16 <= kPipeBarOff / 4 && kPipeBarOff + 32 <= 4 * kV2Lsum,
 // warps 0-1 (S): warp w computes S for positions [32 w, 32 w + 32) of each of the step's
 // two stages (s[16 h + 4 nt + e]: stage h, n8 tile nt), the v2 softmax, P into buffer b;
 // warps 2-3 (PV): warp w' rescales O once per step and accumulates the two stages' P V
-// for columns [64 w', 64 w' + 64). The P ring and the stage ring as consume_mma_pipe.
+// for columns [64 w', 64 w' + 64). The P ring (PipeBarriers) and the stage ring.
 template <bool BF16, int STAGES, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh, int t) {
@@ -1740,7 +1016,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       if (j + 2 == je) {
         if constexpr (kCT && WRITE_PARTIALS) {
           // A dead split of a row with positions stores its evolving accumulator, made finite and
-          // non-negative, where the neutral state holds zeros (decode_sm90.cu consume_mma_pipe: the
+          // non-negative, where the neutral state holds zeros (the Triton-contract consumer of git history: the
           // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
           const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
 #pragma unroll
@@ -1792,7 +1068,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x, chunk = blockIdx.z;
   int t = blockIdx.y, req = -1;
-  if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule, as decode_kernel
+  if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule (order_kernel)
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
     req = e.y;

@@ -1,19 +1,15 @@
-// Paged prefill attention for Hopper (sm_90a), policy `off` semantics: the
-// walk follows the true lengths (no length bucket).
+// Paged prefill (and mixed-step) attention for Hopper (sm_90a): policy `off` (the
+// walk follows the true lengths) and the constant-time walk of the public bucket.
 //
-// Every binary but CT is NOT constant-time, on purpose: the grid search
-// (`locate`), the early exits of surplus and padding tiles, the KV trip count
-// (`work_of`: n_steps from seq_len, q_len and the causal diagonal), the mask
-// branch (`mask_from`), the V-tail zeroing and the row-guarded stores all follow
-// the true lengths. That is the contract of policy `off` only (design.md:
-// "lengths" may leak). The CT binary (code 34, "constant-time walk" below) walks
-// the public bucket instead, over each request's reserved block-table line, with
-// the Triton CONST_TIME kernels' selects; ops.plan routes constant-time prefill
-// steps to it unless the setting path is triton (gates: `dhp-backend audit
-// sass-cuda` and G1 per instruction, docs/perf-notes.md change 22). It is the
-// route of docs/perf-notes.md ("What stands in the way", 2): what Triton 3.6
-// cannot express on this chip -- a producer warpgroup that loads 16-token pages
-// into 128-row stages, and consumer warpgroups with explicit wgmma waits.
+// The policy-off binary (code 60, prefill_v2_kernel) is NOT constant-time, on purpose:
+// the grid search (`locate`), the early exits of surplus and padding tiles, the KV trip
+// count (`work_of`: n_steps from seq_len, q_len and the causal diagonal), the mask branch
+// (`mask_from`), the V-tail zeroing and the row-guarded stores all follow the true
+// lengths. That is the contract of policy `off` only (design.md: "lengths" may leak). The
+// CT binary (code 61, "constant-time walk" below) walks the public bucket instead, over
+// each request's reserved block-table line, with selects; ops.plan routes constant-time
+// prefill and mixed steps to it unless the setting path is triton (gates: `dhp-backend
+// audit sass-cuda` and G1 per instruction).
 //
 // Layouts (those of ops.paged_attention):
 //   query, out   [num_tokens, num_heads, 128], last dim contiguous
@@ -22,33 +18,23 @@
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
 //
-// One CTA = 128 query rows of one request and one KV head: 128 / GROUP tokens x
-// the GROUP query heads that share the KV head (GQA packing, the Triton kernels'
-// tile: every K/V tile is read once for the group), 3 warpgroups:
-//   warpgroup 0  producer: one thread issues TMA loads (Q once; per KV step 8
-//                pages of K and of V, 16 rows x 64 columns per box, 128-byte
-//                swizzle) into a ring of STAGES stages. K and V have their own
-//                full/empty mbarriers: K of a stage is refilled as soon as its
-//                QK^T is done, without waiting for the PV product of that step.
-//   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both
-//                operands in shared memory), online softmax in registers,
-//                O += P V (wgmma, P from registers, V read transposed).
-// Variants (template flags; OVERLAP/PINGPONG/STAGES keep the arithmetic and its order):
-//   OVERLAP   FA3's intra-warpgroup overlap: the QK^T of step t+1 is issued
-//             with the PV of step t, and the softmax of t+1 runs under that PV.
-//   PINGPONG  FA3's inter-warpgroup schedule: the two consumer warpgroups take
-//             turns issuing their wgmmas (two named barriers), so that one
-//             warpgroup's softmax runs while the other's GEMMs hold the tensor cores.
-//   STAGES    2 or 3 shared-memory stages of K and V.
-//
-//   COMPAT    the Triton kernels' arithmetic instead (64-position steps,
-//             512-position splits folded; see consume_compat): the same bits as
-//             dhp_backend/ops/triton/kernels.py, so ops.paged_attention may run
-//             policy-off prefill steps here. The other binaries' bits differ
-//             from Triton's (one running state, 128-position steps): measured
-//             (docs/perf-notes.md), not routed, and not built: launch_variant
-//             instantiates the compat binaries only.
-//   DIAG      timing-by-difference binaries (wrong results on purpose); not built.
+// One CTA = 128 query rows of one request and one KV head (GQA packing: every K/V tile
+// is read once for the group), 3 warpgroups:
+//   warpgroup 0  producer: TMA loads (Q once; per 128-position KV step the pages of K and
+//                of V, bs rows x 64 columns per box, 128-byte swizzle) into a ring of two
+//                stages. K and V have their own full/empty mbarriers: K of a stage is
+//                refilled as soon as its QK^T is done, without waiting for the PV
+//                product of that step. Policy off: the four warps share every stage
+//                (produce_spread); CT: one thread (produce_ct) and two V cleaners.
+//   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both operands in
+//                shared memory), the row arithmetic of the contract (v2_arith.cuh,
+//                docs/kernels.md section 7) in registers, O += P V (wgmma, P from
+//                registers, V read transposed). Policy off adds FA3's schedules
+//                (consume_v2: intra-warpgroup overlap, pingpong of the two warpgroups).
+// A row's bits equal those of csrc/decode_sm90.cu's rows for the same position, under
+// every policy (tests/test_cuda_prefill_gpu.py). The Triton-contract consumers measured
+// before (compat, and the FA3-like `plain` with its schedule and diagnostic flags) are in
+// git history (docs/perf-notes.md, changes 17, 23, 32, 38).
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -77,27 +63,22 @@ constexpr int kThreads = 384;
 // tail, and the two turn barriers of the pingpong schedule.
 constexpr uint32_t kBarVTail = 1, kBarTurn = 3;
 
-// Diagnostic binaries (wrong results on purpose, for timing by difference):
-// no softmax arithmetic (P = S), no K/V loads after the first STAGES steps.
-constexpr int kDiagNoSoftmax = 1, kDiagNoLoads = 2;
-
-// Shared memory: Q | K stages | V stages | mbarriers, 1 KB aligned (swizzle atoms).
+// Shared memory: Q | K stages | V stages | mbarriers | running state, 1 KB aligned
+// (swizzle atoms). The consumers' running (folded) state, 64 fp32 per thread, lives in
+// shared memory rather than registers, in both binaries: [warpgroup][16][128 threads][4]
+// (policy off: with the overlap, s of the next step, P, O and a register-resident running
+// state would all be live; CT: the walk's extra live values spilled it).
 template <int STAGES>
 struct Layout {
   static constexpr int kOffK = kTileBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
-  static constexpr int kBytes = kOffBar + 128 + 1024;  // + barriers + alignment slack
-  // CT only: the consumers' running (folded) state, 64 fp32 per thread, in shared
-  // memory rather than registers (the CT walk's extra live values pushed the
-  // register-resident form into local memory): [warpgroup][16][128 threads][4].
   static constexpr int kOffRun = kOffBar + 128;
   static constexpr int kRunBytes = 2 * 128 * 64 * 4;
-  static constexpr int kBytesCT = kOffRun + kRunBytes + 1024;  // + alignment slack
+  static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
-static_assert(Layout<3>::kBytes <= 227 * 1024, "three stages must fit the 227 KB a block may use");
-static_assert(Layout<2>::kBytesCT <= 227 * 1024, "the CT binary's two stages and running state fit");
+static_assert(Layout<2>::kBytes <= 227 * 1024, "two stages and the running state fit");
 
 struct Params {
   void* out;
@@ -177,49 +158,8 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
   }
 }
 
-template <int STAGES, int DIAG>
-__device__ __forceinline__ void produce(const Params& p, const Work& w, const CUtensorMap* tm_q,
-                                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                        const Barriers<STAGES>& bar, int kvh, int req) {
-  using L = Layout<STAGES>;
-  // Q box: 64 columns x SLOTS heads x block_q tokens -> tile row = token * SLOTS + slot, head
-  // kvh * GROUP + slot (SLOTS = 2^group_shift >= GROUP; slots >= GROUP load the next
-  // group's heads, or zeros past the last head, and are never stored: rows_of).
-  mbar_arrive_expect_tx(bar.q_full(), kTileBytes);
-  tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
-  tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
-
-  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
-  const int bs = p.block_size;
-  const int pages_per_step = kCols / bs;
-  const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  for (int t = 0; t < w.n_steps; ++t) {
-    const int s = t % STAGES;
-    const uint32_t parity = ((t / STAGES) - 1) & 1;  // the release of step t - STAGES
-    // Pages past the request's last one repeat it (rows past seq_len are
-    // masked out of S and zeroed in V by the consumers).
-    const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
-    // The step's block ids first (at most 8 pages per step), so their loads are
-    // in flight together rather than one behind each TMA issue.
-    int blk[8];
-#pragma unroll
-    for (int pg = 0; pg < 8; ++pg)
-      blk[pg] = pg < pages_per_step ? table[min(t * pages_per_step + pg, last_page)] : 0;
-    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    if ((DIAG & kDiagNoLoads) && t >= STAGES)
-      mbar_arrive(bar.k_full(s));  // diagnostic: compute on the stale stage
-    else
-      load_stage(k_dst, tm_k, bar.k_full(s), blk, pages_per_step, bs, kvh);
-    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    if ((DIAG & kDiagNoLoads) && t >= STAGES)
-      mbar_arrive(bar.v_full(s));
-    else
-      load_stage(v_dst, tm_v, bar.v_full(s), blk, pages_per_step, bs, kvh);
-  }
-}
-
 // ---- constant-time walk (CT: policies strict / request) -------------------------
-// The COMPAT arithmetic on the walk of the Triton kernels' CONST_TIME binaries
+// The contract's arithmetic (consume_v2_ct) on the walk of the Triton kernels' CONST_TIME binaries
 // (kernels.attention_kernel; docs/kernels.md section 2): every CTA, whatever the
 // secret lengths, runs the same code path with the same trip counts and the same
 // loads and stores, at the same addresses.
@@ -242,7 +182,7 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 //   - every score is masked by select (the off binary masks only the last steps),
 //     except in the dead steps (every position past the true length): those run
 //     unmasked on the rows their pages hold and their contribution is dropped by
-//     selection (consume_compat), so the tensor cores get a live step's operands
+//     selection (consume_v2_ct), so the tensor cores get a live step's operands
 //     rather than masked zeros, whose lower power moved the step's time with the
 //     true length (G4, H200: short vs long +0.104 % with zeros, +0.037 % now).
 //   - every choice made on the true length whose result is a float (the commit of a
@@ -382,7 +322,7 @@ __device__ __forceinline__ uint32_t v_clean(const Barriers<STAGES>& bar, int s) 
 constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 
 // Zero the V rows at positions >= seq_len of the step holding the true length's end
-// (a dead step's rows stay as read: consume_compat drops its product) by rewriting
+// (a dead step's rows stay as read: consume_v2_ct drops its product) by rewriting
 // every stage's whole tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
 // and stores each back to the same address, ANDed with a mask that is all ones for
 // a real row and zero for padding. Every address and the count of loads and stores
@@ -405,7 +345,7 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
     mbar_wait(bar.v_full(s), (t / STAGES) & 1);
     uint4* tile = reinterpret_cast<uint4*>(smem_ptr + L::kOffV + s * kTileBytes);
     // A dead step (every position past the true length) keeps its rows as read: its
-    // product is computed on them and thrown away (consume_compat: the dead steps).
+    // product is computed on them and thrown away (consume_v2_ct: the dead steps).
     const bool dead = t * kCols >= w.seq_len;
     for (int it = 0; it < kPieces; it += kCleanBatch) {
       uint4 v[kCleanBatch];
@@ -461,54 +401,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo,
     }
   }
 }
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// Online softmax on one score tile, in place (s becomes P); returns the
-// rescale factors for the running output of rows lo/hi. l is kept per thread
-// (each thread's columns) and summed over the quad once at the end.
-__device__ __forceinline__ void softmax_step(float (&s)[64], float& m_lo, float& m_hi, float& l_lo, float& l_hi,
-                                             float& alpha_lo, float& alpha_hi, float scale_log2) {
-  float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-    mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-  }
-  const float new_lo = fmaxf(m_lo, quad_max(mx_lo) * scale_log2);
-  const float new_hi = fmaxf(m_hi, quad_max(mx_hi) * scale_log2);
-  alpha_lo = ex2(m_lo - new_lo);
-  alpha_hi = ex2(m_hi - new_hi);
-  m_lo = new_lo;
-  m_hi = new_hi;
-  float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    s[4 * i] = ex2(fmaf(s[4 * i], scale_log2, -new_lo));
-    s[4 * i + 1] = ex2(fmaf(s[4 * i + 1], scale_log2, -new_lo));
-    s[4 * i + 2] = ex2(fmaf(s[4 * i + 2], scale_log2, -new_hi));
-    s[4 * i + 3] = ex2(fmaf(s[4 * i + 3], scale_log2, -new_hi));
-    sum_lo += s[4 * i] + s[4 * i + 1];
-    sum_hi += s[4 * i + 2] + s[4 * i + 3];
-  }
-  l_lo = l_lo * alpha_lo + sum_lo;
-  l_hi = l_hi * alpha_hi + sum_hi;
-}
-
-
-__device__ __forceinline__ void rescale(float (&o)[64], float alpha_lo, float alpha_hi) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    o[4 * i] *= alpha_lo;
-    o[4 * i + 1] *= alpha_lo;
-    o[4 * i + 2] *= alpha_hi;
-    o[4 * i + 3] *= alpha_hi;
-  }
-}
-
 
 // The two query rows of a consumer thread (accumulator rows g and g + 8 of its
 // warp): tile row r is token tok0 + r / SLOTS of query head kvh * GROUP + r % SLOTS
@@ -583,411 +475,6 @@ struct Turns {
     if (PINGPONG && cw == 0) named_barrier(kBarTurn, 256);
   }
 };
-
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG>
-__device__ __forceinline__ void consume(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                        const Barriers<STAGES>& bar, int kvh) {
-  using L = Layout<STAGES>;
-  const int cw = threadIdx.x / 128 - 1;  // consumer warpgroup 0/1: rows 64*cw..
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
-  const int ctx0 = w.seq_len - w.q_len;
-  const int lim_lo = p.causal ? min(ctx0 + rw.qi_lo, w.seq_len - 1) : w.seq_len - 1;
-  const int lim_hi = p.causal ? min(ctx0 + rw.qi_hi, w.seq_len - 1) : w.seq_len - 1;
-  // The first KV position where any row of this warpgroup needs a mask.
-  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
-  const uint32_t q_base = smem + 64 * cw * 128;
-  const Turns<PINGPONG> turns{cw};
-
-  float o[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, a_lo, a_hi;
-  float s[64];
-  uint32_t pa[32];
-
-  mbar_wait(bar.q_full(), 0);
-  turns.start();
-
-  auto scores = [&](int t) {  // issue S = Q K_t^T
-    const int st = t % STAGES;
-    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
-    wgmma_fence();
-    issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
-    wgmma_commit();
-  };
-  auto values = [&](int t) {  // issue O += P V_t
-    const int st = t % STAGES;
-    mbar_wait(bar.v_full(st), (t / STAGES) & 1);
-    const int valid = w.seq_len - t * kCols;
-    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
-    wgmma_fence();
-    issue_pv<BF16>(o, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
-    wgmma_commit();
-  };
-  auto softmax = [&](int t) {
-    const int kv0 = t * kCols;
-    if constexpr (DIAG & kDiagNoSoftmax) {
-      a_lo = a_hi = 1.f;
-      l_lo = l_hi = 1.f;
-      return;
-    }
-    if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
-    softmax_step(s, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi, p.scale_log2);
-  };
-  auto release = [&](uint32_t barrier) {  // one arrival per warp
-    __syncwarp();
-    if (lane == 0) mbar_arrive(barrier);
-  };
-
-  if constexpr (!OVERLAP) {
-    for (int t = 0; t < w.n_steps; ++t) {
-      turns.wait();
-      scores(t);
-      turns.pass();
-      wgmma_wait<0>();
-      pin(s);
-      release(bar.k_empty(t % STAGES));
-      softmax(t);
-      rescale(o, a_lo, a_hi);
-      pack_p<BF16, 64>(s, pa);
-      turns.wait();
-      values(t);
-      turns.pass();
-      wgmma_wait<0>();
-      pin(o);
-      pin(pa);
-      release(bar.v_empty(t % STAGES));
-    }
-  } else {
-    turns.wait();
-    scores(0);
-    turns.pass();
-    wgmma_wait<0>();
-    pin(s);
-    release(bar.k_empty(0));
-    softmax(0);
-    pack_p<BF16, 64>(s, pa);
-    // Steady state peeled so that every path has the same wgmma structure
-    // (ptxas serialises the wgmmas when S(t+1) is issued conditionally).
-    for (int t = 0; t + 1 < w.n_steps; ++t) {
-      turns.wait();
-      scores(t + 1);  // S of step t+1 runs while ...
-      values(t);      // ... PV of step t is queued behind it
-      turns.pass();
-      wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
-      pin(s);
-      release(bar.k_empty((t + 1) % STAGES));
-      softmax(t + 1);
-      wgmma_wait<0>();
-      pin(o);
-      pin(pa);
-      release(bar.v_empty(t % STAGES));
-      rescale(o, a_lo, a_hi);
-      pack_p<BF16, 64>(s, pa);
-    }
-    turns.wait();
-    values(w.n_steps - 1);
-    turns.pass();
-    wgmma_wait<0>();
-    pin(o);
-    pin(pa);
-    release(bar.v_empty((w.n_steps - 1) % STAGES));
-  }
-  turns.finish();
-
-  // Epilogue: O / l, rows inside the request only.
-  const float inv_lo = 1.f / quad_sum(l_lo), inv_hi = 1.f / quad_sum(l_hi);
-  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, o, inv_lo);
-  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, o, inv_hi);
-}
-
-
-// ---- Triton-bit-compatible consumer (COMPAT) ------------------------------------
-// The arithmetic of dhp_backend/ops/triton/kernels.py operation for operation
-// (compat_arith.cuh), so that a row's bits equal the Triton kernels' whatever
-// kernel computes it (batch invariance across step kinds). Two 64-position KV
-// steps per 128-position stage (S by two m64n64k16 batches as Triton's 64-wide
-// tile, or S_N128: one m64n128 batch split in halves, the same products and
-// bits); each 512-position split from a fresh state folded into a running state.
-// Steps and splits past a row's last position are exact no-ops in that
-// arithmetic, so the tile extent (128 rows here, 32 tokens x 4 heads there)
-// does not change any row's bits. tests/test_cuda_prefill_gpu.py compares bits.
-
-// S_N128: QK^T of a 128-position stage as one m64n128 wgmma batch and split in
-// halves, instead of two m64n64 batches (each element is the same dot product;
-// measured bit-equal to Triton's m64n64 on the H200, and 4-5 % faster; ops'
-// "compat" is this form).
-template <bool BF16, int STAGES, bool S_N128, bool CT = false>
-__device__ __forceinline__ void consume_compat(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                               const Barriers<STAGES>& bar, int kvh, int g) {
-  using L = Layout<STAGES>;
-  const int cw = threadIdx.x / 128 - 1;
-  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
-  const int ctx0 = w.seq_len - w.q_len;
-  // Triton's limit - 1 (positions p < limit are attended).
-  int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;
-  int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
-  if constexpr (CT) {  // rows outside the request attend nothing (kernels: limit = 0)
-    lim_lo = select_int(rw.qi_lo < w.q_len, lim_lo, -1);
-    lim_hi = select_int(rw.qi_hi < w.q_len, lim_hi, -1);
-  }
-  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
-  const uint32_t q_base = smem + 64 * cw * 128;
-
-  float run[CT ? 1 : 64], acc[64];
-  // CT: this thread's running state, 16 float4 at a 2 KB pitch (a warp's float4
-  // are 512 contiguous bytes: no bank conflicts).
-  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  if constexpr (CT) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) run[i] = 0.f;
-  }
-  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state
-  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state
-  // One 64-column half of the scores per 64-position step: sa = s[0..31], sb = s[32..63].
-  float s[64];
-  float (&sa)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
-  float (&sb)[32] = *reinterpret_cast<float(*)[32]>(&s[32]);
-  uint32_t pa[16], pb[16];
-
-  mbar_wait(bar.q_full(), 0);
-  for (int t = 0; t < w.n_steps; ++t) {
-    const int st = t % STAGES;
-    const uint32_t par = (t / STAGES) & 1;
-    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
-    mbar_wait(bar.k_full(st), par);
-    wgmma_fence();
-    if constexpr (S_N128) {
-      issue_qk<BF16>(s, q_base, k_base);  // columns 0-63 land in s[0..31], 64-127 in s[32..63]
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kHead / 16; ++kk) {
-        const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-        wgmma_m64n64k16_ss<BF16>(sa, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024),
-                                 kk > 0);
-      }
-#pragma unroll
-      for (int kk = 0; kk < kHead / 16; ++kk) {
-        const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-        wgmma_m64n64k16_ss<BF16>(sb, desc_sw128(q_base + off, 16, 1024),
-                                 desc_sw128(k_base + 64 * 128 + off, 16, 1024), kk > 0);
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(s);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.k_empty(st));
-
-    const int kv0 = t * kCols;
-    float aa_lo, aa_hi, ab_lo, ab_hi;
-    // CT, the dead steps: a step whose positions are all past the true length runs as a live one:
-    // unmasked, on the rows its pages hold (V uncleaned, clean_v_ct), its split's state
-    // evolving. Masked steps fed the tensor cores zeros (P, V) and a frozen
-    // accumulator, whose lower power moved the step's time with the true length (G4,
-    // issue 28). What a dead step adds never reaches the output: the split's state is
-    // folded into the running one at its last live step (the commit below), and the
-    // fold at the split's end is then dropped by selection. Dead steps are a suffix
-    // of the walk and exact no-ops of the masked form, so the commit folds the very
-    // state the split's end folded before: the same bits.
-    // Rows outside the request (surplus and padding tiles; q_len is public) stay masked in
-    // every step, as in a long request's walk: unmasking them too made every dead step
-    // of a short request heavier than a live step of a long one (+0.002 % of the step's
-    // time per dead step, H200).
-    const bool dead = CT && kv0 >= w.seq_len;
-    const int lo_s = CT ? select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo) : lim_lo;
-    const int hi_s = CT ? select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi) : lim_hi;
-    // CT: every step masked (the mask is a select; which steps need it is secret).
-    compat_softmax(sa, kv0, lo_s, hi_s, CT || kv0 + 64 > mask_from, lane, p.scale_log2, m_lo, m_hi, l_lo, l_hi,
-                   aa_lo, aa_hi);
-    // CT: the second half waits for the first (its scale carries + 0 * l, l finite): with
-    // every step masked the two halves are straight-line code that ptxas interleaves
-    // into local-memory spills; the off binary's mask branch keeps them apart.
-    const float scale_b = CT ? __fadd_rn(p.scale_log2, __fmul_rn(l_lo, 0.f)) : p.scale_log2;
-    compat_softmax(sb, kv0 + 64, lo_s, hi_s, CT || kv0 + 128 > mask_from, lane, scale_b, m_lo, m_hi, l_lo,
-                   l_hi, ab_lo, ab_hi);
-    pack_p<BF16, 32>(sa, pa);
-    pack_p<BF16, 32>(sb, pb);
-
-    if constexpr (CT) {
-      mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
-    } else {
-      mbar_wait(bar.v_full(st), par);
-      const int valid = w.seq_len - kv0;
-      if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
-    }
-    scale_rows(acc, aa_lo, aa_hi);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
-      wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(acc);
-    pin(pa);
-    scale_rows(acc, ab_lo, ab_hi);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 4; j < 8; ++j) {
-      const uint32_t a[4] = {pb[4 * (j - 4)], pb[4 * (j - 4) + 1], pb[4 * (j - 4) + 2], pb[4 * (j - 4) + 3]};
-      wgmma_m64n128k16_rs<BF16>(acc, a, desc_sw128(v_base + j * 16 * 128, p.v_lbo, p.v_sbo));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(acc);
-    pin(pb);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar.v_empty(st));
-
-    if constexpr (CT) {  // the commit: a fold after every step, kept at a split's last live step
-      const bool split_end = ((t + 1) % (kSplitKV / kCols) == 0) | (t + 1 == w.n_steps);
-      const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
-      float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
-      const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, l_lo), hi = fold_stats(mf_hi, lf_hi, m_hi, l_hi);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float4 r = run_smem[128 * i];
-        const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
-        const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
-        run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
-                                        select_f32(commit, z, r.z), select_f32(commit, u, r.w));
-      }
-      mr_lo = select_f32(commit, mf_lo, mr_lo);
-      lr_lo = select_f32(commit, lf_lo, lr_lo);
-      mr_hi = select_f32(commit, mf_hi, mr_hi);
-      lr_hi = select_f32(commit, lf_hi, lr_hi);
-    }
-
-    if ((t + 1) % (kSplitKV / kCols) == 0 || t + 1 == w.n_steps) {  // end of a 512-position split: fold
-      // (CT: committed above, at this split's last live step, or never for a dead split)
-      if constexpr (!CT) fold_rows(run, mr_lo, mr_hi, lr_lo, lr_hi, acc, m_lo, m_hi, l_lo, l_hi);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      m_lo = m_hi = kMInit;
-      l_lo = l_hi = 0.f;
-    }
-  }
-
-  // finalize: acc * (1 / l) with l > 0 selected (div.full), rounded once.
-  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
-  if constexpr (CT) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
-      const float4 r = run_smem[128 * i];
-      acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
-    }
-    const int r = 64 * cw + 16 * warp + lane / 4;
-    store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
-    store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, g, r + 8, lane, acc, inv_hi);
-  } else {
-    store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, run, inv_lo);
-    store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, run, inv_hi);
-  }
-}
-
-// WIDE_REGS: the register split of FA3's two-consumer kernels, 24 for the producer
-// warpgroup and 240 per consumer thread (24 + 2 x 240 per thread x 128 = 64512) instead of
-// 40 / 232: eight more registers for the consumers' accumulators and scores (compat:
-// spills 100 -> 56 B per thread, 1-2 % faster, same bits). The CT binary keeps 40 / 232:
-// its producer warpgroup (Q loads, V cleaning) spills at 24.
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    prefill_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                   const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  using L = Layout<STAGES>;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
-  uint8_t* smem_ptr = smem_raw + pad;
-  const uint32_t smem = raw + pad;
-  const Barriers<STAGES> bar{smem + L::kOffBar};
-
-  const int kvh = blockIdx.x;
-  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);  // a request's longest causal tiles first
-  if constexpr (CT) {
-    // The m64n64 form of QK^T (code 32's): with the n128 form ptxas spilled ~200 B
-    // per thread in this binary, with this one 16 B (same products, same bits).
-    static_assert(COMPAT && !S_N128 && STAGES == 2 && !DIAG && !WIDE_REGS, "CT is a walk of the compat arithmetic");
-    static_assert(8 * (Barriers<STAGES>::kCount + STAGES) <= 128, "the barriers fit their 128 bytes");
-    const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
-    if (threadIdx.x == 0) {
-      bar.init(8);
-      for (int s = 0; s < STAGES; ++s) mbar_init(v_clean(bar, s), kCleanThreads / 32);
-      mbar_fence_init();
-    }
-    __syncthreads();
-    if (threadIdx.x < 128) {
-      regs_dealloc<40>();
-      load_q_ct(p, w, smem_ptr, bar, kvh);
-      if (threadIdx.x < 32) {
-        produce_ct<STAGES>(p, w, &tm_k, &tm_v, smem, bar, kvh, threadIdx.x);
-      } else if (threadIdx.x >= 32 && threadIdx.x < 32 + kCleanThreads) {
-        clean_v_ct<STAGES>(w, smem_ptr, bar, threadIdx.x - 32);
-      }
-    } else {
-      regs_alloc<232>();
-      consume_compat<BF16, STAGES, S_N128, true>(p, w, smem_ptr, smem, bar, kvh, g);
-    }
-    return;
-  }
-  const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
-  if (req == p.num_seqs) {  // padding rows: zeros, as the Triton kernels write them
-    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
-    const int toks = min(p.block_q, p.num_out_rows - first);
-    char* out = static_cast<char*>(p.out);
-    for (int i = threadIdx.x; i < toks * p.group * 16; i += kThreads) {  // 16 x 16 B per (token, head) row
-      const int64_t tok = first + (i / 16) / p.group, head = kvh * p.group + (i / 16) % p.group;
-      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
-          make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
-  const Work w = work_of(p, req, g);
-  if (w.tok0 >= w.q_len) return;  // whole CTA: a surplus tile of this request
-
-  if (threadIdx.x == 0) bar.init(8);  // one release per consumer warp
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    // 40 + 2 x 232 per thread x 128 = 64512 of 65536 registers; WIDE_REGS 24 + 2 x 240, the
-    // same total (32 + 2 x 240 = 65536 hung on the H200: setmaxnreg.inc never returned).
-    regs_dealloc<WIDE_REGS ? 24 : 40>();
-    if (threadIdx.x == 0) produce<STAGES, DIAG>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req);
-  } else {
-    regs_alloc<WIDE_REGS ? 240 : 232>();
-    if constexpr (COMPAT)
-      consume_compat<BF16, STAGES, S_N128>(p, w, smem_ptr, smem, bar, kvh, g);
-    else
-      consume<BF16, OVERLAP, PINGPONG, STAGES, DIAG>(p, w, smem_ptr, smem, bar, kvh);
-  }
-}
-
-// ---- host ----------------------------------------------------------------------
-template <bool BF16, bool OVERLAP, bool PINGPONG, int STAGES, int DIAG = 0, bool COMPAT = false, bool S_N128 = false,
-          bool CT = false, int LMODE = 0, bool WIDE_REGS = false>
-int launch(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
-           cudaStream_t stream) {
-  auto kernel = prefill_kernel<BF16, OVERLAP, PINGPONG, STAGES, DIAG, COMPAT, S_N128, CT, LMODE, WIDE_REGS>;
-  constexpr int bytes = CT ? Layout<STAGES>::kBytesCT : Layout<STAGES>::kBytes;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured = true;
-  }
-  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
-  return static_cast<int>(cudaGetLastError());
-}
 
 using v2::quad_lanes;
 using v2::step_tree;
@@ -1204,7 +691,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 }
 
 // The v2 consumer (FA3's exponent form, folds every 512) on the product's constant-time walk
-// (prefill_sm90.cu consume_compat<..., CT>: work_ct, produce_ct, clean_v_ct, run_smem and
+// (the constant-time walk above: work_ct, produce_ct, clean_v_ct, run_smem and
 // store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
 // every score is masked by select; V rows past the true length are zeroed by the cleaners
 // (the consumers wait on v_clean); a dead step (all positions past the true length) runs
@@ -1333,7 +820,7 @@ template <bool BF16, int LMODE>
 int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
                  cudaStream_t stream) {
   auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
-  constexpr int bytes = Layout<2>::kBytesCT;
+  constexpr int bytes = Layout<2>::kBytes;
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -1446,7 +933,7 @@ template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   auto kernel = prefill_v2_kernel<BF16>;
-  constexpr int bytes = Layout<2>::kBytesCT;  // the running state in shared memory (kOffRun)
+  constexpr int bytes = Layout<2>::kBytes;  // the running state in shared memory (kOffRun)
   static bool configured = false;
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
