@@ -127,7 +127,8 @@ def test_wide_block_table_short_walks():
             assert rel_err(out, ref, n) < TOL[torch.bfloat16], f"{variant}/{mode}"
             assert (out[n: step.num_tokens] == 0).all(), "padding rows must be zero"
             assert torch.isnan(out[step.num_tokens:].float()).all(), "rows at/after num_tokens were written"
-            assert torch.equal(bits(out[: step.num_tokens]), want), f"{variant}/{mode}: bits differ from the prefill kernel's"
+            assert torch.equal(bits(out[: step.num_tokens]), want), \
+                f"{variant}/{mode}: bits differ from the prefill kernel's"
     out = torch.full_like(step.query, float("nan"))
     run(step, out=out, mode="split")
     torch.cuda.synchronize()

@@ -125,7 +125,8 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
     H, Hkv = query.shape[1], key_cache.shape[1]
     if H // Hkv > MAX_GROUP:
         _fail("the number of KV heads", f"{Hkv} for {H} query heads",
-              f"at most {MAX_GROUP} query heads per KV head (the consumer's 16-row mma.sync tile holds a token's group)")
+              f"at most {MAX_GROUP} query heads per KV head (the consumer's 16-row mma.sync tile holds a "
+              "token's group)")
     if num_tokens > 65535:
         _fail("num_tokens", str(num_tokens), "at most 65535 (one CTA row per token)")
 
