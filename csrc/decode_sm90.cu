@@ -1101,15 +1101,10 @@ template <bool BF16, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   constexpr int kStages = 2, kMinBlocks = 2;
-  auto kernel = decode_v2_kernel<BF16, kStages, WRITE_PARTIALS, kMinBlocks, SMALL_Q, OPT>;
+  constexpr auto kernel = decode_v2_kernel<BF16, kStages, WRITE_PARTIALS, kMinBlocks, SMALL_Q, OPT>;
   constexpr int bytes = LayoutV2<kStages, SMALL_Q>::kBytes;
   static_assert((bytes + 1024) * kMinBlocks <= 228 * 1024, "the stages must fit two CTAs per SM");
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured = true;
-  }
+  if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   if (p.order != nullptr) {
     order_kernel<<<1, kOrderThreads, 0, stream>>>(p, reinterpret_cast<int2*>(const_cast<int*>(p.order)));
     cudaError_t e = cudaGetLastError();

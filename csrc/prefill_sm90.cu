@@ -819,14 +819,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <bool BF16, int LMODE>
 int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
                  cudaStream_t stream) {
-  auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
+  constexpr auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
   constexpr int bytes = Layout<2>::kBytes;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured = true;
-  }
+  if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
 }
@@ -932,14 +927,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  auto kernel = prefill_v2_kernel<BF16>;
+  constexpr auto kernel = prefill_v2_kernel<BF16>;
   constexpr int bytes = Layout<2>::kBytes;  // the running state in shared memory (kOffRun)
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    configured = true;
-  }
+  if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
 }

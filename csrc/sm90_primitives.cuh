@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -341,6 +342,19 @@ __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Lets KERNEL take `bytes` of dynamic shared memory, once per kernel and process (a
+// failed attempt is retried at the next launch).
+template <auto KERNEL>
+inline cudaError_t allow_dynamic_smem(int bytes) {
+  static bool done = false;
+  if (!done) {
+    const cudaError_t e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    done = true;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace dhp::sm90

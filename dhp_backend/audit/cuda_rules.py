@@ -85,9 +85,6 @@ RULES = (
              "(masked by the length), at the tile's own addresses"),
     CudaRule("run-init", "prefill_sm90.cu", r"^for \(int i = 0; i < 16; \+\+i\) run_smem\[", PUBLIC,
              "a constant trip count (16 float4 of running state per thread)"),
-    CudaRule("fold", "prefill_sm90.cu",
-             r"^if \(\(t \+ 1\) % \(kSplitKV / kCols\) == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
-             "the fold at the end of each 512-position split: step index and the bucket's step count"),
     # decode_sm90.cu, the constant-time walk (kConstTime; walk 1 gates, walk 2 is reported).
     CudaRule("dec-locate-loop", "decode_sm90.cu",
              r"^for \(int base = 1; base <= p\.num_seqs; base \+= blockDim\.x\) \{$", PUBLIC,
