@@ -24,7 +24,7 @@ positions); their ``exec_tb_s`` counts the K/V bytes walked (every request to L)
 and ``exec_fa3_over`` = exec_tb_s / FA3's tb_s is the strict-efficiency ratio.
 
 Bits, each family against itself (the csrc kernels and the Triton kernels have
-arithmetics of their own, docs/kernels.md section 2): every csrc row against the
+arithmetics of their own, docs/kernels.md section 7): every csrc row against the
 shape's first policy-off csrc row (``bits_equal_off``, with ``bits_vs`` naming it:
 the CT rows' policy invariance, and variants, schedules and splits per CTA giving
 the same bits), that row against the csrc prefill kernel (`ops.cuda_prefill`, the

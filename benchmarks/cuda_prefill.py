@@ -22,7 +22,7 @@ constant-time binary, bucket L; every request reads its L / 16 reserved pages), 
 executed work (every query row to L) as ``exec_tflops`` and its ratio to FA3's
 useful rate as ``strict_eff`` (the harness's strict_efficiency).
 
-Bits (the csrc kernels' contract, docs/kernels.md section 2; the Triton kernels have
+Bits (the csrc kernels' contract, docs/kernels.md section 7; the Triton kernels have
 an arithmetic of their own, so their rows are timing anchors, never compared with
 the csrc rows): ``cuda_v2`` against the csrc decode kernel computing every row of the
 same step through token tiles (``bits_equal_decode``: prefill = decode), and each

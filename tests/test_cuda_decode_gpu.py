@@ -3,7 +3,7 @@ against the reference over random decode steps (GQA 1-16, fp16/bf16, block sizes
 16-128, lengths across page, step and split boundaries, NaN/inf garbage in every
 cache slot and block-table entry no request owns), padding rows zero and rows past
 num_tokens untouched, and its bits equal to the csrc prefill kernel's rows for the
-same positions (the arithmetic contract, docs/kernels.md section 2: prefill = chunk
+same positions (the arithmetic contract, docs/kernels.md section 7: prefill = chunk
 = decode for every position, what lets ops.paged_attention run a layer's steps on
 the two kernels) in both split modes and every split schedule; repeatable bits,
 batch invariance, several query tokens per request (drafts), vLLM's K/V-interleaved

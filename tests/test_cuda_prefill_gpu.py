@@ -5,7 +5,7 @@ garbage in every cache slot and block-table entry no request owns), padding rows
 zero and rows past num_tokens untouched, repeatable bits, batch invariance (a
 request's rows alone = inside any batch), chunked prefill = whole prefill, and
 every row's bits equal to the csrc decode kernel's for the same position (the
-arithmetic contract, docs/kernels.md section 2: what lets ops.paged_attention run
+arithmetic contract, docs/kernels.md section 7: what lets ops.paged_attention run
 a layer's prefill, mixed and decode steps on the two kernels).
 The constant-time binary (``v2_ct``) runs on block tables that obey the address
 rule (design.md section 2: each request owns distinct pages up to its bucket,
