@@ -91,18 +91,8 @@ def routes_decode(spec) -> tuple[bool, str]:
     """Whether `ops.plan` runs policy-``off`` decode steps of ``spec`` (a
     `dispatch.ProblemSpec`) here, and why not. The setting ``path: triton`` keeps
     every step of the layer on the Triton kernels."""
-    why = _refusal(spec, MAX_GROUP, "the kernel")
+    why = common_route_refusal(spec, "decode_sm90.cu")  # device, nvcc, shape, group, builds
     return (False, why) if why else (True, "policy off, decode steps: csrc/decode_sm90.cu")
-
-
-def _refusal(spec, max_group: int, who: str) -> str | None:
-    """Why the csrc decode kernel cannot run ``spec`` (device, nvcc, shape; query
-    heads per KV head up to ``max_group``), or None."""
-    why = common_route_refusal(spec, "decode_sm90.cu")
-    if why:
-        return why
-    g = spec.num_heads // max(1, spec.num_kv_heads)
-    return f"{g} query heads per KV head ({who} takes at most {max_group})" if g > max_group else None
 
 
 @functools.lru_cache(maxsize=None)
