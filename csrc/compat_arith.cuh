@@ -63,6 +63,19 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int
   named_barrier(barrier_id, THREADS);
 }
 
+// V rows [0, rows) zeroed, as zero_v_tail the rows past the length (the feature libraries: the
+// positions below a sliding window's lowest bound in the walk's first step, which may be the null
+// block of pages the window dropped). The default one-box layout only.
+template <int POSITIONS, int THREADS = 128>
+__device__ __forceinline__ void zero_v_head(uint8_t* v_tile, int rows, int tid, uint32_t barrier_id) {
+  for (int idx = tid; idx < rows * 16; idx += THREADS) {
+    const int row = idx / 16, c = idx % 16;
+    reinterpret_cast<uint4*>(v_tile + (c / 8) * (POSITIONS * 128) + row * 128)[c % 8] = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier(barrier_id, THREADS);
+}
+
 constexpr float kMInit = -3.4028234663852886e38f;
 
 // a == m ? 1 : 2^(a - m), Triton's tl.where: both sides computed, then a selp.

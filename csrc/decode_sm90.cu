@@ -163,6 +163,10 @@ struct Params {
   int l_scalar;                             // the one bucket L (walk 1)
   const int* bucket;                        // [num_seqs] per-request buckets (walk 2)
   int max_blocks;                           // block-table width
+  // Feature libraries only (v2_arith.cuh kWindow / kSoftCap; last, so the plain binaries' parameter
+  // offsets are those they had): the window W, the soft cap's two constants (v2::soft_cap).
+  int window;
+  float cap_pre, cap_post;
 };
 
 template <int STAGES>
@@ -223,7 +227,12 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   w.ext = max(0, min(w.seq_len, limit));
   w.n_kv = (w.ext + kStep - 1) / kStep;
   w.n_split = (w.n_kv + kStepsPerSplit - 1) / kStepsPerSplit;
-  w.s_lo = write_partials ? chunk : 0;
+  // Window (feature libraries, policy off): the splits wholly below the token's window
+  // (positions < ext - W) are fully masked, each the neutral state, whose fold is the identity
+  // on the bits (merge_kernel): the walk, the split schedule and the merge start at the split
+  // holding ext - W (docs/kernels.md section 7, "Features").
+  const int s_first = v2::kWindow ? max(0, w.ext - p.window) / kSplitKV : 0;
+  w.s_lo = s_first + (write_partials ? chunk : 0);
   w.s_stride = write_partials ? static_cast<int>(gridDim.z) : 1;
   w.s_end = min(w.n_split, p.n_split_grid);
   return w;
@@ -461,15 +470,24 @@ __device__ __forceinline__ uint32_t keep_pair(int pos, int seq_len) {
   return ((0u - static_cast<uint32_t>(pos < seq_len)) & 0x0000ffffu) |
          ((0u - static_cast<uint32_t>(pos + 1 < seq_len)) & 0xffff0000u);
 }
+// The window libraries: V kept in [v_lo, seq_len) (below v_lo: the null block of dropped pages).
+__device__ __forceinline__ uint32_t keep_pair_window(int pos, int v_lo, int seq_len) {
+  return ((0u - static_cast<uint32_t>((pos < seq_len) & (pos >= v_lo))) & 0x0000ffffu) |
+         ((0u - static_cast<uint32_t>((pos + 1 < seq_len) & (pos + 1 >= v_lo))) & 0xffff0000u);
+}
 template <bool BF16, int NP, int OPT>
 __device__ __forceinline__ void pv_step_mma(float (&acc)[8 * NP], const Params& p, uint32_t p_tile, uint32_t v_base,
-                                            int c0, int lane, int kv0 = 0, int seq_len = 0) {
+                                            int c0, int lane, int kv0 = 0, int seq_len = 0, int v_lo = 0) {
+  constexpr bool kKeep = kWalk<OPT> != 0 || v2::kWindow;
 #pragma unroll
   for (int kk = 0; kk < kStep / 16; ++kk) {
     uint32_t pa[4];
     ldmatrix_x4<false>(pa, p_tile + sw128_offset(lane % 16, 2 * kk + lane / 16));
     uint32_t keep_lo = 0, keep_hi = 0;
-    if constexpr (kWalk<OPT> != 0) {
+    if constexpr (v2::kWindow) {
+      keep_lo = keep_pair_window(kv0 + 16 * kk + 2 * (lane % 4), v_lo, seq_len);
+      keep_hi = keep_pair_window(kv0 + 16 * kk + 8 + 2 * (lane % 4), v_lo, seq_len);
+    } else if constexpr (kWalk<OPT> != 0) {
       keep_lo = keep_pair(kv0 + 16 * kk + 2 * (lane % 4), seq_len);
       keep_hi = keep_pair(kv0 + 16 * kk + 8 + 2 * (lane % 4), seq_len);
     }
@@ -479,7 +497,7 @@ __device__ __forceinline__ void pv_step_mma(float (&acc)[8 * NP], const Params& 
       uint32_t vb[4];
       ldmatrix_x4<true>(vb, v_chunk_addr<OPT>(p, v_base, 16 * kk + 8 * ((lane / 8) % 2) + lane % 8,
                                               c0 + 2 * np + lane / 16));
-      if constexpr (kWalk<OPT> != 0) {
+      if constexpr (kKeep) {
         vb[0] &= keep_lo;
         vb[1] &= keep_hi;
         vb[2] &= keep_lo;
@@ -618,9 +636,12 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   // Only the row's splits with positions were stored (split_schedule); folding a
   // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
   // the row's result is that of folding all n_split_grid.
-  int n_split;
-  if constexpr (WALK == 0)
-    n_split = work_of(p, t, -1, 0, true).n_split;
+  int n_split, s_first = 0;  // the splits [s_first, n_split) (off with a window: from the window's first)
+  if constexpr (WALK == 0) {
+    const Work w = work_of(p, t, -1, 0, true);
+    n_split = w.n_split;
+    if constexpr (v2::kWindow) s_first = w.s_lo;
+  }
   else if constexpr (WALK == 1)
     n_split = min((p.l_scalar + kSplitKV - 1) / kSplitKV, p.n_split_grid);
   else
@@ -630,7 +651,7 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   const uint32_t acc_base = smem_addr(&acc_sm[0][0]);
   float lr = 0.f, acc = 0.f;
   if (d == 0) mr_carry = kMInit;
-  for (int c0 = 0; c0 < n_split; c0 += kMergeChunk) {
+  for (int c0 = s_first; c0 < n_split; c0 += kMergeChunk) {
     const int n = min(kMergeChunk, n_split - c0);
     for (int k = d; k < n * (kHead / 4); k += kHead) {  // 16-byte pieces: split k / 32, columns 4 (k % 32)..
       const int j = k / (kHead / 4), c = 4 * (k % (kHead / 4));
@@ -776,6 +797,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
     }
     const int lim = w.ext - 1;
+    const int win_lo = w.ext - p.window;  // window libraries: the first position the token sees
+    const float scale = v2::score_scale(p.qk_scale);
     float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running state (fold mode), l quad-summed
     int k = 0;
     for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
@@ -810,8 +833,27 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           if (lane == 0) mbar_arrive(bar.k_empty(st));
         }
         const int kv0 = j * kStep;  // the 128-position step's first position
+        if constexpr (v2::kSoftCap) {  // the soft cap, before the mask (v2::soft_cap)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
+        }
+        if constexpr (v2::kWindow) {  // both bounds; CT: every step, by select (a dead step unmasked)
+          if (kCT || kv0 + kStepV2 > w.ext || kv0 < win_lo) {
+            const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
+            const int lo_s = kCT ? ct::select_int(role.dead, INT_MIN, win_lo) : win_lo;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const int col = kv0 + 64 * (i / 4) + 32 * ws + 8 * (i % 4) + c2;
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const bool out = (col + e > lim_s) | (col + e < lo_s);
+                s[4 * i + e] = out ? -INFINITY : s[4 * i + e];
+                s[4 * i + 2 + e] = out ? -INFINITY : s[4 * i + 2 + e];
+              }
+            }
+          }
+        } else if (kCT || kv0 + kStepV2 > w.ext) {
         // off: a branch on the (public) length; CT: every step, by select (a dead step unmasked)
-        if (kCT || kv0 + kStepV2 > w.ext) {
           const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
@@ -840,8 +882,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         mx_hi = fmaxf(rv[kV2Max + r_hi], rv[kV2Max + 16 + r_hi]);
         // The max over the step's raw scores, then scaled: prefill_v2's fmaxf(m, quad_max(mx) * scale)
         // (rounding is monotonic, so the max of the scaled values is the scaled max).
-        const float new_lo = v2::step_max(m_lo, mx_lo, p.qk_scale);
-        const float new_hi = v2::step_max(m_hi, mx_hi, p.qk_scale);
+        const float new_lo = v2::step_max(m_lo, mx_lo, scale);
+        const float new_hi = v2::step_max(m_hi, mx_hi, scale);
         const float a_lo = select_ex2(m_lo, new_lo), a_hi = select_ex2(m_hi, new_hi);
         m_lo = new_lo;
         m_hi = new_hi;
@@ -854,10 +896,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             float* x = &s[16 * h + 4 * nt];
-            x[0] = v2::exp_score(x[0], p.qk_scale, new_lo);
-            x[1] = v2::exp_score(x[1], p.qk_scale, new_lo);
-            x[2] = v2::exp_score(x[2], p.qk_scale, new_hi);
-            x[3] = v2::exp_score(x[3], p.qk_scale, new_hi);
+            x[0] = v2::exp_score(x[0], scale, new_lo);
+            x[1] = v2::exp_score(x[1], scale, new_lo);
+            x[2] = v2::exp_score(x[2], scale, new_hi);
+            x[3] = v2::exp_score(x[3], scale, new_hi);
             g_lo[nt] = v2::pair_sum(x[0], x[1]);
             g_hi[nt] = v2::pair_sum(x[2], x[3]);
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_tile + sw128_offset(r_lo, 4 * ws + nt) + 2 * c2),
@@ -989,7 +1031,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
                                    (OPT & kPairedV) ? p.box_rows : kStep);
         }
         const int v_len = kCT ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
-        pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, (j + h) * kStep, v_len);
+        // window libraries: V below the window zeroed in the fragments (off: the tail is zeroed above)
+        const int v_lo = kCT ? ct::select_int(role.dead, INT_MIN, w.ext - p.window) : w.ext - p.window;
+        pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, (j + h) * kStep, kCT ? v_len : INT_MAX,
+                                  v_lo);
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.v_empty(st));
       }
@@ -1171,7 +1216,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
                                int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
-                               void* stream) {
+                               int window, float cap_pre, float cap_post, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1212,6 +1257,11 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.qk_scale = qk_scale;
   p.causal = causal;
   p.merge_pdl = 1;
+  p.window = window;
+  p.cap_pre = cap_pre;
+  p.cap_post = cap_post;
+  // The feature arguments must be this library's (cuda_build.feature_library).
+  if ((window >= 1) != v2::kWindow || window < 0 || ((cap_post != 0.f) != v2::kSoftCap)) return -10;
   const bool split = spp > 0;
   const int opts = variant >= 8 ? variant / 8 : 0;
   const bool ct = (opts & kConstTime) != 0;

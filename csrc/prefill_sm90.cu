@@ -104,6 +104,10 @@ struct Params {
   int q_rows;                                    // query.shape[0]
   uint32_t q_magic;                              // Barrett constant of q_rows
   void* sink;                                    // rows of no request go here (workspace sink)
+  // Feature libraries only (v2_arith.cuh kWindow / kSoftCap; last, so the plain binaries' parameter
+  // offsets are those they had): the window W, the soft cap's two constants (v2::soft_cap).
+  int window;
+  float cap_pre, cap_post;
 };
 
 template <int STAGES>
@@ -113,6 +117,7 @@ using Barriers = RingBarriers<STAGES>;
 struct Work {
   int q0, q_len, seq_len, tok0, n_steps;  // tok0: the tile's first query token (request-local)
   int page_req, n_pages;                  // whose table line the walk reads, and its reserved entries (CT)
+  int t0;                                 // policy off with a window: the walk's first step (else 0)
 };
 
 // The tiling of ops.paged_attention's Triton kernels (kernels.locate): request r
@@ -139,6 +144,15 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
   const int last_tok = min(w.tok0 + p.block_q, w.q_len) - 1;
   const int kv_end = p.causal ? min(w.seq_len, w.seq_len - w.q_len + last_tok + 1) : w.seq_len;
   w.n_steps = (kv_end + kCols - 1) / kCols;
+  w.t0 = 0;
+  if constexpr (v2::kWindow) {
+    // The tile's lowest row (token tok0) sees from position ctx0 + tok0 - W + 1 on; every step
+    // below the one holding it is fully masked for every row of the tile, an exact no-op of the
+    // contract (all scores -inf: m stays, since kMInit is finite; alpha is selected 1; p = 0), so
+    // the walk starts there (docs/kernels.md section 7, "Features"). Policy off only.
+    const int lo_tile = w.seq_len - w.q_len + w.tok0 - p.window + 1;
+    w.t0 = min(max(lo_tile, 0) / kCols, max(w.n_steps - 1, 0));
+  }
   return w;
 }
 
@@ -402,6 +416,28 @@ __device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo,
   }
 }
 
+// The window's lower bound too (feature libraries): scores at positions <= lo (the row's
+// position - W) become -inf, by the same selection. Dead rows and dead steps of the constant-time
+// walk pass lo = INT_MIN.
+__device__ __forceinline__ void mask_scores_window(float (&s)[64], int kv0, int lo_lo, int lim_lo, int lo_hi,
+                                                   int lim_hi, int lane) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
+      s[4 * i + e] = (col > lim_lo) | (col <= lo_lo) ? -INFINITY : s[4 * i + e];
+      s[4 * i + 2 + e] = (col > lim_hi) | (col <= lo_hi) ? -INFINITY : s[4 * i + 2 + e];
+    }
+  }
+}
+
+// The soft cap (feature libraries) on a step's raw scores, before the mask: v2::soft_cap.
+__device__ __forceinline__ void cap_scores(float (&s)[64], const Params& p) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
+}
+
 // The two query rows of a consumer thread (accumulator rows g and g + 8 of its
 // warp): tile row r is token tok0 + r / SLOTS of query head kvh * GROUP + r % SLOTS
 // (SLOTS = 2^group_shift). A slot >= GROUP (GQA ratios that are not powers of two)
@@ -586,6 +622,14 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
   const Turns<true> turns{cw};
+  // Window (feature libraries): the walk starts at step t0 (work_of); a step holding a position
+  // at or below the warpgroup's highest lower bound (its last row's position - W) is masked
+  // below too; the V rows below the tile's lowest bound (lo_tile) in step t0 are zeroed, as the
+  // tail past seq_len: under vLLM they may be the null block of the pages the window dropped.
+  const int t0 = v2::kWindow ? w.t0 : 0;
+  const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
+  const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
+  const int lo_tile = ctx0 + w.tok0 - p.window + 1;
 
   float acc[64], s[64];
   uint32_t pa[32];
@@ -599,25 +643,32 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   float a_lo = 1.f, a_hi = 1.f;
 
   auto scores = [&](int t) {  // issue S = Q K_t^T
-    const int st = t % STAGES;
-    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
+    const int st = (t - t0) % STAGES;
+    mbar_wait(bar.k_full(st), ((t - t0) / STAGES) & 1);
     wgmma_fence();
     issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
   };
   auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
-    const int st = t % STAGES;
-    mbar_wait(bar.v_full(st), (t / STAGES) & 1);
+    const int st = (t - t0) % STAGES;
+    mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
     const int valid = w.seq_len - t * kCols;
     if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (v2::kWindow && t == t0 && lo_tile > t * kCols)
+      zero_v_head<kCols>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - t * kCols, kCols), tid, kBarVTail + cw);
     wgmma_fence();
     issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
   };
   auto softmax = [&](int t) {  // step t's row arithmetic; a fresh state at a split's first step
     const int kv0 = t * kCols;
-    if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
-    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    if constexpr (v2::kSoftCap) cap_scores(s, p);
+    if constexpr (v2::kWindow) {
+      if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+    } else {
+      if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+    }
+    v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
   auto release = [&](uint32_t barrier) {  // one arrival per warp
     __syncwarp();
@@ -638,16 +689,16 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   mbar_wait(bar.q_full(), 0);
   turns.start();
   turns.wait();
-  scores(0);
+  scores(t0);
   turns.pass();
   wgmma_wait<0>();
   pin(s);
   release(bar.k_empty(0));
-  softmax(0);
+  softmax(t0);
   scale_rows(acc, a_lo, a_hi);
   pack_p<BF16, 64>(s, pa);
   // Steady state peeled so that every path has the same wgmma structure (as consume's).
-  for (int t = 0; t + 1 < w.n_steps; ++t) {
+  for (int t = t0; t + 1 < w.n_steps; ++t) {
     turns.wait();
     scores(t + 1);  // S of step t+1 runs while ...
     values(t);      // ... PV of step t is queued behind it
@@ -660,12 +711,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
     pin(s);
-    release(bar.k_empty((t + 1) % STAGES));
+    release(bar.k_empty((t + 1 - t0) % STAGES));
     softmax(t + 1);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty(t % STAGES));
+    release(bar.v_empty((t - t0) % STAGES));
     if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
     scale_rows(acc, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
@@ -676,7 +727,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   wgmma_wait<0>();
   pin(acc);
   pin(pa);
-  release(bar.v_empty((w.n_steps - 1) % STAGES));
+  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES));
   fold(m_lo, m_hi, l_lo, l_hi);
   turns.finish();
 
@@ -713,6 +764,9 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   const int lim_lo = select_int(rw.qi_lo < w.q_len, p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1, -1);
   const int lim_hi = select_int(rw.qi_hi < w.q_len, p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1, -1);
   const uint32_t q_base = smem + 64 * cw * 128;
+  // Window (feature libraries): the lower bound only selects, in every step; the walk is the
+  // bucket's whatever the window is (its position follows the true length: design.md section 2).
+  const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
 
   float acc[64], s[64];
   uint32_t pa[32];
@@ -733,10 +787,17 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
 
     const int kv0 = t * kCols;
     const bool dead = kv0 >= w.seq_len;
-    mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
-                select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
+    if constexpr (v2::kSoftCap) cap_scores(s, p);
+    if constexpr (v2::kWindow) {
+      const bool dead_lo = dead & (rw.qi_lo < w.q_len), dead_hi = dead & (rw.qi_hi < w.q_len);
+      mask_scores_window(s, kv0, select_int(dead_lo, INT_MIN, lo_lo), select_int(dead_lo, INT_MAX, lim_lo),
+                         select_int(dead_hi, INT_MIN, lo_hi), select_int(dead_hi, INT_MAX, lim_hi), lane);
+    } else {
+      mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
+                  select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
+    }
     float a_lo, a_hi;
-    v2_step(s, p.scale_log2, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
 
     mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
@@ -860,16 +921,17 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
   const int bs = p.block_size, pps = kCols / bs;
   const int per = pps >= 4 ? pps / 4 : 1, first = pw * per, n = first < pps ? per : 0;
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  for (int t = 0; t < w.n_steps; ++t) {
-    const int s = t % STAGES;
-    const uint32_t parity = ((t / STAGES) - 1) & 1;  // the release of step t - STAGES
+  const int t0 = v2::kWindow ? w.t0 : 0;  // a window's first step (work_of)
+  for (int t = t0; t < w.n_steps; ++t) {
+    const int s = (t - t0) % STAGES;
+    const uint32_t parity = (((t - t0) / STAGES) - 1) & 1;  // the release of step t - STAGES
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
     int blk[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) blk[j] = j < n ? table[min(t * pps + first + j, last_page)] : 0;
-    if (t >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    if (t - t0 >= STAGES) mbar_wait(bar.k_empty(s), parity);
     load_share(k_dst, tm_k, bar.k_full(s), first, n, blk, bs, kvh);
-    if (t >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    if (t - t0 >= STAGES) mbar_wait(bar.v_empty(s), parity);
     load_share(v_dst, tm_v, bar.v_full(s), first, n, blk, bs, kvh);
   }
 }
@@ -959,6 +1021,9 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // hold its reserved pages up to its bucket, the address rule that ops.paged_attention
 // checks). qk_scale = softmax scale * log2(e) as the caller
 // computes it (the Triton launcher's value, for equal bits).
+// window, cap_pre, cap_post: the features of a feature library (v2_arith.cuh: -DDHP_WINDOW,
+// -DDHP_SOFTCAP): W >= 1 in a window library, else 0; the soft cap's constants
+// (cuda_common.soft_cap_args) in a soft-cap library, else 0. -10 when they do not match the library.
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -967,7 +1032,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 int num_out_rows, int num_heads, int num_kv_heads, int block_size, float qk_scale,
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 int l_mode, int l_scalar, const int* bucket, int max_blocks, int q_rows,
-                                unsigned q_magic, void* sink, void* stream) {
+                                unsigned q_magic, void* sink, int window, float cap_pre, float cap_post,
+                                void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1019,6 +1085,12 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.q_rows = q_rows;
   p.q_magic = q_magic;
   p.sink = sink;
+  p.window = window;
+  p.cap_pre = cap_pre;
+  p.cap_post = cap_post;
+  // The feature arguments must be this library's (cuda_build.feature_library): a window >= 1
+  // exactly in a window library, cap constants exactly in a soft-cap library.
+  if ((window >= 1) != v2::kWindow || (window < 0) || ((cap_post != 0.f) != v2::kSoftCap)) return -10;
   if (p.num_tiles > 65535) return -6;
   if (variant == 61 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))

@@ -14,9 +14,27 @@
 
 #include "compat_arith.cuh"
 
+// The model features a library is compiled with (docs/kernels.md section 7, "Features"): one
+// library per feature set, built with -DDHP_WINDOW=1 and/or -DDHP_SOFTCAP=1
+// (dhp_backend/ops/cuda_build.py feature_library), so the plain libraries are the code they were
+// and a feature costs only the layers that have it. Both values are public model configuration.
+#ifndef DHP_WINDOW
+#define DHP_WINDOW 0
+#endif
+#ifndef DHP_SOFTCAP
+#define DHP_SOFTCAP 0
+#endif
+
 namespace dhp::v2 {
 
 using sm90::ex2;
+
+// Sliding window W (Params::window, >= 1): the query at position i sees keys j with
+// i - W < j <= i (vLLM's window: FlashAttention's (W - 1, 0)).
+constexpr bool kWindow = DHP_WINDOW != 0;
+// Logits soft-capping: a score s becomes c * tanh(s * scale / c), in log2 units for the exponent
+// form: soft_cap below; the row arithmetic then runs with scale 1 (score_scale).
+constexpr bool kSoftCap = DHP_SOFTCAP != 0;
 
 constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of 128
 
@@ -29,6 +47,18 @@ __device__ __forceinline__ float step_max(float m, float raw_max, float scale) {
 
 // p = 2^(s * scale - m): FA3's exponent form, one fma per score.
 __device__ __forceinline__ float exp_score(float s, float scale, float m) { return ex2(__fmaf_rn(s, scale, -m)); }
+
+// The soft cap of a raw score s, in log2 units: (1 - 2 / (2^(s * pre) + 1)) * post with
+// pre = 2 * scale * log2(e) / c and post = c * log2(e) (cuda_common.soft_cap_args computes both
+// once for every kernel): tanh in the saturating form (2^x = inf gives 1, 0 gives -1, never
+// inf / inf), ex2.approx and div.full, no data-dependent path. A garbage score (NaN) stays NaN and
+// is masked by selection afterwards, as an uncapped one.
+__device__ __forceinline__ float soft_cap(float s, float pre, float post) {
+  const float e = ex2(__fmul_rn(s, pre));
+  return __fmul_rn(__fsub_rn(1.f, sm90::div_full(2.f, __fadd_rn(e, 1.f))), post);
+}
+// The scale step_max and exp_score apply: the softmax scale x log2(e), or 1 for capped scores.
+__device__ __forceinline__ float score_scale(float qk_scale) { return kSoftCap ? 1.f : qk_scale; }
 
 // A group's own column pair.
 __device__ __forceinline__ float pair_sum(float a, float b) { return __fadd_rn(a, b); }

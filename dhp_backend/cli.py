@@ -189,13 +189,14 @@ def info(args: argparse.Namespace) -> dict:
 # What each implementation covers beyond plain causal GQA attention (issue 31),
 # for `info`: the model's features, as vLLM hands them to the backend.
 MODEL_FEATURES = {
-    "logits_soft_cap": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not "
-                       "implement it, so such layers run every step on Triton",
+    "logits_soft_cap": "reference, Triton kernels and the csrc Hopper kernels (their soft-cap library; policy off, "
+                       "strict, request): a layer the csrc kernels take (head 128, no sinks) runs on them",
     "sinks": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not implement "
              "them, so such layers run every step on Triton",
-    "sliding_window": "reference and Triton kernels (policy off: the walk starts at the window; strict, request: "
-                      "the whole bucket is walked, the window is a selection); the csrc kernels do not implement "
-                      "it, so such layers run every step on Triton; a window >= max_model_len is no window. In "
+    "sliding_window": "reference, Triton kernels and the csrc Hopper kernels (their window library; policy off: the "
+                      "walk starts at the window; strict, request: the whole bucket is walked, the window is a "
+                      "selection): a layer the csrc kernels take (head 128, no sinks) runs on them; a window "
+                      ">= max_model_len is no window. In "
                       "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
                       "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
 }

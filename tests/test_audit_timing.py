@@ -845,9 +845,9 @@ def test_featured_launch_matches_the_reference_and_obeys_the_address_rule(policy
             assert not torch.equal(classes.launch(unfeatured, torch.empty_like(x["query"])), out), c
 
 
-def test_featured_shapes_name_the_triton_kernel(with_nvcc):
-    """The report's "Kernel path per policy and step": a featured layer runs every step on the Triton kernels
-    (the csrc kernels implement no feature), a plain one on a csrc kernel where it may."""
+def test_featured_shapes_name_their_kernel(with_nvcc):
+    """The report's "Kernel path per policy and step": a layer with sinks runs every step on the Triton kernels
+    (the csrc kernels do not implement them), a plain, windowed or capped one on a csrc kernel where it may."""
     from types import SimpleNamespace
 
     from dhp_backend.audit import classes
@@ -859,9 +859,11 @@ def test_featured_shapes_name_the_triton_kernel(with_nvcc):
         batch = 16 if q == 1 else 4
         plain = t.path_of(classes.Shape(batch=batch, q_len=q))
         assert plain.startswith("triton") and "kernel cuda_" in plain, plain
-        for f in ({"sliding_window": 1024}, {"logits_soft_cap": 50.0}, {"sinks": True}):
+        path = t.path_of(classes.Shape(batch=batch, q_len=q, sinks=True))
+        assert path.startswith("triton") and path.endswith("; kernel triton"), path
+        for f in ({"sliding_window": 1024}, {"logits_soft_cap": 50.0}):
             path = t.path_of(classes.Shape(batch=batch, q_len=q, **f))
-            assert path.startswith("triton") and path.endswith("; kernel triton"), (f, path)
+            assert path.startswith("triton") and "kernel cuda_" in path, (f, path)
 
 
 def test_features_in_the_plan_rows_and_reports(tmp_path, monkeypatch, capsys):

@@ -187,8 +187,13 @@ def test_every_layer_shares_one_preparation(fake_nvcc, caplog):
     plan.clear_caches()
 
 
-def test_a_layer_with_features_builds_nothing(fake_nvcc):
+def test_a_layer_with_sinks_builds_nothing_and_a_capped_layer_its_feature_libraries(fake_nvcc):
     import dataclasses
 
-    capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0)
-    assert plan.prepare_kernels(capped) == [] and fake_nvcc() == []  # its steps all run on Triton
+    sinks = dataclasses.replace(_sm90_spec(), sinks=True)
+    assert plan.prepare_kernels(sinks) == [] and fake_nvcc() == []  # its steps all run on Triton
+    capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0, sliding_window=4096)
+    built = plan.prepare_kernels(capped)
+    assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_softcap", "dhp_prefill_sm90_window_softcap"]
+    assert len(fake_nvcc()) == 2
+    plan.clear_caches()

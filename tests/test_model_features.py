@@ -9,6 +9,7 @@ interpreter) and tests/test_triton_gpu.py (CUDA).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -133,10 +134,9 @@ CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=
                  causal=True, device_capability=(9, 0))
 
 
-@pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sinks=True),
-                                      dict(logits_soft_cap=30.0, sinks=True), dict(sliding_window=4096),
+@pytest.mark.parametrize("features", [dict(sinks=True), dict(logits_soft_cap=30.0, sinks=True),
                                       dict(sliding_window=128, sinks=True)])
-def test_layers_with_features_run_every_step_on_triton(with_nvcc, features):
+def test_layers_with_sinks_run_every_step_on_triton(with_nvcc, features):
     plain = ProblemSpec(**CUDA_SPEC)
     spec = ProblemSpec(**CUDA_SPEC, **features)
     steps = [("off", 64, 64), ("off", 4096, 1), ("strict", 16, 16), ("strict", 4096, 1), ("request", 48, 16)]
@@ -147,8 +147,57 @@ def test_layers_with_features_run_every_step_on_triton(with_nvcc, features):
         sp = plan_step(spec, p, num_tokens=n, num_reqs=r, max_blocks=512,
                        bucket_l=8192 if p == "strict" else None, num_sms=132)
         assert sp.kernel == plan.TRITON
+        assert "attention sinks" in plan.step_route(spec, p, n, r)[1]
         for words in spec.features:
             assert words in sp.binary() and words in sp.describe()
+
+
+@pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sliding_window=4096),
+                                      dict(logits_soft_cap=30.0, sliding_window=1024)])
+def test_windows_and_soft_caps_run_every_step_on_the_csrc_feature_libraries(with_nvcc, monkeypatch, features):
+    """A head-128 layer with a window and/or a soft-cap runs every step on the csrc kernels, as a plain one,
+    and its start-up preparation builds the feature libraries (cuda_build.feature_library), not the plain
+    ones."""
+    from dhp_backend.ops import cuda_build
+
+    spec = ProblemSpec(**CUDA_SPEC, **features)
+    steps = [("off", 64, 64, plan.CUDA_DECODE), ("off", 4096, 1, plan.CUDA_PREFILL),
+             ("strict", 16, 16, plan.CUDA_DECODE_CT), ("strict", 4096, 1, plan.CUDA_PREFILL_CT),
+             ("request", 48, 16, plan.CUDA_PREFILL_CT)]
+    for p, n, r, kernel in steps:
+        assert step_kernel(spec, p, n, r) == kernel, (p, n, r)
+        if kernel.startswith("cuda_prefill"):
+            sp = plan_step(spec, p, num_tokens=n, num_reqs=r, max_blocks=512,
+                           bucket_l=8192 if p == "strict" else None, num_sms=132)
+            for words in spec.features:
+                assert words in sp.binary() and words in sp.describe()
+    built = []
+    monkeypatch.setattr(cuda_build, "build", lambda name, source, flags=cuda_build.SM90A: built.append(
+        (name, source, flags)) or name)
+    assert plan.prepare_kernels(spec) == [name for name, _, _ in built]
+    window, cap = "sliding_window" in features, "logits_soft_cap" in features
+    want = {cuda_build.feature_library(lib, window=window, softcap=cap) for lib in cuda_build.LIBRARIES}
+    assert set(built) == want and len(built) == 2
+    for name, _, flags in built:
+        assert ("-DDHP_WINDOW=1" in flags) == window and ("-DDHP_SOFTCAP=1" in flags) == cap
+        assert name.endswith(("_window", "_softcap")) and name.startswith(("dhp_decode_sm90", "dhp_prefill_sm90"))
+
+
+def test_feature_arguments_of_the_csrc_launchers():
+    from dhp_backend.ops.cuda_common import feature_args
+
+    lib, tail = feature_args("t", 0.125, True, None, None)
+    assert lib == dict(window=False, softcap=False) and tail == (0, 0.0, 0.0)
+    lib, tail = feature_args("t", 0.125, True, 4096, 50.0)
+    assert lib == dict(window=True, softcap=True) and tail[0] == 4096
+    assert tail[1] == pytest.approx(2 * 0.125 * math.log2(math.e) / 50) and tail[2] == pytest.approx(50 * math.log2(math.e))
+    for bad, match in ((dict(sliding_window=0), "sliding_window is 0"), (dict(sliding_window=True), "sliding_window"),
+                       (dict(logits_soft_cap=-1.0), "logits_soft_cap is -1.0"),
+                       (dict(logits_soft_cap=float("inf")), "logits_soft_cap is inf")):
+        with pytest.raises(ValueError, match=match):
+            feature_args("t", 0.125, True, bad.get("sliding_window"), bad.get("logits_soft_cap"))
+    with pytest.raises(ValueError, match="causal=False"):
+        feature_args("t", 0.125, False, 128, None)
 
 
 def test_run_refuses_sinks_the_plan_was_not_made_for():
@@ -173,8 +222,9 @@ def test_info_lists_the_features_and_plans_them_on_triton(capsys):
     assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
-    for feature in r["features"].values():
-        assert "Triton kernels" in feature and "csrc kernels do not" in feature
+    assert "csrc kernels do not" in r["features"]["sinks"]
+    for name in ("logits_soft_cap", "sliding_window"):
+        assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
     for case in r["cases"].values():
         assert case["kernel"] == "triton"
         assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
@@ -182,7 +232,8 @@ def test_info_lists_the_features_and_plans_them_on_triton(capsys):
         cli.main(["info", "--logits-soft-cap", "-3"])
 
 
-def test_info_plans_a_windowed_layer_on_triton_and_normalises_a_window_past_the_context(capsys):
+def test_info_plans_a_windowed_layer_on_the_csrc_kernels_and_normalises_a_window_past_the_context(
+        capsys, with_nvcc):
     import json
 
     from dhp_backend import cli
@@ -191,7 +242,7 @@ def test_info_plans_a_windowed_layer_on_triton_and_normalises_a_window_past_the_
                      "8192"]) == 0
     r = json.loads(capsys.readouterr().out)
     for case in r["cases"].values():
-        assert case["kernel"] == "triton" and "sliding window 1024" in case["binary"]
+        assert case["kernel"].startswith("cuda_") and "sliding window 1024" in case["binary"], case
     # Phi-3.5-mini's window, larger than the context: no window, the plain routing
     assert cli.main(["info", "--device", "cuda", "--json", "--sliding-window", "262144", "--max-model-len",
                      "131072"]) == 0

@@ -283,18 +283,25 @@ def audit_cubin(cubin: bytes, source: str) -> list[dict]:
     return out
 
 
-def audit_sources(sources=tuple(SOURCES), progress=print) -> dict:
+# The feature libraries audited with the plain ones (`--features`): a model's window and soft-cap
+# (cuda_build.feature_library); both at once compile every feature path of the kernels.
+FEATURE_SETS = {"plain": {}, "window+softcap": dict(window=True, softcap=True)}
+
+
+def audit_sources(sources=tuple(SOURCES), progress=print, feature_sets=("plain",)) -> dict:
     from dhp_backend.ops import cuda_build
 
     t0 = time.time()
     results, nvcc = [], cuda_build.find_nvcc()
-    for src in sources:
+    for src, features in [(s, f) for f in feature_sets for s in sources]:
         if src not in SOURCES:
             raise ValueError(f"unknown csrc source {src!r}: one of {', '.join(SOURCES)}")
-        name, flags = SOURCES[src]
-        progress(f"  {src}: nvcc -cubin -lineinfo ...")
-        cubin = cuda_build.build_cubin(name, src, cuda_build.SM90A + flags).read_bytes()
-        rs = audit_cubin(cubin, src)
+        if features not in FEATURE_SETS:
+            raise ValueError(f"unknown feature set {features!r}: one of {', '.join(FEATURE_SETS)}")
+        name, _, flags = cuda_build.feature_library((SOURCES[src][0], src), **FEATURE_SETS[features])
+        progress(f"  {src} ({features}): nvcc -cubin -lineinfo ...")
+        cubin = cuda_build.build_cubin(name, src, flags).read_bytes()
+        rs = audit_cubin(cubin, src if features == "plain" else f"{src} [{features}]")
         for r in rs:
             if r.get("audited", True):
                 progress(f"  {src} {r['kernel']}{r['template_args']}: {'gating' if r['gating'] else 'reported'}, "
@@ -337,6 +344,8 @@ def write_reports(report_dir: str, s: dict, where: str = "nvcc") -> tuple[str, s
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sources", default=",".join(SOURCES), help="csrc sources (comma-separated)")
+    ap.add_argument("--features", default="plain,window+softcap",
+                    help=f"feature libraries to audit (comma-separated: {', '.join(FEATURE_SETS)})")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--report-dir", help="write <date>-sass-cuda-cpu.md/.json there")
 
@@ -351,7 +360,8 @@ def run(args) -> int:
         return 2
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     log("G2 SASS gate, csrc CUDA kernels")
-    s = audit_sources(tuple(x.strip() for x in args.sources.split(",") if x.strip()), progress=log)
+    s = audit_sources(tuple(x.strip() for x in args.sources.split(",") if x.strip()), progress=log,
+                      feature_sets=tuple(x.strip() for x in args.features.split(",") if x.strip()))
     if args.report_dir:
         s["reports"] = list(write_reports(args.report_dir, s))
     if args.json:

@@ -118,12 +118,13 @@ RULES = (
     CudaRule("dec-group-rows", "decode_sm90.cu", r"^if \(ok_(lo|hi)\) store_out_half<", PUBLIC,
              "only the tile rows that are query heads of the group are stored: thread index and GROUP"),
     CudaRule("merge-chunks", "decode_sm90.cu",
-             r"^(for \(int c0 = 0; c0 < n_split; c0 \+= kMergeChunk\) \{|"
+             r"^(for \(int c0 = s_first; c0 < n_split; c0 \+= kMergeChunk\) \{|"
              r"for \(int k = d; k < n \* \(kHead / 4\); k \+= kHead\) \{|"
              r"for \(int base = 0; base < n; base \+= 32\) \{|for \(int j = 0; j < n; \+\+j\) \{|"
              r"if \(d < (n|32)\) \{|float v = base \+ d < n \? m_s\[base \+ d\] : -INFINITY;)", PUBLIC,
              "the merge folds the bucket's splits, min(ceil(L / 512), n_split_grid), in chunks of 64 by the "
-             "thread index: public counts"),
+             "thread index: public counts (s_first is 0 in the constant-time binaries: a window moves only "
+             "policy off's first split)"),
     # prefill_sm90.cu, the v2 constant-time consumer and kernel (consume_v2_ct, prefill_v2_ct_kernel).
     CudaRule("v2p-role", "prefill_sm90.cu", r"^(\} else )?if \((threadIdx\.x (==|<|>=) [^)]*|lane == 0)\)( \{)?",
              PUBLIC, "warp-specialised roles by thread index: barrier init, producer warpgroup (Q rows, the TMA "

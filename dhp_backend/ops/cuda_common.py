@@ -5,6 +5,7 @@ meaning of their C entry points' error codes."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -28,6 +29,7 @@ _LAUNCH_ERRORS = {
     -7: "query heads per KV head outside what the kernel accepts",
     -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
     -9: "the split-state workspace is not 16-byte aligned",
+    -10: "the window / soft-cap arguments do not match the library's features (cuda_build.feature_library)",
 }
 
 
@@ -70,6 +72,9 @@ def common_route_refusal(spec, source: str) -> str | None:
         return f"dtype {spec.dtype}"
     if spec.block_size not in BLOCK_SIZES:
         return f"block size {spec.block_size}"
+    if spec.sinks:
+        return ("attention sinks (the csrc kernels implement sliding windows and logits soft-caps; a layer with "
+                "sinks runs every step on the Triton kernels)")
     from dhp_backend.ops.cuda_build import find_nvcc
     if find_nvcc() is None:
         return (f"no nvcc to build csrc/{source} (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, "
@@ -156,3 +161,37 @@ def ct_bucket(who: str, bucket, num_seqs: int, capacity: int, device) -> tuple[i
         raise ValueError(f"{who}: bucket is {bucket!r}; accepted: an int in [1, block_table.shape[1] * block_size "
                          f"= {capacity}]")
     return 0, int(bucket), None
+
+
+def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_soft_cap) -> tuple[dict, tuple]:
+    """The model features of a csrc launch: ``feature_library``'s keywords (which library has the
+    binaries) and the C entry points' trailing arguments ``(window, cap_pre, cap_post)``.
+
+    The window W (an int >= 1, causal only; None: none) is passed as it is: the query at position i
+    sees keys j with i - W < j <= i (vLLM's window). A soft cap c > 0 (None: none) becomes
+    ``cap_pre = 2 * scale * log2(e) / c`` and ``cap_post = c * log2(e)``: csrc/v2_arith.cuh
+    ``soft_cap`` computes c * tanh(s * scale / c) in log2 units from them, the same two constants for
+    both kernels (equal bits)."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"{who}: sliding_window is {sliding_window!r}; accepted: None or an int >= 1 "
+                             "(ops.attention.check_sliding_window normalises a model's value)")
+        if not causal:
+            raise ValueError(f"{who}: sliding_window {sliding_window} with causal=False; accepted: causal=True "
+                             "(the window is the causal lower bound)")
+    cap_pre = cap_post = 0.0
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) or not (
+                0 < float(logits_soft_cap) < float("inf")):
+            raise ValueError(f"{who}: logits_soft_cap is {logits_soft_cap!r}; accepted: None or a finite "
+                             "number > 0")
+        log2e = math.log2(math.e)
+        cap_pre = 2.0 * float(scale) * log2e / float(logits_soft_cap)
+        cap_post = float(logits_soft_cap) * log2e
+    library = dict(window=sliding_window is not None, softcap=logits_soft_cap is not None)
+    return library, (int(sliding_window or 0), cap_pre, cap_post)
+
+
+def spec_features(spec) -> dict:
+    """``feature_library``'s keywords for a layer (`dispatch.ProblemSpec`)."""
+    return dict(window=spec.sliding_window is not None, softcap=bool(spec.logits_soft_cap))

@@ -97,11 +97,12 @@ class StepPlan:
             return (f"Triton attention_kernel, {ct}, {self.triton.kind} tile (BLOCK_M {c.block_m}, BLOCK_Q "
                     f"{c.block_q}, BLOCK_N {c.block_n}, {c.num_warps} warps, {c.num_stages} stages)"
                     + (" + merge_kernel" if self.triton.split else ""))
+        features = "".join(f", {f}" for f in self.spec.features)
         if self.kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
-            return f"csrc/prefill_sm90.cu, {self.prefill_variant} binary"
+            return f"csrc/prefill_sm90.cu, {self.prefill_variant} binary{features}"
         ct = " (constant-time walk)" if self.kernel == CUDA_DECODE_CT else ""
         variant = self.decode.variant if self.decode else "variant chosen on the GPU"
-        return f"csrc/decode_sm90.cu, {variant}{ct}"
+        return f"csrc/decode_sm90.cu, {variant}{ct}{features}"
 
     def launch(self) -> dict:
         """The grid and split geometry the plan fixed (empty where the kernel decides inside)."""
@@ -235,16 +236,16 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
     built and the routes say why (`cuda_common.common_route_refusal`). Returns the builds."""
     from dhp_backend.ops import cuda_common
 
-    if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE or spec.features:
-        return []  # (a soft-cap, sinks or a window: every step of the layer runs on Triton, step_kernel)
+    if spec.device_type != "cuda" or requested == TRITON or requested == REFERENCE:
+        return []
     wanted = []
     for kind, library in CSRC_LIBRARY.items():
         if library not in wanted and _cuda_routes(spec, kind)[0]:
             wanted.append(library)
     built = []
     for library in wanted:
-        try:
-            b = cuda_build.build(*library)
+        try:  # a layer with a window or a soft-cap: its feature library (cuda_build.feature_library)
+            b = cuda_build.build(*cuda_build.feature_library(library, **cuda_common.spec_features(spec)))
         except cuda_build.CudaBuildError as e:
             cuda_common.mark_build_failed(library[1], str(e).splitlines()[0])
             _cuda_routes.cache_clear()
@@ -276,8 +277,8 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
 
     - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
       `cuda_decode.routes_decode`: sm_90, head size 128, at most
-      `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc, no soft-cap, sinks or
-      window): decode steps (the launcher's token tiles, `geometry.decode_step`) on
+      `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc, no attention sinks;
+      sliding windows and soft-caps on their feature libraries): decode steps (the launcher's token tiles, `geometry.decode_step`) on
       ``cuda_decode`` (``cuda_decode_ct`` under strict / request), prefill and mixed
       steps on ``cuda_prefill`` (``cuda_prefill_ct``);
     - else the Triton kernels (``triton``) for every step.
@@ -294,10 +295,8 @@ def layer_family(spec: ProblemSpec) -> tuple[bool, str]:
     """Whether ``spec``'s layers run on the csrc kernels (every step), and why (not)."""
     if spec.device_type != "cuda":
         return False, "the csrc kernels run on CUDA devices only"
-    if spec.features:
-        # The csrc kernels implement no soft-cap, sinks or window: such layers run
-        # every step on the Triton kernels. A public decision (the model's config).
-        return False, f"the csrc kernels do not implement {' or '.join(spec.features)}"
+    # (attention sinks: the routes refuse them, cuda_common.common_route_refusal; windows and soft-caps
+    # run on the csrc feature libraries. A public decision: the model's configuration.)
     for kind in (CUDA_PREFILL, CUDA_DECODE):
         ok, why = _cuda_routes(spec, kind)
         if not ok:
@@ -363,15 +362,16 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
         return launch(plan.triton, *args, scale=scale, causal=causal, num_tokens=n, policy=plan.policy,
                       bucket=bucket, **features)
-    if plan.spec.features:  # step_kernel never plans this; a hand-made plan could
-        raise ValueError(f"plan.run: kernel {kernel!r} does not implement {', '.join(plan.spec.features)}; "
-                         "accepted: the triton or reference kernel for such a layer (ops.plan.step_kernel)")
+    if plan.spec.sinks:  # step_kernel never plans this; a hand-made plan could
+        raise ValueError(f"plan.run: kernel {kernel!r} does not implement attention sinks; accepted: the triton "
+                         "or reference kernel for such a layer (ops.plan.step_kernel)")
+    csrc_features = dict(sliding_window=sliding_window, logits_soft_cap=plan.spec.logits_soft_cap or None)
     if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
         from dhp_backend.ops.cuda_prefill import prefill_sm90
 
         # policy off walks the true lengths; a constant-time policy's public bucket is the walk's extent
         return prefill_sm90(*args, scale=scale, causal=causal, num_tokens=n, variant=plan.prefill_variant,
-                            bucket=bucket if kernel == CUDA_PREFILL_CT else None, check=False)
+                            bucket=bucket if kernel == CUDA_PREFILL_CT else None, check=False, **csrc_features)
     from dhp_backend.ops.cuda_decode import decode_sm90
 
     launch_args = {}
@@ -380,7 +380,8 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
         launch_args = dict(variant=d.variant, mode="split" if d.split else "fold", order=d.longest_first,
                            spp=d.spp if d.split else None)
     return decode_sm90(*args, scale=scale, causal=causal, num_tokens=n,
-                       bucket=bucket if kernel == CUDA_DECODE_CT else None, check=False, **launch_args)
+                       bucket=bucket if kernel == CUDA_DECODE_CT else None, check=False, **launch_args,
+                       **csrc_features)
 
 
 def _check_plan_fits(plan: StepPlan, query, key_cache, block_table, seq_lens, out, bucket) -> None:

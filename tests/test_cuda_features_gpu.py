@@ -1,0 +1,230 @@
+"""The csrc Hopper kernels with a layer's model features (issue 31): sliding windows and
+logits soft-caps, on their feature libraries (`cuda_build.feature_library`, csrc/v2_arith.cuh
+DHP_WINDOW / DHP_SOFTCAP; docs/kernels.md section 7, "Features"), on an sm_90 GPU.
+
+- accuracy against the reference over random packed steps (prompts and chunks on cached
+  context, windows below, at and above a block, a 128-position step and a 512-position split,
+  and past every length; soft-cap 50 and 30; GQA 4 and 7; fp16 and bf16; block sizes 16-128);
+- every prefill row's bits equal the decode kernel's for the same position (split and fold
+  mode), chunked prefill = whole prefill, the constant-time walks (v2_ct, the decode CT
+  binaries, one bucket and per-request buckets, on tables that obey the address rule) give
+  policy off's bits;
+- under policy off the pages below the window may be vLLM's null block full of NaN/inf
+  (its sliding-window manager frees them): the same bits as with the real pages;
+- a window past every length gives the plain library's bits;
+- ops.paged_attention routes a windowed / soft-capped layer (head 128, no sinks) to the csrc
+  kernels under every policy, a layer with sinks to the Triton kernels.
+
+Needs nvcc (the feature libraries are built on first use). Run:
+``pytest -m gpu tests/test_cuda_features_gpu.py``.
+"""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, reference, rel_err,
+                          reserved_step)
+
+from dhp_backend.ops import paged_attention
+from dhp_backend.ops.cuda_build import find_nvcc
+from dhp_backend.ops.cuda_decode import decode_sm90
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, prefill_sm90, unavailable_reason
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or unavailable_reason() is not None,
+                       reason="needs an sm_90 GPU"),
+    pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/"),
+]
+
+SCALE = 0.0883
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# (name, features): Mistral-7B-v0.1's window, Gemma-2's cap, both, and windows at the edges
+FEATURES = [
+    ("W4096", dict(sliding_window=4096)),
+    ("W100", dict(sliding_window=100)),
+    ("W129", dict(sliding_window=129)),
+    ("W512", dict(sliding_window=512)),
+    ("W1", dict(sliding_window=1)),
+    ("cap50", dict(logits_soft_cap=50.0)),
+    ("cap30+W700", dict(logits_soft_cap=30.0, sliding_window=700)),
+]
+
+
+def prefill(step, feats, *, variant=V2, bucket=None):
+    out = torch.full_like(step.query, float("nan"))
+    return prefill_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, variant=variant,
+                        bucket=bucket, **feats)
+
+
+def decode(step, feats, *, mode=None, bucket=None):
+    """Every row of the step through the csrc decode kernel (each query token its own CTA row)."""
+    out = torch.full_like(step.query, float("nan"))
+    return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
+                       bucket=bucket, **feats)
+
+
+def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=1400):
+    reqs = []
+    for _ in range(n):
+        seq = rng.randint(1, max_len)
+        q = rng.choice([seq, seq, rng.randint(1, seq)])  # whole prompts and chunks on cached context
+        reqs.append(make_request(q, seq, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen))
+    return reqs
+
+
+@pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
+@pytest.mark.parametrize("H,Hkv,dtype,bs", [(32, 8, torch.bfloat16, 16), (28, 4, torch.float16, 64),
+                                             (16, 16, torch.bfloat16, 128)], ids=["gqa4", "gqa7", "mha"])
+def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype, bs):
+    rng = random.Random(hash((name, H, bs)) & 0xFFFF)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(3):
+        reqs = random_reqs(rng, gen, rng.randint(1, 4), H, Hkv, dtype)
+        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5]), extra_rows=3)
+        n = int(step.query_start_loc[-1])
+        what = f"{name} trial {trial} {[(r.q_len, r.seq_len) for r in reqs]}"
+        ref = reference(step, scale=SCALE, causal=True, **feats)
+        out = prefill(step, feats)
+        assert rel_err(out, ref, n) < TOL[dtype], what
+        assert (out[n: step.num_tokens] == 0).all(), f"padding rows must be zero: {what}"
+        assert torch.isnan(out[step.num_tokens:].float()).all(), f"rows at/after num_tokens written: {what}"
+        for mode in (None, "fold"):  # None: split mode where the launcher picks it (few tokens)
+            assert torch.equal(bits(decode(step, feats, mode=mode)[: step.num_tokens]),
+                               bits(out[: step.num_tokens])), f"decode/{mode} differs from the prefill: {what}"
+        assert torch.equal(bits(prefill(step, feats)[:n]), bits(out[:n])), f"not repeatable: {what}"
+
+
+@pytest.mark.parametrize("name,feats", [f for f in FEATURES if "sliding_window" in f[1]],
+                         ids=[n for n, f in FEATURES if "sliding_window" in f])
+def test_null_pages_below_the_window_change_no_bit(name, feats):
+    """Policy off with vLLM's sliding-window KV manager: the pages wholly below each request's first row's
+    window hold the null block 0, full of NaN/inf here; prefill and decode give the bits of the full table."""
+    rng = random.Random(len(name))
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    for bs in (16, 64):
+        reqs = [make_request(rng.randint(1, 300), rng.randint(1500, 3000), H=32, Hkv=8, D=128, dtype=torch.bfloat16,
+                             gen=gen) for _ in range(4)]  # chunks on cached context
+        step = assemble(reqs, block_size=bs, gen=gen)
+        dropped = drop_pages_below_window(step, feats["sliding_window"], gen=gen)
+        assert (dropped.block_table == 0).any() or feats["sliding_window"] >= 1500  # (W4096: nothing dropped)
+        full = bits(prefill(step, feats)[: step.num_tokens])
+        assert torch.equal(bits(prefill(dropped, feats)[: step.num_tokens]), full), f"prefill, {name}, bs {bs}"
+        for mode in (None, "fold"):
+            got = decode(dropped, feats, mode=mode)[: step.num_tokens]
+            assert torch.equal(bits(got), full), f"decode/{mode}, {name}, bs {bs}"
+        # decode steps (one token per request) in split mode: the split schedule and the merge start at the
+        # window's first split
+        dec = [make_request(1, rng.randint(1, 6000), H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+               for _ in range(5)]
+        step = assemble(dec, block_size=bs, gen=gen)
+        dropped = drop_pages_below_window(step, feats["sliding_window"], gen=gen)
+        full = bits(prefill(step, feats)[: step.num_tokens])
+        for mode in ("split", "fold"):
+            got = decode(dropped, feats, mode=mode)[: step.num_tokens]
+            assert torch.equal(bits(got), full), f"decode step/{mode}, {name}, bs {bs}"
+
+
+def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
+    """A windowed, capped request computed as one prefill, as chunks on their cached context (edges
+    inside and on steps and splits, windows reaching across them) and token by token as decode steps."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for feats in (dict(sliding_window=300), dict(sliding_window=1024, logits_soft_cap=50.0)):
+        full = make_request(2100, 2100, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+        whole = prefill(assemble([full], block_size=16, gen=gen), feats)[:2100]
+        for a, b in ((0, 1), (127, 128), (128, 600), (511, 1024), (1024, 2100), (1700, 2100)):
+            chunk = Request(q=full.q[a:b], k=full.k[:b], v=full.v[:b])
+            got = prefill(assemble([chunk], block_size=16, gen=gen), feats)[: b - a]
+            assert torch.equal(bits(got), bits(whole[a:b])), f"chunk [{a}, {b}) {feats}"
+        positions = (0, 1, 299, 300, 301, 511, 512, 1023, 1024, 1025, 2099)
+        step = assemble([Request(q=full.q[p: p + 1], k=full.k[: p + 1], v=full.v[: p + 1]) for p in positions],
+                        block_size=16, gen=gen)
+        for mode in ("split", "fold"):
+            got = decode(step, feats, mode=mode)[: len(positions)]
+            assert torch.equal(bits(got), bits(whole[list(positions)])), f"decode/{mode} {feats}"
+
+
+def next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+@pytest.mark.parametrize("name,feats", [FEATURES[1], FEATURES[5], FEATURES[6]], ids=["W100", "cap50", "cap30+W700"])
+@pytest.mark.parametrize("H,Hkv,bs", [(32, 8, 16), (28, 4, 32)], ids=["gqa4", "gqa7"])
+def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
+    """v2_ct and the decode CT binaries, one bucket (strict) and per-request buckets (request), each on a
+    table that obeys its address rule (NaN/inf in the reserved pages past the true lengths): policy off's
+    bits, the whole bucket walked whatever the window."""
+    rng = random.Random(hash((name, H)) & 0xFFFF)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for trial in range(2):
+        reqs = random_reqs(rng, gen, rng.randint(1, 4), H, Hkv, torch.bfloat16, max_len=900)
+        longest = max(r.seq_len for r in reqs)
+        width = -(-max(longest, 1100) // bs) + 1
+        for policy in ("strict", "request"):
+            step = reserved_step(reqs, policy, block_size=bs, width=width, gen=gen, pad_tokens=5, extra_rows=3)
+            off = bits(prefill(step, feats)[: step.num_tokens])
+            bucket = step.capacity if policy == "strict" else torch.tensor(
+                [min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
+            what = f"{name} {policy} {[(r.q_len, r.seq_len) for r in reqs]}"
+            got = prefill(step, feats, variant=V2_CT, bucket=bucket)
+            assert torch.equal(bits(got[: step.num_tokens]), off), f"v2_ct: {what}"
+            for mode in (None, "fold"):
+                dec = decode(step, feats, mode=mode, bucket=bucket)
+                assert torch.equal(bits(dec[: step.num_tokens]), off), f"decode CT/{mode}: {what}"
+
+
+def test_a_window_past_every_length_gives_the_plain_bits():
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    rng = random.Random(29)
+    step = assemble(random_reqs(rng, gen, 5, 32, 8, torch.bfloat16), block_size=16, gen=gen, pad_tokens=3)
+    plain = bits(prefill(step, {})[: step.num_tokens])
+    assert torch.equal(bits(prefill(step, dict(sliding_window=1 << 20))[: step.num_tokens]), plain)
+    assert torch.equal(bits(decode(step, dict(sliding_window=1 << 20))[: step.num_tokens]), plain)
+
+
+def test_paged_attention_routes_windowed_and_capped_layers_to_the_csrc_kernels(monkeypatch):
+    """ops.paged_attention (path auto): a layer with a window and a soft-cap runs its prefill, mixed and
+    decode steps on the csrc kernels under every policy (policy off's bits); a layer with sinks runs on
+    the Triton kernels."""
+    from dhp_backend.ops import ProblemSpec, cuda_decode, cuda_prefill, plan_step
+
+    calls = []
+    for module, name in ((cuda_prefill, "prefill_sm90"), (cuda_decode, "decode_sm90")):
+        real = getattr(module, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append((_name, k.get("sliding_window"), k.get("logits_soft_cap")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, name, spy)
+    feats = dict(sliding_window=700, logits_soft_cap=50.0)
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
+            for q, s in ((600, 1500), (1, 900), (1, 2000))]
+    decodes = [make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for s in (17, 1200, 3000)]
+    for batch, kernel in ((reqs, "prefill_sm90"), (decodes, "decode_sm90")):
+        off = None
+        for policy in ("off", "strict", "request"):
+            step = reserved_step(batch, policy, block_size=16, width=256, gen=gen,
+                                 pad_tokens=4 if kernel == "prefill_sm90" else 0)
+            calls.clear()
+            out = torch.full_like(step.query, float("nan"))
+            paged_attention(*step.args(), out, scale=SCALE, causal=True, policy=policy, bucket=step.bucket(policy),
+                            num_tokens=step.num_tokens, max_model_len=step.capacity, **feats)
+            assert calls == [(kernel, 700, 50.0)], (policy, calls)
+            got = bits(out[: step.num_tokens])
+            off = got if off is None else off
+            assert torch.equal(got, off), f"{policy} differs from off"
+    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+                       block_size=16, device_capability=torch.cuda.get_device_capability(), sliding_window=4096,
+                       logits_soft_cap=50.0)
+    for policy in ("off", "strict"):
+        p = plan_step(spec, policy, num_tokens=64, num_reqs=64, max_blocks=512,
+                      bucket_l=8192 if policy == "strict" else None)
+        assert p.kernel.startswith("cuda_decode") and "sliding window 4096" in p.binary(), p.describe()
+        sinks = plan_step(dataclasses.replace(spec, sinks=True), policy, num_tokens=64, num_reqs=64,
+                          max_blocks=512, bucket_l=8192 if policy == "strict" else None)
+        assert sinks.kernel == "triton", sinks.describe()
