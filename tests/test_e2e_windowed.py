@@ -251,6 +251,8 @@ def test_routed_expert_names_rename_only_the_expert_tensors(models, tmp_path):
 
 
 GPU_ARCHS = ARCHS
+CSRC_ARCHS, H128 = ("mistral", "gemma2"), "-h128"  # also built with head 128 for the GPU runs
+CSRC_KERNELS = {"cuda_prefill", "cuda_decode", "cuda_prefill_ct", "cuda_decode_ct"}
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +261,14 @@ def gpu_models(models, tmp_path_factory):
     gpt-oss loader needs it (`integration.tiny_windowed.with_routed_expert_names` says why)."""
     from integration.tiny_windowed import vllm_needs_routed_expert_names, with_routed_expert_names
 
+    from integration.tiny_windowed import build
+
     chosen = {arch: models[arch] for arch in GPU_ARCHS}
+    # head 128: layers the csrc Hopper kernels take, windowed ones on their window library (Mistral) and
+    # window + soft-cap library (Gemma-2's local layers; its global layers on the soft-cap library)
+    root = tmp_path_factory.mktemp("tiny-windowed-h128")
+    for arch in CSRC_ARCHS:
+        chosen[f"{arch}{H128}"] = str(build(root / arch, arch, seed=0, head_size=128))
     if vllm_needs_routed_expert_names():
         chosen["gpt_oss"] = str(with_routed_expert_names(models["gpt_oss"],
                                                          tmp_path_factory.mktemp("gpt-oss-routed")))
@@ -278,10 +287,11 @@ def gpu_runs(gpu_models):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["strict", "off"])
 def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs, policy):
-    """bf16 on the GPU: DHP (the Triton kernels; under strict windows as selections over the whole bucket,
-    under off a walk of the window only) gives the greedy tokens of vLLM's own backend for the platform
-    (FLASH_ATTN on Hopper), logprobs within bf16's reach; the trace shows the kernel path, not the
-    reference, with each model's windows."""
+    """bf16 on the GPU: DHP (the Triton kernels at head 64 / 96, the csrc Hopper kernels' feature libraries at
+    head 128; under strict windows as selections over the whole bucket, under off a walk of the window
+    only, with vLLM's sliding-window KV manager freeing the pages below it) gives the greedy tokens of
+    vLLM's own backend for the platform (FLASH_ATTN on Hopper), logprobs within bf16's reach; the trace
+    shows the kernel path, not the reference, with each model's windows and the kernels that ran."""
     native, dhp = gpu_runs
     got = {}
     for arch, path in gpu_models.items():
@@ -290,7 +300,12 @@ def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs, policy):
         assert {(t["backend"], t["path"]) for t in d["dhp_trace"]} == {("DHP", "triton")}, (arch, d["dhp_trace"])
         # the forward events name the layer's window (the kernel events name the kernels that ran)
         forward = [t for t in d["dhp_trace"] if t["event"] == "forward"]
-        assert {t["sliding_window"] for t in forward} == EXPECTED_WINDOWS[arch], arch
+        assert {t["sliding_window"] for t in forward} == EXPECTED_WINDOWS[arch.removesuffix(H128)], arch
+        kernels = {t["kernel"] for t in d["dhp_trace"] if t["event"] == "kernel"}
+        if arch.endswith(H128):
+            assert kernels and kernels <= CSRC_KERNELS, (arch, kernels)
+        else:
+            assert kernels == {"triton"}, (arch, kernels)
         for a, b in zip(n["outputs"], d["outputs"]):
             got[(arch, a["prompt_len"])] = compare_greedy(a, b)
     # every model and prompt compared before judging (BF16_BOUND above says why the bound is loose)

@@ -28,15 +28,16 @@ Arguments:
                  prefill chunk B=4 q=64; strict; random page layout; the cache size of
                  `classes.default_num_blocks` (at least 25,000 blocks).
     --features   attention features of every shape (issue 31; `audit.features`):
-                 ``window=W``, ``softcap=C``, ``sinks``, comma-separated (default none). Such
-                 layers run the Triton kernels (`plan.step_kernel`), whose constant-time walk
-                 of a windowed layer is the whole bucket (docs/kernels.md section 6): the
-                 classes are the plain ones. Each pair's row carries ``features`` ("" for
-                 plain attention); the ncu runs table names the path and kernel of each child.
-                 The next GPU session's command for the feature binaries: ``dhp-backend audit
-                 counters --features window=1024,softcap=50,sinks --shapes
-                 B16-L4096-q1,B4-L4096-q64,B16-L4096-q1-request --pairs gating``
-                 (3 shapes x 4 classes = 12 ncu runs, about 2 minutes).
+                 ``window=W``, ``softcap=C``, ``sinks``, comma-separated (default none). A
+                 head-128 layer with a window and/or a cap runs the csrc kernels' feature
+                 library, one with sinks the Triton kernels (`plan.step_kernel`); either's
+                 constant-time walk of a windowed layer is the whole bucket (docs/kernels.md
+                 sections 6 and 7): the classes are the plain ones. Each pair's row carries
+                 ``features`` ("" for plain attention); the ncu runs table names the path and
+                 kernel of each child. The csrc feature binaries: ``--features
+                 window=1024,softcap=50 --shapes B16-L4096-q1,B4-L4096-q64,B16-L4096-q1-request
+                 --pairs gating`` (3 shapes x 4 classes = 12 ncu runs, about 2 minutes); the
+                 Triton ones: the same with ``,sinks``.
     --dram-tolerance  relative DRAM-bytes tolerance of the rule (default 0.01, design.md section 3).
     --pairs      ``all`` (default: gating + reported), ``gating``, or explicit ``A:B`` pairs.
     --launches   launches per child; the last one is compared (default 3).
