@@ -268,8 +268,17 @@ def _build(args) -> int:
     """`dhp-backend build`: every library the engine can route to, built (or found) in the cache."""
     from dhp_backend.ops import cuda_build
 
+    features = [f.strip() for f in (args.features or "").split(",") if f.strip()]
+    if any(f not in ("window", "softcap") for f in features):
+        print(f"dhp-backend build: --features {args.features!r}; accepted: window, softcap or both, comma-separated "
+              "(the feature libraries of a model with sliding windows and/or logits soft-caps)", file=sys.stderr)
+        return 2
+    libraries = list(cuda_build.LIBRARIES)
+    if features:  # a model's feature libraries too (its plain layers use the plain ones)
+        libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features)
+                      for lib in cuda_build.LIBRARIES]
     try:
-        built = cuda_build.prebuild()
+        built = [cuda_build.build(*lib) for lib in libraries]
     except cuda_build.CudaBuildError as e:
         print(f"dhp-backend build: {e}", file=sys.stderr)
         return 1
@@ -336,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     b = sub.add_parser("build", help="build the csrc Hopper kernels into the cache now (no GPU needed)")
     b.add_argument("--json", action="store_true", help="print JSON instead of text")
+    b.add_argument("--features", default="",
+                   help="also the feature libraries of a model with these features: window, softcap, or "
+                        "window,softcap (e.g. Gemma-2-27B's local layers); default: the plain libraries only")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
     asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")

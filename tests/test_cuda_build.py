@@ -111,6 +111,13 @@ def test_cli_build_prebuilds_every_library(fake_nvcc, capsys, monkeypatch):
     assert cli.main(["build"]) == 0
     out = capsys.readouterr().out
     assert out.count("in the cache") == len(cuda_build.LIBRARIES) and "DHP_CUDA_CACHE" in out
+    # a model with windowed, soft-capped layers: its feature libraries too (the plain ones found in the cache)
+    assert cli.main(["build", "--json", "--features", "window,softcap"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["library"], r["state"]) for r in rows] == [(n, "cached") for n, _ in cuda_build.LIBRARIES] + [
+        (f"{n}_window_softcap", "built") for n, _ in cuda_build.LIBRARIES]
+    assert cli.main(["build", "--features", "sinks"]) == 2
+    assert "accepted: window, softcap" in capsys.readouterr().err
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     assert cli.main(["build"]) == 1
     assert "nvcc not found" in capsys.readouterr().err
