@@ -167,6 +167,7 @@ struct Params {
   // offsets are those they had): the window W, the soft cap's two constants (v2::soft_cap).
   int window;
   float cap_pre, cap_post;
+  const float* sinks;  // [num_heads] float32 (sink libraries)
 };
 
 template <int STAGES>
@@ -692,6 +693,12 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
     __syncthreads();  // the chunk's shared state is read; the next chunk may overwrite it
     if (d == 0) mr_carry = mr_s[n - 1];
   }
+  if constexpr (v2::kSinks) {  // the sink's state folded last (sink libraries), as the fold mode does
+    __syncthreads();           // mr_carry: the running max after every split
+    float mr = mr_carry;
+    const FoldCoef sk = fold_stats(mr, lr, v2::sink_m(p.sinks, head, p.num_heads), 1.f);
+    acc = fold_value(acc, 0.f, sk);
+  }
   const float o = __fmul_rn(acc, finalize_inv(lr));
   char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
                                                static_cast<int64_t>(head) * p.out_head_stride + d);
@@ -765,8 +772,9 @@ __device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
 
 // Row values (floats): max [2 warps][16 rows], alpha [2 buffers][16], coef [2 buffers][16][al, be],
 // inv [16]; the P ring's barriers at byte kPipeBarOff (768); per-lane sums [2 warps][32 lanes][4].
-constexpr int kV2Max = 0, kV2Alpha = 32, kV2Coef = 64, kV2Inv = 128, kV2Lsum = 256;
-static_assert(kV2Inv + 16 <= kPipeBarOff / 4 && kPipeBarOff + 32 <= 4 * kV2Lsum, "row-value areas overlap");
+// Sink libraries: the sink fold's alpha [16] (v2::kSinks).
+constexpr int kV2Max = 0, kV2Alpha = 32, kV2Coef = 64, kV2Inv = 128, kV2SinkAl = 144, kV2Lsum = 256;
+static_assert(kV2SinkAl + 16 <= kPipeBarOff / 4 && kPipeBarOff + 32 <= 4 * kV2Lsum, "row-value areas overlap");
 
 // warps 0-1 (S): warp w computes S for positions [32 w, 32 w + 32) of each of the step's
 // two stages (s[16 h + 4 nt + e]: stage h, n8 tile nt), the v2 softmax, P into buffer b;
@@ -799,6 +807,16 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int lim = w.ext - 1;
     const int win_lo = w.ext - p.window;  // window libraries: the first position the token sees
     const float scale = v2::score_scale(p.qk_scale);
+    // Fold mode, the CTA's last split (writer lanes): the sink's state folded into the running state
+    // (sink libraries; its alpha to the PV pair), then the rows' 1 / l.
+    auto finish_rows = [&](float m_l, float l_l, float m_h, float l_h) {
+      if constexpr (v2::kSinks) {
+        rv[kV2SinkAl + r_lo] = fold_stats(m_l, l_l, v2::sink_m(p.sinks, head_lo, p.num_heads), 1.f).al;
+        rv[kV2SinkAl + r_hi] = fold_stats(m_h, l_h, v2::sink_m(p.sinks, head_hi, p.num_heads), 1.f).al;
+      }
+      rv[kV2Inv + r_lo] = finalize_inv(l_l);
+      rv[kV2Inv + r_hi] = finalize_inv(l_h);
+    };
     float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running state (fold mode), l quad-summed
     int k = 0;
     for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
@@ -960,10 +978,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
               p.ws_l[row] = h == 0 ? lq_lo : lq_hi;
             }
           } else if constexpr (kCT) {  // (folded and committed above)
-            if (ws == 0 && lane % 4 == 0 && last_split(w, sp)) {
-              rv[kV2Inv + r_lo] = finalize_inv(lr_lo);
-              rv[kV2Inv + r_hi] = finalize_inv(lr_hi);
-            }
+            if (ws == 0 && lane % 4 == 0 && last_split(w, sp)) finish_rows(mr_lo, lr_lo, mr_hi, lr_hi);
           } else {
             const float lq_lo = v2::quad_lanes(l_lo), lq_hi = v2::quad_lanes(l_hi);
             const FoldCoef c_lo = fold_stats(mr_lo, lr_lo, m_lo, lq_lo), c_hi = fold_stats(mr_hi, lr_hi, m_hi, lq_hi);
@@ -972,10 +987,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
               rv[kV2Coef + 32 * b + 2 * r_lo + 1] = c_lo.be;
               rv[kV2Coef + 32 * b + 2 * r_hi] = c_hi.al;
               rv[kV2Coef + 32 * b + 2 * r_hi + 1] = c_hi.be;
-              if (last_split(w, sp)) {
-                rv[kV2Inv + r_lo] = finalize_inv(lr_lo);
-                rv[kV2Inv + r_hi] = finalize_inv(lr_hi);
-              }
+              if (last_split(w, sp)) finish_rows(mr_lo, lr_lo, mr_hi, lr_hi);
             }
           }
         }
@@ -1091,6 +1103,16 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       if (!WRITE_PARTIALS && k + 2 == n_steps) {
         inv_lo = rv[kV2Inv + r_lo];
         inv_hi = rv[kV2Inv + r_hi];
+        if constexpr (v2::kSinks && !WRITE_PARTIALS) {  // the sink's state: acc 0, its alpha (finish_rows)
+          const FoldCoef s_lo{rv[kV2SinkAl + r_lo], 0.f}, s_hi{rv[kV2SinkAl + r_hi], 0.f};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            run[4 * i] = fold_value(run[4 * i], 0.f, s_lo);
+            run[4 * i + 1] = fold_value(run[4 * i + 1], 0.f, s_lo);
+            run[4 * i + 2] = fold_value(run[4 * i + 2], 0.f, s_hi);
+            run[4 * i + 3] = fold_value(run[4 * i + 3], 0.f, s_hi);
+          }
+        }
       }
       mbar_arrive(pb.empty(b));
       if (k + 2 == n_steps) store_out_rows(inv_lo, inv_hi);
@@ -1216,7 +1238,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
                                int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
-                               int window, float cap_pre, float cap_post, void* stream) {
+                               int window, float cap_pre, float cap_post, const float* sinks, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1260,8 +1282,11 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   p.window = window;
   p.cap_pre = cap_pre;
   p.cap_post = cap_post;
+  p.sinks = sinks;
   // The feature arguments must be this library's (cuda_build.feature_library).
-  if ((window >= 1) != v2::kWindow || window < 0 || ((cap_post != 0.f) != v2::kSoftCap)) return -10;
+  if ((window >= 1) != v2::kWindow || window < 0 || ((cap_post != 0.f) != v2::kSoftCap) ||
+      ((sinks != nullptr) != v2::kSinks))
+    return -10;
   const bool split = spp > 0;
   const int opts = variant >= 8 ? variant / 8 : 0;
   const bool ct = (opts & kConstTime) != 0;

@@ -108,6 +108,7 @@ struct Params {
   // offsets are those they had): the window W, the soft cap's two constants (v2::soft_cap).
   int window;
   float cap_pre, cap_post;
+  const float* sinks;  // [num_heads] float32 (sink libraries)
 };
 
 template <int STAGES>
@@ -731,11 +732,20 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   fold(m_lo, m_hi, l_lo, l_hi);
   turns.finish();
 
+  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};  // sink libraries: the sink's state folded last (v2::kSinks)
+  if constexpr (v2::kSinks) {
+    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
+    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
+  }
   const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {  // the running state back into the accumulator registers
     const float4 r = run_smem[128 * i];
     acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+    if constexpr (v2::kSinks) {
+      acc[4 * i] = fold_value(r.x, 0.f, sk_lo), acc[4 * i + 1] = fold_value(r.y, 0.f, sk_lo);
+      acc[4 * i + 2] = fold_value(r.z, 0.f, sk_hi), acc[4 * i + 3] = fold_value(r.w, 0.f, sk_hi);
+    }
   }
   store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
@@ -828,11 +838,20 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
       l_lo = l_hi = 0.f;
     }
   }
+  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};  // sink libraries: the sink's state folded last (v2::kSinks)
+  if constexpr (v2::kSinks) {
+    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
+    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
+  }
   const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
     const float4 r = run_smem[128 * i];
     acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+    if constexpr (v2::kSinks) {
+      acc[4 * i] = fold_value(r.x, 0.f, sk_lo), acc[4 * i + 1] = fold_value(r.y, 0.f, sk_lo);
+      acc[4 * i + 2] = fold_value(r.z, 0.f, sk_hi), acc[4 * i + 3] = fold_value(r.w, 0.f, sk_hi);
+    }
   }
   const int r = 64 * cw + 16 * warp + lane / 4;
   store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
@@ -1021,9 +1040,10 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // hold its reserved pages up to its bucket, the address rule that ops.paged_attention
 // checks). qk_scale = softmax scale * log2(e) as the caller
 // computes it (the Triton launcher's value, for equal bits).
-// window, cap_pre, cap_post: the features of a feature library (v2_arith.cuh: -DDHP_WINDOW,
-// -DDHP_SOFTCAP): W >= 1 in a window library, else 0; the soft cap's constants
-// (cuda_common.soft_cap_args) in a soft-cap library, else 0. -10 when they do not match the library.
+// window, cap_pre, cap_post, sinks: the features of a feature library (v2_arith.cuh: -DDHP_WINDOW,
+// -DDHP_SOFTCAP, -DDHP_SINKS): W >= 1 in a window library, else 0; the soft cap's constants
+// (cuda_common.feature_args) in a soft-cap library, else 0; float32 [num_heads] sinks in a sink
+// library, else null. -10 when they do not match the library.
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -1033,7 +1053,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 int l_mode, int l_scalar, const int* bucket, int max_blocks, int q_rows,
                                 unsigned q_magic, void* sink, int window, float cap_pre, float cap_post,
-                                void* stream) {
+                                const float* sinks, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1088,9 +1108,13 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.window = window;
   p.cap_pre = cap_pre;
   p.cap_post = cap_post;
+  p.sinks = sinks;
   // The feature arguments must be this library's (cuda_build.feature_library): a window >= 1
-  // exactly in a window library, cap constants exactly in a soft-cap library.
-  if ((window >= 1) != v2::kWindow || (window < 0) || ((cap_post != 0.f) != v2::kSoftCap)) return -10;
+  // exactly in a window library, cap constants exactly in a soft-cap library, sinks exactly in a
+  // sink library.
+  if ((window >= 1) != v2::kWindow || (window < 0) || ((cap_post != 0.f) != v2::kSoftCap) ||
+      ((sinks != nullptr) != v2::kSinks))
+    return -10;
   if (p.num_tiles > 65535) return -6;
   if (variant == 61 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))

@@ -15,7 +15,7 @@
 #include "compat_arith.cuh"
 
 // The model features a library is compiled with (docs/kernels.md section 7, "Features"): one
-// library per feature set, built with -DDHP_WINDOW=1 and/or -DDHP_SOFTCAP=1
+// library per feature set, built with -DDHP_WINDOW=1, -DDHP_SOFTCAP=1 and/or -DDHP_SINKS=1
 // (dhp_backend/ops/cuda_build.py feature_library), so the plain libraries are the code they were
 // and a feature costs only the layers that have it. Both values are public model configuration.
 #ifndef DHP_WINDOW
@@ -23,6 +23,9 @@
 #endif
 #ifndef DHP_SOFTCAP
 #define DHP_SOFTCAP 0
+#endif
+#ifndef DHP_SINKS
+#define DHP_SINKS 0
 #endif
 
 namespace dhp::v2 {
@@ -35,6 +38,12 @@ constexpr bool kWindow = DHP_WINDOW != 0;
 // Logits soft-capping: a score s becomes c * tanh(s * scale / c), in log2 units for the exponent
 // form: soft_cap below; the row arithmetic then runs with scale 1 (score_scale).
 constexpr bool kSoftCap = DHP_SOFTCAP != 0;
+// Attention sinks (Params::sinks, float32 [num_heads], natural units as the model stores them):
+// head h's softmax gets one more logit with no value row. After a row's last split its state is
+// folded with the sink's state (m = sinks[h] * log2 e, l = 1, acc = 0) by fold_stats / fold_value,
+// the functions that fold splits (sink_fold below): prefill, decode and the merge do it with the
+// same operands, so a row keeps its bits. A sink of -inf is an exact no-op (beta selected 0).
+constexpr bool kSinks = DHP_SINKS != 0;
 
 constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of 128
 
@@ -57,6 +66,12 @@ __device__ __forceinline__ float soft_cap(float s, float pre, float post) {
   const float e = ex2(__fmul_rn(s, pre));
   return __fmul_rn(__fsub_rn(1.f, sm90::div_full(2.f, __fadd_rn(e, 1.f))), post);
 }
+// The sink's state of head h as fold_stats takes it (its m; l = 1), for the row whose head index
+// is h (clamped: a tile row that holds no head of the group reads a valid entry and is not stored).
+__device__ __forceinline__ float sink_m(const float* sinks, int h, int num_heads) {
+  return __fmul_rn(sinks[min(h, num_heads - 1)], 1.4426950408889634f);
+}
+
 // The scale step_max and exp_score apply: the softmax scale x log2(e), or 1 for capped scores.
 __device__ __forceinline__ float score_scale(float qk_scale) { return kSoftCap ? 1.f : qk_scale; }
 

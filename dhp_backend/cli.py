@@ -190,12 +190,12 @@ def info(args: argparse.Namespace) -> dict:
 # for `info`: the model's features, as vLLM hands them to the backend.
 MODEL_FEATURES = {
     "logits_soft_cap": "reference, Triton kernels and the csrc Hopper kernels (their soft-cap library; policy off, "
-                       "strict, request): a layer the csrc kernels take (head 128, no sinks) runs on them",
-    "sinks": "reference and Triton kernels (policy off, strict, request); the csrc kernels do not implement "
-             "them, so such layers run every step on Triton",
+                       "strict, request): a layer the csrc kernels take (head 128) runs on them",
+    "sinks": "reference, Triton kernels and the csrc Hopper kernels (their sink library; policy off, strict, "
+             "request): a layer the csrc kernels take (head 128) runs on them",
     "sliding_window": "reference, Triton kernels and the csrc Hopper kernels (their window library; policy off: the "
                       "walk starts at the window; strict, request: the whole bucket is walked, the window is a "
-                      "selection): a layer the csrc kernels take (head 128, no sinks) runs on them; a window "
+                      "selection): a layer the csrc kernels take (head 128) runs on them; a window "
                       ">= max_model_len is no window. In "
                       "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
                       "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
@@ -269,14 +269,15 @@ def _build(args) -> int:
     from dhp_backend.ops import cuda_build
 
     features = [f.strip() for f in (args.features or "").split(",") if f.strip()]
-    if any(f not in ("window", "softcap") for f in features):
-        print(f"dhp-backend build: --features {args.features!r}; accepted: window, softcap or both, comma-separated "
-              "(the feature libraries of a model with sliding windows and/or logits soft-caps)", file=sys.stderr)
+    if any(f not in ("window", "softcap", "sinks") for f in features):
+        print(f"dhp-backend build: --features {args.features!r}; accepted: window, softcap, sinks, comma-separated "
+              "(the feature libraries of a model with sliding windows, logits soft-caps, attention sinks)",
+              file=sys.stderr)
         return 2
     libraries = list(cuda_build.LIBRARIES)
     if features:  # a model's feature libraries too (its plain layers use the plain ones)
-        libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features)
-                      for lib in cuda_build.LIBRARIES]
+        libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features,
+                                                 sinks="sinks" in features) for lib in cuda_build.LIBRARIES]
     try:
         built = [cuda_build.build(*lib) for lib in libraries]
     except cuda_build.CudaBuildError as e:
@@ -346,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build the csrc Hopper kernels into the cache now (no GPU needed)")
     b.add_argument("--json", action="store_true", help="print JSON instead of text")
     b.add_argument("--features", default="",
-                   help="also the feature libraries of a model with these features: window, softcap, or "
-                        "window,softcap (e.g. Gemma-2-27B's local layers); default: the plain libraries only")
+                   help="also the feature library of a model's layers with these features: window, softcap, "
+                        "sinks, comma-separated (e.g. window,softcap: Gemma-2-27B's local layers); default: the "
+                        "plain libraries only")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
     asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")

@@ -116,8 +116,8 @@ def test_cli_build_prebuilds_every_library(fake_nvcc, capsys, monkeypatch):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["library"], r["state"]) for r in rows] == [(n, "cached") for n, _ in cuda_build.LIBRARIES] + [
         (f"{n}_window_softcap", "built") for n, _ in cuda_build.LIBRARIES]
-    assert cli.main(["build", "--features", "sinks"]) == 2
-    assert "accepted: window, softcap" in capsys.readouterr().err
+    assert cli.main(["build", "--features", "window,alibi"]) == 2
+    assert "accepted: window, softcap, sinks" in capsys.readouterr().err
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     assert cli.main(["build"]) == 1
     assert "nvcc not found" in capsys.readouterr().err
@@ -194,13 +194,14 @@ def test_every_layer_shares_one_preparation(fake_nvcc, caplog):
     plan.clear_caches()
 
 
-def test_a_layer_with_sinks_builds_nothing_and_a_capped_layer_its_feature_libraries(fake_nvcc):
+def test_a_featured_layer_builds_its_feature_libraries_and_one_of_head_256_nothing(fake_nvcc):
     import dataclasses
 
-    sinks = dataclasses.replace(_sm90_spec(), sinks=True)
-    assert plan.prepare_kernels(sinks) == [] and fake_nvcc() == []  # its steps all run on Triton
-    capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0, sliding_window=4096)
+    head256 = dataclasses.replace(_sm90_spec(), head_size=256, sinks=True)
+    assert plan.prepare_kernels(head256) == [] and fake_nvcc() == []  # its steps all run on Triton
+    capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0, sliding_window=4096, sinks=True)
     built = plan.prepare_kernels(capped)
-    assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_softcap", "dhp_prefill_sm90_window_softcap"]
+    assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_softcap_sinks",
+                                             "dhp_prefill_sm90_window_softcap_sinks"]
     assert len(fake_nvcc()) == 2
     plan.clear_caches()

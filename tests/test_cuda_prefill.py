@@ -131,7 +131,7 @@ def test_a_layer_runs_every_step_on_one_family(monkeypatch):
         assert "csrc/prefill_sm90.cu, v2_ct binary" in strict.describe()
         others = {"an older GPU": dataclasses.replace(spec, device_capability=(8, 0)),
                   "group 32": dataclasses.replace(spec, num_heads=64, num_kv_heads=2),
-                  "attention sinks": dataclasses.replace(spec, sinks=True)}
+                  "head size 256 with sinks": dataclasses.replace(spec, head_size=256, sinks=True)}
         for what, other in others.items():
             assert not plan.layer_family(other)[0], what
             for policy in ("strict", "request", "off"):

@@ -135,10 +135,10 @@ CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=
 
 
 @pytest.mark.parametrize("features", [dict(sinks=True), dict(logits_soft_cap=30.0, sinks=True),
-                                      dict(sliding_window=128, sinks=True)])
-def test_layers_with_sinks_run_every_step_on_triton(with_nvcc, features):
+                                      dict(sliding_window=128, sinks=True), dict(logits_soft_cap=50.0)])
+def test_featured_layers_of_other_head_sizes_run_every_step_on_triton(with_nvcc, features):
     plain = ProblemSpec(**CUDA_SPEC)
-    spec = ProblemSpec(**CUDA_SPEC, **features)
+    spec = ProblemSpec(**{**CUDA_SPEC, "head_size": 256}, **features)  # Gemma-2's head; gpt-oss's 64 alike
     steps = [("off", 64, 64), ("off", 4096, 1), ("strict", 16, 16), ("strict", 4096, 1), ("request", 48, 16)]
     # the plain layer goes to the csrc kernels on these steps (so the routing below is the features')
     assert any(step_kernel(plain, p, n, r) != plan.TRITON for p, n, r in steps)
@@ -147,17 +147,18 @@ def test_layers_with_sinks_run_every_step_on_triton(with_nvcc, features):
         sp = plan_step(spec, p, num_tokens=n, num_reqs=r, max_blocks=512,
                        bucket_l=8192 if p == "strict" else None, num_sms=132)
         assert sp.kernel == plan.TRITON
-        assert "attention sinks" in plan.step_route(spec, p, n, r)[1]
+        assert "head size 256" in plan.step_route(spec, p, n, r)[1]
         for words in spec.features:
             assert words in sp.binary() and words in sp.describe()
 
 
-@pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sliding_window=4096),
-                                      dict(logits_soft_cap=30.0, sliding_window=1024)])
-def test_windows_and_soft_caps_run_every_step_on_the_csrc_feature_libraries(with_nvcc, monkeypatch, features):
-    """A head-128 layer with a window and/or a soft-cap runs every step on the csrc kernels, as a plain one,
-    and its start-up preparation builds the feature libraries (cuda_build.feature_library), not the plain
-    ones."""
+@pytest.mark.parametrize("features", [dict(logits_soft_cap=50.0), dict(sliding_window=4096), dict(sinks=True),
+                                      dict(logits_soft_cap=30.0, sliding_window=1024),
+                                      dict(sliding_window=128, sinks=True)])
+def test_featured_head_128_layers_run_every_step_on_the_csrc_feature_libraries(with_nvcc, monkeypatch, features):
+    """A head-128 layer with a window, a soft-cap and/or sinks runs every step on the csrc kernels, as a plain
+    one, and its start-up preparation builds its feature libraries (cuda_build.feature_library), not the
+    plain ones."""
     from dhp_backend.ops import cuda_build
 
     spec = ProblemSpec(**CUDA_SPEC, **features)
@@ -175,21 +176,29 @@ def test_windows_and_soft_caps_run_every_step_on_the_csrc_feature_libraries(with
     monkeypatch.setattr(cuda_build, "build", lambda name, source, flags=cuda_build.SM90A: built.append(
         (name, source, flags)) or name)
     assert plan.prepare_kernels(spec) == [name for name, _, _ in built]
-    window, cap = "sliding_window" in features, "logits_soft_cap" in features
-    want = {cuda_build.feature_library(lib, window=window, softcap=cap) for lib in cuda_build.LIBRARIES}
+    window, cap, sinks = "sliding_window" in features, "logits_soft_cap" in features, "sinks" in features
+    want = {cuda_build.feature_library(lib, window=window, softcap=cap, sinks=sinks) for lib in cuda_build.LIBRARIES}
     assert set(built) == want and len(built) == 2
     for name, _, flags in built:
         assert ("-DDHP_WINDOW=1" in flags) == window and ("-DDHP_SOFTCAP=1" in flags) == cap
-        assert name.endswith(("_window", "_softcap")) and name.startswith(("dhp_decode_sm90", "dhp_prefill_sm90"))
+        assert ("-DDHP_SINKS=1" in flags) == sinks
+        assert name.endswith(("_window", "_softcap", "_sinks")) and name.startswith(("dhp_decode_sm90",
+                                                                                     "dhp_prefill_sm90"))
 
 
 def test_feature_arguments_of_the_csrc_launchers():
     from dhp_backend.ops.cuda_common import feature_args
 
     lib, tail = feature_args("t", 0.125, True, None, None)
-    assert lib == dict(window=False, softcap=False) and tail == (0, 0.0, 0.0)
-    lib, tail = feature_args("t", 0.125, True, 4096, 50.0)
-    assert lib == dict(window=True, softcap=True) and tail[0] == 4096
+    assert lib == dict(window=False, softcap=False, sinks=False) and tail == (0, 0.0, 0.0, None)
+    q = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+    lib, tail = feature_args("t", 0.125, True, 4096, 50.0, torch.tensor([0.5, 1.0, -2.0, float("-inf")],
+                                                                         dtype=torch.bfloat16), q)
+    assert lib == dict(window=True, softcap=True, sinks=True) and tail[0] == 4096
+    assert tail[3].dtype == torch.float32 and tail[3].tolist() == [0.5, 1.0, -2.0, float("-inf")]
+    for bad in (torch.zeros(3), torch.zeros(4, dtype=torch.float16), [0.0] * 4):
+        with pytest.raises(ValueError, match="sinks is .*accepted: None or a \\[num_heads\\] tensor"):
+            feature_args("t", 0.125, True, None, None, bad, q)
     assert tail[1] == pytest.approx(2 * 0.125 * math.log2(math.e) / 50) and tail[2] == pytest.approx(50 * math.log2(math.e))
     for bad, match in ((dict(sliding_window=0), "sliding_window is 0"), (dict(sliding_window=True), "sliding_window"),
                        (dict(logits_soft_cap=-1.0), "logits_soft_cap is -1.0"),
@@ -214,16 +223,21 @@ def test_run_refuses_sinks_the_plan_was_not_made_for():
         plan.run(p2, *batch.args(), out, scale=0.1, causal=True, bucket=None)
 
 
-def test_info_lists_the_features_and_plans_them_on_triton(capsys):
+def test_info_lists_the_features_and_plans_them_by_head_size(capsys, with_nvcc):
     import json
 
     from dhp_backend import cli
 
     assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks"]) == 0
     r = json.loads(capsys.readouterr().out)
+    for case in r["cases"].values():  # head 128 (info's default): the csrc feature library
+        assert case["kernel"].startswith("cuda_"), case
+        assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
+    assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks",
+                     "--head-size", "64"]) == 0
+    r = json.loads(capsys.readouterr().out)
     assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
-    assert "csrc kernels do not" in r["features"]["sinks"]
-    for name in ("logits_soft_cap", "sliding_window"):
+    for name in ("logits_soft_cap", "sinks", "sliding_window"):
         assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
     for case in r["cases"].values():
         assert case["kernel"] == "triton"

@@ -470,27 +470,31 @@ def test_features_prefill_row_equals_decode_row():
         assert torch.equal(bits(out_pre[i]), bits(out_dec[0])), f"row {i}"
 
 
-def test_features_route_to_triton_through_the_seam():
-    """Through ops.paged_attention on the GPU (path auto): a layer with a cap and
-    sinks is planned on the Triton kernels for every step kind and policy, and
-    gives the Triton kernels' bits."""
+def test_features_route_by_head_size_through_the_seam():
+    """Through ops.paged_attention on the GPU (path auto): a head-64 layer with a cap and sinks is planned on
+    the Triton kernels for every step kind and policy and gives the Triton kernels' bits; at head 128 the
+    same features go to the csrc kernels' feature library (tests/test_cuda_features_gpu.py checks its bits)."""
     from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
 
-    step = _llama_mixed_step(35)
-    feats = _features("cap+sinks", 32, 35)
+    g = _gen(35)
+    lens = [(1, 2000), (1, 17), (100, 1200), (64, 64), (1, 1)]
+    step = assemble([make_request(q, s, H=16, Hkv=4, D=64, dtype=torch.bfloat16, gen=g) for q, s in lens],
+                    block_size=16, pad_tokens=2, gen=g)
+    feats = _features("cap+sinks", 16, 35)
     for policy in POLICIES:
         out = poisoned_out(step)
-        paged_attention(*step.args(), out, scale=128 ** -0.5, causal=True, policy=policy,
+        paged_attention(*step.args(), out, scale=64 ** -0.5, causal=True, policy=policy,
                         bucket=step.bucket(policy), num_tokens=step.num_tokens, **feats)
         assert torch.equal(bits(out), bits(_run(step, policy=policy, **feats))), policy
-    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
-                       block_size=16, device_capability=torch.cuda.get_device_capability(),
-                       logits_soft_cap=50.0, sinks=True)
-    for n, r in ((64, 64), (4096, 1), (300, 5)):
-        for policy in POLICIES:
-            p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
-                          bucket_l=8192 if policy == "strict" else None)
-            assert p.kernel == "triton", (n, r, policy, p.describe())
+    for head_size, family in ((64, "triton"), (128, "cuda_")):
+        spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=head_size, num_heads=32, num_kv_heads=8,
+                           block_size=16, device_capability=torch.cuda.get_device_capability(),
+                           logits_soft_cap=50.0, sinks=True)
+        for n, r in ((64, 64), (4096, 1), (300, 5)):
+            for policy in POLICIES:
+                p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
+                              bucket_l=8192 if policy == "strict" else None)
+                assert p.kernel.startswith(family), (head_size, n, r, policy, p.describe())
 
 
 @pytest.mark.parametrize("path", ["auto", "triton"])

@@ -283,9 +283,9 @@ def audit_cubin(cubin: bytes, source: str) -> list[dict]:
     return out
 
 
-# The feature libraries audited with the plain ones (`--features`): a model's window and soft-cap
-# (cuda_build.feature_library); both at once compile every feature path of the kernels.
-FEATURE_SETS = {"plain": {}, "window+softcap": dict(window=True, softcap=True)}
+# The feature libraries audited with the plain ones (`--features`): a model's window, soft-cap and
+# sinks (cuda_build.feature_library); all three at once compile every feature path of the kernels.
+FEATURE_SETS = {"plain": {}, "window+softcap+sinks": dict(window=True, softcap=True, sinks=True)}
 
 
 def audit_sources(sources=tuple(SOURCES), progress=print, feature_sets=("plain",)) -> dict:
@@ -344,7 +344,7 @@ def write_reports(report_dir: str, s: dict, where: str = "nvcc") -> tuple[str, s
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sources", default=",".join(SOURCES), help="csrc sources (comma-separated)")
-    ap.add_argument("--features", default="plain,window+softcap",
+    ap.add_argument("--features", default="plain,window+softcap+sinks",
                     help=f"feature libraries to audit (comma-separated: {', '.join(FEATURE_SETS)})")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--report-dir", help="write <date>-sass-cuda-cpu.md/.json there")

@@ -121,10 +121,11 @@ RULES = (
              r"^(for \(int c0 = s_first; c0 < n_split; c0 \+= kMergeChunk\) \{|"
              r"for \(int k = d; k < n \* \(kHead / 4\); k \+= kHead\) \{|"
              r"for \(int base = 0; base < n; base \+= 32\) \{|for \(int j = 0; j < n; \+\+j\) \{|"
-             r"if \(d < (n|32)\) \{|float v = base \+ d < n \? m_s\[base \+ d\] : -INFINITY;)", PUBLIC,
+             r"if \(d < (n|32)\) \{|float v = base \+ d < n \? m_s\[base \+ d\] : -INFINITY;|"
+             r"if \(d == 0\) mr_carry = mr_s\[n - 1\];)", PUBLIC,
              "the merge folds the bucket's splits, min(ceil(L / 512), n_split_grid), in chunks of 64 by the "
              "thread index: public counts (s_first is 0 in the constant-time binaries: a window moves only "
-             "policy off's first split)"),
+             "policy off's first split; thread 0 carries the running max)"),
     # prefill_sm90.cu, the v2 constant-time consumer and kernel (consume_v2_ct, prefill_v2_ct_kernel).
     CudaRule("v2p-role", "prefill_sm90.cu", r"^(\} else )?if \((threadIdx\.x (==|<|>=) [^)]*|lane == 0)\)( \{)?",
              PUBLIC, "warp-specialised roles by thread index: barrier init, producer warpgroup (Q rows, the TMA "

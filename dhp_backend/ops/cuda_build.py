@@ -47,19 +47,20 @@ BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo"
 DECODE_LIBRARY = ("dhp_decode_sm90", "decode_sm90.cu")
 PREFILL_LIBRARY = ("dhp_prefill_sm90", "prefill_sm90.cu")
 LIBRARIES = (DECODE_LIBRARY, PREFILL_LIBRARY)
-# A layer with a sliding window and/or a logits soft-cap runs on a library of its own, the same
-# source compiled with the feature's macro (csrc/v2_arith.cuh: DHP_WINDOW, DHP_SOFTCAP), built when a
+# A layer with a sliding window, a logits soft-cap and/or attention sinks runs on a library of its own,
+# the same source compiled with the features' macros (csrc/v2_arith.cuh: DHP_WINDOW, DHP_SOFTCAP,
+# DHP_SINKS), built when a
 # model has such layers: the plain libraries stay the code they were, and no plain step pays for a
 # feature it does not use.
-_FEATURE_MACROS = (("window", "-DDHP_WINDOW=1"), ("softcap", "-DDHP_SOFTCAP=1"))
+_FEATURE_MACROS = (("window", "-DDHP_WINDOW=1"), ("softcap", "-DDHP_SOFTCAP=1"), ("sinks", "-DDHP_SINKS=1"))
 
 
-def feature_library(library: tuple[str, str], *, window: bool = False,
-                    softcap: bool = False) -> tuple[str, str, tuple[str, ...]]:
+def feature_library(library: tuple[str, str], *, window: bool = False, softcap: bool = False,
+                    sinks: bool = False) -> tuple[str, str, tuple[str, ...]]:
     """``(name, source, flags)`` of ``library`` (e.g. `DECODE_LIBRARY`) compiled with the model features
     named (`build` / `load` take the three): the plain library when none is."""
     name, source = library
-    on = {"window": window, "softcap": softcap}
+    on = {"window": window, "softcap": softcap, "sinks": sinks}
     suffix = "".join(f"_{k}" for k, _ in _FEATURE_MACROS if on[k])
     return name + suffix, source, SM90A + tuple(flag for k, flag in _FEATURE_MACROS if on[k])
 

@@ -72,9 +72,6 @@ def common_route_refusal(spec, source: str) -> str | None:
         return f"dtype {spec.dtype}"
     if spec.block_size not in BLOCK_SIZES:
         return f"block size {spec.block_size}"
-    if spec.sinks:
-        return ("attention sinks (the csrc kernels implement sliding windows and logits soft-caps; a layer with "
-                "sinks runs every step on the Triton kernels)")
     from dhp_backend.ops.cuda_build import find_nvcc
     if find_nvcc() is None:
         return (f"no nvcc to build csrc/{source} (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, "
@@ -163,15 +160,19 @@ def ct_bucket(who: str, bucket, num_seqs: int, capacity: int, device) -> tuple[i
     return 0, int(bucket), None
 
 
-def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_soft_cap) -> tuple[dict, tuple]:
+def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_soft_cap,
+                 sinks=None, query=None) -> tuple[dict, tuple]:
     """The model features of a csrc launch: ``feature_library``'s keywords (which library has the
-    binaries) and the C entry points' trailing arguments ``(window, cap_pre, cap_post)``.
+    binaries) and the C entry points' trailing arguments ``(window, cap_pre, cap_post, sinks)``.
 
     The window W (an int >= 1, causal only; None: none) is passed as it is: the query at position i
     sees keys j with i - W < j <= i (vLLM's window). A soft cap c > 0 (None: none) becomes
     ``cap_pre = 2 * scale * log2(e) / c`` and ``cap_post = c * log2(e)``: csrc/v2_arith.cuh
     ``soft_cap`` computes c * tanh(s * scale / c) in log2 units from them, the same two constants for
-    both kernels (equal bits)."""
+    both kernels (equal bits). ``sinks`` (None: none) is a [num_heads] tensor on the query's device,
+    float32 or the query's dtype (``ops.attention.check_sinks``' rule), passed as float32: the kernels
+    fold the sink's state (m = sinks[h] * log2 e, l = 1) into each row after its last split. The
+    returned tail holds the float32 tensor: keep it alive until the launch is queued."""
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{who}: sliding_window is {sliding_window!r}; accepted: None or an int >= 1 "
@@ -188,10 +189,27 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
         log2e = math.log2(math.e)
         cap_pre = 2.0 * float(scale) * log2e / float(logits_soft_cap)
         cap_post = float(logits_soft_cap) * log2e
-    library = dict(window=sliding_window is not None, softcap=logits_soft_cap is not None)
-    return library, (int(sliding_window or 0), cap_pre, cap_post)
+    sinks_f32 = None
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or query is None or sinks.dim() != 1 or \
+                sinks.shape[0] != query.shape[1] or sinks.device != query.device or \
+                sinks.dtype not in (torch.float32, query.dtype):
+            got = (f"a {sinks.dtype} tensor of shape {tuple(sinks.shape)} on {sinks.device}"
+                   if isinstance(sinks, torch.Tensor) else f"a {type(sinks).__name__}")
+            raise ValueError(f"{who}: sinks is {got}; accepted: None or a [num_heads] tensor on the query's "
+                             "device, float32 or the query's dtype")
+        sinks_f32 = sinks.to(torch.float32).contiguous()
+    library = dict(window=sliding_window is not None, softcap=logits_soft_cap is not None,
+                   sinks=sinks_f32 is not None)
+    return library, (int(sliding_window or 0), cap_pre, cap_post, sinks_f32)
+
+
+def feature_pointers(tail: tuple) -> tuple:
+    """`feature_args`' tail as the C entry points take it (the sinks tensor as its address, or null)."""
+    window, cap_pre, cap_post, sinks = tail
+    return window, cap_pre, cap_post, None if sinks is None else sinks.data_ptr()
 
 
 def spec_features(spec) -> dict:
     """``feature_library``'s keywords for a layer (`dispatch.ProblemSpec`)."""
-    return dict(window=spec.sliding_window is not None, softcap=bool(spec.logits_soft_cap))
+    return dict(window=spec.sliding_window is not None, softcap=bool(spec.logits_soft_cap), sinks=bool(spec.sinks))

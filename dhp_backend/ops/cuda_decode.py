@@ -47,7 +47,7 @@ from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import DECODE_LIBRARY, feature_library, load
 from dhp_backend.ops.cuda_common import (CSRC_MAX_GROUP, common_route_refusal, ct_bucket, feature_args,
-                                         launch_error, unavailable_reason, validate_common)
+                                         feature_pointers, launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.validation import check_values
 
@@ -96,14 +96,14 @@ def routes_decode(spec) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(window: bool = False, softcap: bool = False):
+def _entry(window: bool = False, softcap: bool = False, sinks: bool = False):
     # Loaded and typed once per feature library, not per launch.
-    fn = load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap)).dhp_decode_sm90
+    fn = load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap, sinks=sinks)).dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
                    i32, p, i32,  # CT: l_scalar, bucket, max_blocks
-                   i32, ctypes.c_float, ctypes.c_float,  # features: window, cap_pre, cap_post
+                   i32, ctypes.c_float, ctypes.c_float, p,  # features: window, cap_pre, cap_post, sinks
                    p]
     fn.restype = i32
     return fn
@@ -164,7 +164,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True,
                 bucket: int | torch.Tensor | None = None, spp: int | None = None,
-                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant``: "auto" (`pick_variant`) or one of `VARIANTS` (residency; same bits). ``mode``: None picks
@@ -183,7 +184,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     ``spp``: split mode's splits per CTA, forced (None: `plan`'s choice; a launch
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
-    ``sliding_window`` / ``logits_soft_cap``: as `cuda_prefill.prefill_sm90` (the feature
+    ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: as `cuda_prefill.prefill_sm90` (the feature
     library's binaries; policy off walks and merges the splits from the one holding the window's
     first position on).
     """
@@ -197,7 +198,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("order", repr(order), "None (by longest_first), True, False")
     if spp is not None and (isinstance(spp, bool) or not isinstance(spp, int) or spp < 1):
         _fail("spp", repr(spp), "None or an int >= 1 (split mode's splits per CTA)")
-    library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap)
+    library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap,
+                                          sinks, query)
     ct = bucket is not None
     if ct:
         l_mode, l_scalar, bucket_t = ct_bucket("cuda_decode", bucket, seq_lens.shape[0],
@@ -255,7 +257,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), num_reqs, T, num_tokens, H, Hkv, bs,
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                       int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
-                      ws_l, p["n_split_grid"], spp_arg, order_ws, *ct_args, *feature_tail, stream)
+                      ws_l, p["n_split_grid"], spp_arg, order_ws, *ct_args, *feature_pointers(feature_tail),
+                      stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out

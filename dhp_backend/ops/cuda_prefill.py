@@ -38,8 +38,8 @@ import torch
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import PREFILL_LIBRARY, feature_library, load
 from dhp_backend.ops.cuda_common import (BLOCK_SIZES, CSRC_MAX_GROUP, DTYPES, HEAD_SIZE,  # noqa: F401
-                                         common_route_refusal, ct_bucket, feature_args, launch_error,
-                                         unavailable_reason, validate_common)
+                                         common_route_refusal, ct_bucket, feature_args, feature_pointers,
+                                         launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops.validation import check_values
 
 
@@ -89,15 +89,15 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(window: bool = False, softcap: bool = False):
+def _entry(window: bool = False, softcap: bool = False, sinks: bool = False):
     # Loaded and typed once per feature library, not per launch.
-    fn = load(*feature_library(PREFILL_LIBRARY, window=window, softcap=softcap)).dhp_prefill_sm90
+    fn = load(*feature_library(PREFILL_LIBRARY, window=window, softcap=softcap, sinks=sinks)).dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, u32, u32,
                    i32, i32, p, i32, i32, u32, p,  # CT: l_mode, l_scalar, bucket, max_blocks, q_rows, q_magic, sink
-                   i32, ctypes.c_float, ctypes.c_float,  # features: window, cap_pre, cap_post
+                   i32, ctypes.c_float, ctypes.c_float, p,  # features: window, cap_pre, cap_post, sinks
                    p]
     fn.restype = i32
     return fn
@@ -122,7 +122,8 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, *, scale: float,
                  causal: bool = True, num_tokens: int | None = None, variant: str = V2,
                  bucket: int | torch.Tensor | None = None, check: bool = True,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
 
     ``variant`` picks `V2` (policy off) or `V2_CT` (the same bits on the
@@ -133,15 +134,17 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     ``check`` reads the metadata on the host first (the facts `ops.paged_attention`
     checks with ``check_values``: offsets, lengths, block ids; a device sync).
     ``sliding_window`` (W: the query at position i sees keys j with i - W < j <= i) and
-    ``logits_soft_cap`` (c * tanh(s / c) on the scaled scores) run the binaries of the feature
-    library (`cuda_build.feature_library`); policy off walks only the window, the constant-time
-    walk the whole bucket (the window's position follows the true length).
+    ``logits_soft_cap`` (c * tanh(s / c) on the scaled scores) and ``sinks`` (a [num_heads] logit
+    per head in the softmax denominator, float32 or the query's dtype) run the binaries of the
+    feature library (`cuda_build.feature_library`); policy off walks only the window, the
+    constant-time walk the whole bucket (the window's position follows the true length).
     """
     num_tokens = query.shape[0] if num_tokens is None else num_tokens
     validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens)
     if variant not in _ALL_CODES:
         _fail("variant", repr(variant), ", ".join(_ALL_CODES))
-    library, feature_tail = feature_args("cuda_prefill", scale, causal, sliding_window, logits_soft_cap)
+    library, feature_tail = feature_args("cuda_prefill", scale, causal, sliding_window, logits_soft_cap,
+                                          sinks, query)
     ct = variant in _CT_CODES
     if ct != (bucket is not None):
         _fail("bucket", "given" if bucket is not None else "missing",
@@ -176,7 +179,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
                     float(scale) * math.log2(math.e),  # qk_scale: the decode launcher's value, for equal bits
                     int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
-                    *ct_args, *feature_tail, stream)
+                    *ct_args, *feature_pointers(feature_tail), stream)
     if rc != 0:
         raise RuntimeError(f"cuda_prefill: launch failed: {launch_error(rc)}")
     return out

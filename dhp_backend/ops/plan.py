@@ -277,8 +277,8 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
 
     - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
       `cuda_decode.routes_decode`: sm_90, head size 128, at most
-      `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc, no attention sinks;
-      sliding windows and soft-caps on their feature libraries): decode steps (the launcher's token tiles, `geometry.decode_step`) on
+      `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc; sliding windows,
+      soft-caps and sinks on their feature libraries): decode steps (the launcher's token tiles, `geometry.decode_step`) on
       ``cuda_decode`` (``cuda_decode_ct`` under strict / request), prefill and mixed
       steps on ``cuda_prefill`` (``cuda_prefill_ct``);
     - else the Triton kernels (``triton``) for every step.
@@ -295,8 +295,7 @@ def layer_family(spec: ProblemSpec) -> tuple[bool, str]:
     """Whether ``spec``'s layers run on the csrc kernels (every step), and why (not)."""
     if spec.device_type != "cuda":
         return False, "the csrc kernels run on CUDA devices only"
-    # (attention sinks: the routes refuse them, cuda_common.common_route_refusal; windows and soft-caps
-    # run on the csrc feature libraries. A public decision: the model's configuration.)
+    # (windows, soft-caps and sinks run on the csrc feature libraries, cuda_build.feature_library.)
     for kind in (CUDA_PREFILL, CUDA_DECODE):
         ok, why = _cuda_routes(spec, kind)
         if not ok:
@@ -362,10 +361,8 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
         return launch(plan.triton, *args, scale=scale, causal=causal, num_tokens=n, policy=plan.policy,
                       bucket=bucket, **features)
-    if plan.spec.sinks:  # step_kernel never plans this; a hand-made plan could
-        raise ValueError(f"plan.run: kernel {kernel!r} does not implement attention sinks; accepted: the triton "
-                         "or reference kernel for such a layer (ops.plan.step_kernel)")
-    csrc_features = dict(sliding_window=sliding_window, logits_soft_cap=plan.spec.logits_soft_cap or None)
+    csrc_features = dict(sliding_window=sliding_window, logits_soft_cap=plan.spec.logits_soft_cap or None,
+                         sinks=sinks)
     if kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
         from dhp_backend.ops.cuda_prefill import prefill_sm90
 
