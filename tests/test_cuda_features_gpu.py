@@ -54,16 +54,17 @@ FEATURES = [
     ("cap50", dict(logits_soft_cap=50.0)),
     ("cap30+W700", dict(logits_soft_cap=30.0, sliding_window=700)),
     ("sinks", dict(sinks="f32")),
-    ("W128+sinks", dict(sliding_window=128, sinks="bf16")),  # gpt-oss's local layers (sinks in the model dtype)
+    ("W128+sinks", dict(sliding_window=128, sinks="model")),  # gpt-oss's local layers (sinks in the model dtype)
     ("cap50+W300+sinks", dict(logits_soft_cap=50.0, sliding_window=300, sinks="f32")),
 ]
 
 
-def materialize(feats, H, seed):
-    """The features as the launchers take them: sinks as a [H] tensor (gpt-oss-like spread, one head -inf)."""
+def materialize(feats, H, seed, dtype=torch.bfloat16):
+    """The features as the launchers take them: sinks as a [H] tensor (gpt-oss-like spread, one head -inf),
+    float32 or the model dtype ``dtype``."""
     f = dict(feats)
     if "sinks" in f:
-        dtype = torch.float32 if f["sinks"] == "f32" else torch.bfloat16
+        dtype = torch.float32 if f["sinks"] == "f32" else dtype
         f["sinks"] = random_sinks(H, gen=torch.Generator(device="cuda").manual_seed(seed), dtype=dtype)
     return f
 
@@ -96,7 +97,7 @@ def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=1400):
 def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype, bs):
     rng = random.Random(hash((name, H, bs)) & 0xFFFF)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
-    feats = materialize(feats, H, 1)
+    feats = materialize(feats, H, 1, dtype)
     for trial in range(3):
         reqs = random_reqs(rng, gen, rng.randint(1, 4), H, Hkv, dtype)
         step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5]), extra_rows=3)
@@ -237,7 +238,7 @@ def test_paged_attention_routes_windowed_and_capped_layers_to_the_csrc_kernels(m
             return _real(*a, **k)
 
         monkeypatch.setattr(module, name, spy)
-    feats = materialize(dict(sliding_window=700, logits_soft_cap=50.0, sinks="bf16"), 32, 5)
+    feats = materialize(dict(sliding_window=700, logits_soft_cap=50.0, sinks="model"), 32, 5)
     gen = torch.Generator(device="cuda").manual_seed(31)
     reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen)
             for q, s in ((600, 1500), (1, 900), (1, 2000))]
