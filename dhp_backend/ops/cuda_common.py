@@ -29,7 +29,7 @@ _LAUNCH_ERRORS = {
     -7: "query heads per KV head outside what the kernel accepts",
     -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
     -9: "the split-state workspace is not 16-byte aligned",
-    -10: "the window / soft-cap arguments do not match the library's features (cuda_build.feature_library)",
+    -10: "the window / soft-cap / sinks arguments do not match the library's features (cuda_build.feature_library)",
 }
 
 

@@ -244,7 +244,7 @@ def _prepare_kernels(spec: ProblemSpec, requested: str) -> list:
             wanted.append(library)
     built = []
     for library in wanted:
-        try:  # a layer with a window or a soft-cap: its feature library (cuda_build.feature_library)
+        try:  # a layer with a window, a soft-cap or sinks: its feature library (cuda_build.feature_library)
             b = cuda_build.build(*cuda_build.feature_library(library, **cuda_common.spec_features(spec)))
         except cuda_build.CudaBuildError as e:
             cuda_common.mark_build_failed(library[1], str(e).splitlines()[0])
@@ -278,7 +278,8 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
       `cuda_decode.routes_decode`: sm_90, head size 128, at most
       `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc; sliding windows,
-      soft-caps and sinks on their feature libraries): decode steps (the launcher's token tiles, `geometry.decode_step`) on
+      soft-caps and sinks on their feature libraries): decode steps (the launcher's
+      token tiles, `geometry.decode_step`) on
       ``cuda_decode`` (``cuda_decode_ct`` under strict / request), prefill and mixed
       steps on ``cuda_prefill`` (``cuda_prefill_ct``);
     - else the Triton kernels (``triton``) for every step.
