@@ -735,8 +735,12 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
 // "constant-time walk" above) with its remedies on 128-position steps: every score masked by
 // select, V past the true length zeroed in the fragments (pv_step_mma's keep mask), the dead
 // steps (every position past the row's end) run unmasked and dropped by the commit's selection
-// (step_role_v2), a dead split stores the filler. The off binary walks the true lengths (the
-// trip count, the mask branch and the V-tail zeroing follow seq_len): policy off only.
+// (step_role_v2), a dead split stores the filler. The feature libraries keep that walk: the
+// window's lower bound is one more selection per score and per V fragment (INT_MIN in the dead
+// steps), the soft cap an elementwise function with no data-dependent path, and the sinks are read
+// at sinks + head (public) after the walk. The off binary walks the true lengths (the trip count,
+// the mask branch and the V-tail zeroing follow seq_len; with a window also the first split walked
+// and merged, from ext - W): policy off only.
 constexpr int kSync = kPairedV | kEvictFirst | kMmaSync;
 constexpr int kPipe = kSync | kMmaPipe;
 
@@ -855,31 +859,19 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
         }
-        if constexpr (v2::kWindow) {  // both bounds; CT: every step, by select (a dead step unmasked)
-          if (kCT || kv0 + kStepV2 > w.ext || kv0 < win_lo) {
-            const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
-            const int lo_s = kCT ? ct::select_int(role.dead, INT_MIN, win_lo) : win_lo;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const int col = kv0 + 64 * (i / 4) + 32 * ws + 8 * (i % 4) + c2;
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const bool out = (col + e > lim_s) | (col + e < lo_s);
-                s[4 * i + e] = out ? -INFINITY : s[4 * i + e];
-                s[4 * i + 2 + e] = out ? -INFINITY : s[4 * i + 2 + e];
-              }
-            }
-          }
-        } else if (kCT || kv0 + kStepV2 > w.ext) {
-        // off: a branch on the (public) length; CT: every step, by select (a dead step unmasked)
+        // off: a branch on the (public) length and window; CT: every step, by select (a dead step unmasked).
+        // Window libraries mask below the window too (positions < ext - W).
+        if (kCT || kv0 + kStepV2 > w.ext || (v2::kWindow && kv0 < win_lo)) {
           const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
+          const int lo_s = kCT ? ct::select_int(role.dead, INT_MIN, win_lo) : win_lo;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int col = kv0 + 64 * (i / 4) + 32 * ws + 8 * (i % 4) + c2;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              s[4 * i + e] = col + e > lim_s ? -INFINITY : s[4 * i + e];
-              s[4 * i + 2 + e] = col + e > lim_s ? -INFINITY : s[4 * i + 2 + e];
+              const bool out = (col + e > lim_s) | (v2::kWindow && col + e < lo_s);
+              s[4 * i + e] = out ? -INFINITY : s[4 * i + e];
+              s[4 * i + 2 + e] = out ? -INFINITY : s[4 * i + 2 + e];
             }
           }
         }

@@ -205,6 +205,9 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 //     never a ternary: ptxas guards a ternary's last FFMA by the predicate, and a
 //     guarded-off instruction costs less than one that runs (G4, H200: +0.039 %, t -12.8;
 //     G2 fails such a guard: dhp_backend/audit/guarded.py);
+//   - the feature libraries (v2_arith.cuh) keep this walk: a window's lower bound is one more
+//     selection per score (INT_MIN in the dead steps), the soft cap an elementwise function with
+//     no data-dependent path, the sinks one read per row at sinks + head after the walk;
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
@@ -594,6 +597,31 @@ __device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, i
   return x;
 }
 
+// A consumer's end: its rows' running state (shared memory, folded) back into the accumulator
+// registers and the rows' 1 / l, the sink's state (m = sinks[h] log2 e, l = 1, acc = 0) folded in
+// first in the sink libraries (v2::kSinks). Shared by both consumers: the same operations as the
+// decode kernel's fold mode and merge, so a row keeps its bits.
+__device__ __forceinline__ void running_state_out(const Params& p, const Rows& rw, const float4* run_smem,
+                                                  float mr_lo, float lr_lo, float mr_hi, float lr_hi,
+                                                  float (&acc)[64], float& inv_lo, float& inv_hi) {
+  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};
+  if constexpr (v2::kSinks) {
+    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
+    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
+  }
+  inv_lo = finalize_inv(lr_lo);
+  inv_hi = finalize_inv(lr_hi);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float4 r = run_smem[128 * i];
+    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
+    if constexpr (v2::kSinks) {
+      acc[4 * i] = fold_value(r.x, 0.f, sk_lo), acc[4 * i + 1] = fold_value(r.y, 0.f, sk_lo);
+      acc[4 * i + 2] = fold_value(r.z, 0.f, sk_hi), acc[4 * i + 3] = fold_value(r.w, 0.f, sk_hi);
+    }
+  }
+}
+
 // ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumers ---------------
 // Policy off: the contract's row arithmetic (v2_step: 128-position steps, FA3's exponent form,
 // per-lane row sums in step_tree order, the quad's lanes once per split; splits of 512 folded
@@ -732,21 +760,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   fold(m_lo, m_hi, l_lo, l_hi);
   turns.finish();
 
-  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};  // sink libraries: the sink's state folded last (v2::kSinks)
-  if constexpr (v2::kSinks) {
-    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
-    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
-  }
-  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {  // the running state back into the accumulator registers
-    const float4 r = run_smem[128 * i];
-    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
-    if constexpr (v2::kSinks) {
-      acc[4 * i] = fold_value(r.x, 0.f, sk_lo), acc[4 * i + 1] = fold_value(r.y, 0.f, sk_lo);
-      acc[4 * i + 2] = fold_value(r.z, 0.f, sk_hi), acc[4 * i + 3] = fold_value(r.w, 0.f, sk_hi);
-    }
-  }
+  float inv_lo, inv_hi;
+  running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
   store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
 }
@@ -838,21 +853,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
       l_lo = l_hi = 0.f;
     }
   }
-  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};  // sink libraries: the sink's state folded last (v2::kSinks)
-  if constexpr (v2::kSinks) {
-    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
-    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
-  }
-  const float inv_lo = finalize_inv(lr_lo), inv_hi = finalize_inv(lr_hi);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {  // the running state back into the (dead) accumulator registers
-    const float4 r = run_smem[128 * i];
-    acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
-    if constexpr (v2::kSinks) {
-      acc[4 * i] = fold_value(r.x, 0.f, sk_lo), acc[4 * i + 1] = fold_value(r.y, 0.f, sk_lo);
-      acc[4 * i + 2] = fold_value(r.z, 0.f, sk_hi), acc[4 * i + 3] = fold_value(r.w, 0.f, sk_hi);
-    }
-  }
+  float inv_lo, inv_hi;
+  running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
   const int r = 64 * cw + 16 * warp + lane / 4;
   store_row_ct<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, g, r, lane, acc, inv_lo);
   store_row_ct<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, g, r + 8, lane, acc, inv_hi);

@@ -27,8 +27,8 @@ import random
 import pytest
 import torch
 
-from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, random_sinks, reference,
-                          rel_err, reserved_step)
+from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, random_requests,
+                          random_sinks, reference, rel_err, reserved_step)
 
 from dhp_backend.ops import paged_attention
 from dhp_backend.ops.cuda_build import find_nvcc
@@ -83,12 +83,7 @@ def decode(step, feats, *, mode=None, bucket=None):
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=1400):
-    reqs = []
-    for _ in range(n):
-        seq = rng.randint(1, max_len)
-        q = rng.choice([seq, seq, rng.randint(1, seq)])  # whole prompts and chunks on cached context
-        reqs.append(make_request(q, seq, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen))
-    return reqs
+    return random_requests(rng, gen, n, H, Hkv, dtype, max_len=max_len)
 
 
 @pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])

@@ -21,7 +21,8 @@ import random
 import pytest
 import torch
 
-from triton_steps import Request, assemble, bits, make_request, reference, rel_err, reserved_step
+from triton_steps import (Request, assemble, bits, make_request, random_requests, reference, rel_err,
+                          reserved_step)
 
 from dhp_backend.ops.cuda_build import find_nvcc
 from dhp_backend.ops import paged_attention
@@ -51,12 +52,7 @@ def run_decode(step, causal):
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=700):
-    reqs = []
-    for _ in range(n):
-        seq = rng.randint(1, max_len)
-        q = rng.choice([seq, seq, rng.randint(1, seq)])  # whole prompts and chunks on cached context
-        reqs.append(make_request(q, seq, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen))
-    return reqs
+    return random_requests(rng, gen, n, H, Hkv, dtype, max_len=max_len)
 
 
 @pytest.mark.parametrize("H,Hkv,dtype,bs", [
