@@ -45,17 +45,17 @@ __device__ __forceinline__ void pack_p(const float (&s)[N], uint32_t (&pa)[N / 2
 // V rows at positions >= seq_len (unwritten slots of the last page, repeated
 // pages) are zeroed in shared memory before the PV product: P is 0 there, but
 // 0 * NaN is NaN. POSITIONS: rows of the V tile, stored as boxes of box_rows
-// rows, each box two 64-column halves of box_rows x 128 B ([box][half][row]; the
-// default, one box, is [half][POSITIONS rows]). Run by the THREADS threads that
+// rows, each box HALVES 64-column halves of box_rows x 128 B ([box][half][row]; the
+// default, one box, is [half][POSITIONS rows]; HALVES = head size / 64). Run by the THREADS threads that
 // read the tile (a consumer warpgroup, or decode's two PV warps), tid in
 // [0, THREADS), with their own named barrier; where two warpgroups share a tile,
 // both write the same zeros.
-template <int POSITIONS, int THREADS = 128>
+template <int POSITIONS, int THREADS = 128, int HALVES = 2>
 __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int tid, uint32_t barrier_id,
                                             int box_rows = POSITIONS) {
-  for (int idx = tid; idx < (POSITIONS - valid_rows) * 16; idx += THREADS) {
-    const int row = valid_rows + idx / 16, c = idx % 16;
-    uint8_t* line = v_tile + (row / box_rows) * (2 * box_rows * 128) + (c / 8) * (box_rows * 128) +
+  for (int idx = tid; idx < (POSITIONS - valid_rows) * 8 * HALVES; idx += THREADS) {
+    const int row = valid_rows + idx / (8 * HALVES), c = idx % (8 * HALVES);
+    uint8_t* line = v_tile + (row / box_rows) * (HALVES * box_rows * 128) + (c / 8) * (box_rows * 128) +
                     (row % box_rows) * 128;
     reinterpret_cast<uint4*>(line)[c % 8] = make_uint4(0, 0, 0, 0);
   }
@@ -66,10 +66,10 @@ __device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int valid_rows, int
 // V rows [0, rows) zeroed, as zero_v_tail the rows past the length (the feature libraries: the
 // positions below a sliding window's lowest bound in the walk's first step, which may be the null
 // block of pages the window dropped). The default one-box layout only.
-template <int POSITIONS, int THREADS = 128>
+template <int POSITIONS, int THREADS = 128, int HALVES = 2>
 __device__ __forceinline__ void zero_v_head(uint8_t* v_tile, int rows, int tid, uint32_t barrier_id) {
-  for (int idx = tid; idx < rows * 16; idx += THREADS) {
-    const int row = idx / 16, c = idx % 16;
+  for (int idx = tid; idx < rows * 8 * HALVES; idx += THREADS) {
+    const int row = idx / (8 * HALVES), c = idx % (8 * HALVES);
     reinterpret_cast<uint4*>(v_tile + (c / 8) * (POSITIONS * 128) + row * 128)[c % 8] = make_uint4(0, 0, 0, 0);
   }
   fence_proxy_async();

@@ -20,8 +20,9 @@
 // 64-position stages, ahead of the consumer across split boundaries, and the
 // consumer warpgroup never issues a load.
 //
-// Layouts (those of ops.paged_attention): query/out [num_tokens, num_heads, 128];
-// key/value [num_blocks, num_kv_heads, block_size, 128]; block_table
+// Layouts (those of ops.paged_attention): query/out [num_tokens, num_heads, D];
+// key/value [num_blocks, num_kv_heads, block_size, D] (D = 128, or 64 in the head-64 libraries,
+// -DDHP_HEAD=64: every tile is D / 64 halves of 64 columns); block_table
 // [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs].
 //
 // One CTA = one query token x the GROUP query heads of one KV head (the Triton
@@ -61,11 +62,13 @@ namespace {
 using namespace sm90;
 using namespace compat;
 
-constexpr int kHead = 128;
+constexpr int kHead = v2::kHead;              // head size D: 128, or 64 (-DDHP_HEAD=64)
+constexpr int kHalves = v2::kHalves;          // 64-column halves of a tile row (D / 64)
+constexpr int kPV = kHead / 4;                // a PV warp's accumulator values per thread (16 rows x D / 2)
 constexpr int kRows = 64;                     // wgmma rows per CTA (GROUP of them real)
 constexpr int kStep = kStepKV;                // KV positions per stage (64)
 constexpr int kHalf = 64 * 128;               // one 64-column half of a 64-row 16-bit tile (8 KB)
-constexpr int kTile = 2 * kHalf;              // a 64 x 128 16-bit tile (16 KB)
+constexpr int kTile = kHalves * kHalf;        // a 64 x D 16-bit tile (16 KB at D = 128)
 constexpr int kStepsPerSplit = kSplitKV / kStep;
 // Consumer warpgroup (warps 0-3: wgmma needs an aligned warpgroup) + one producer
 // warp (warp 4). No setmaxnreg: every thread gets the same budget, 65536 / (160
@@ -73,7 +76,7 @@ constexpr int kStepsPerSplit = kSplitKV / kStep;
 // less of than a producer warpgroup would.
 constexpr int kThreads = 160;
 constexpr uint32_t kBarVTail = 1;
-static_assert(kRows == kStep, "K and V tiles share the 64 x 128 layout");
+static_assert(kRows == kStep, "K and V tiles share the 64 x D layout");
 
 // Binary options (the variant code's high bits, see launch_variant).
 //   kPairedV        V pages by one TMA box holding both 64-column halves
@@ -115,7 +118,7 @@ constexpr uint32_t kBarRows = 2;  // named barrier of the S pair's cross-warp ro
 template <bool SMALL_Q>
 struct QTile {
   static constexpr int kHalfBytes = SMALL_Q ? 8 * 128 : kHalf;
-  static constexpr int kBytes = 2 * kHalfBytes;
+  static constexpr int kBytes = kHalves * kHalfBytes;
   static constexpr uint32_t kSbo = SMALL_Q ? 0 : 1024;
 };
 
@@ -359,10 +362,11 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
                                         const Barriers<STAGES>& bar, int kvh, int t) {
   using L = Layout<STAGES, SMALL_Q, WRITE_PARTIALS>;
   const int lane = threadIdx.x % 32;
-  if (lane == 0) {  // Q: 64 columns x GROUP heads x 1 token, twice (the two column halves)
-    mbar_arrive_expect_tx(bar.q_full(), 2 * p.group * 128);
-    tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, t);
-    tma_load_3d(smem + QTile<SMALL_Q>::kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, t);
+  if (lane == 0) {  // Q: 64 columns x GROUP heads x 1 token, once per column half
+    mbar_arrive_expect_tx(bar.q_full(), p.group * 2 * kHead);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+      tma_load_3d(smem + h * QTile<SMALL_Q>::kHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, t);
   }
   if (w.s_lo >= w.s_end) return;
   const int bs = p.block_size, rows = p.box_rows;
@@ -421,8 +425,9 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           if (b < boxes) {
-            load_4d(k_dst + b * rows * 128, tm_k, bar.k_full(st), 0, row[b], kvh, blk[b]);
-            load_4d(k_dst + kHalf + b * rows * 128, tm_k, bar.k_full(st), 64, row[b], kvh, blk[b]);
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+              load_4d(k_dst + h * kHalf + b * rows * 128, tm_k, bar.k_full(st), 64 * h, row[b], kvh, blk[b]);
           }
         }
       }
@@ -432,11 +437,12 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           if (b < boxes) {
-            if constexpr (OPT & kPairedV) {
+            if constexpr ((OPT & kPairedV) && kHalves == 2) {
               load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
-            } else {
-              load_4d(v_dst + b * rows * 128, tm_v, bar.v_full(st), 0, row[b], kvh, blk[b]);
-              load_4d(v_dst + kHalf + b * rows * 128, tm_v, bar.v_full(st), 64, row[b], kvh, blk[b]);
+            } else {  // (head 64: one half, the paired layout [box][row] is this one's)
+#pragma unroll
+              for (int h = 0; h < kHalves; ++h)
+                load_4d(v_dst + h * kHalf + b * rows * 128, tm_v, bar.v_full(st), 64 * h, row[b], kvh, blk[b]);
             }
           }
         }
@@ -454,7 +460,7 @@ template <int OPT>
 __device__ __forceinline__ uint32_t v_chunk_addr(const Params& p, uint32_t v_base, int pos, int c) {
   if constexpr (OPT & kPairedV) {
     const int rows = p.box_rows;
-    return v_base + (pos / rows) * (2 * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
+    return v_base + (pos / rows) * (kHalves * rows * 128) + (c / 8) * (rows * 128) + sw128_offset(pos % rows, c % 8);
   } else {
     return v_base + (c / 8) * kHalf + sw128_offset(pos, c % 8);
   }
@@ -801,11 +807,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   if (warp < 2) {  // ---- S pair
     const int ws = warp;
     mbar_wait(bar.q_full(), 0);
-    uint32_t qa[8][4];
+    uint32_t qa[kHead / 16][4];
     {
       const int qr = SMALL_Q ? lane % 8 : lane % 16;
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
+      for (int kk = 0; kk < kHead / 16; ++kk)
         ldmatrix_x4<false>(qa[kk], smem + (kk / 4) * Q::kHalfBytes + sw128_offset(qr, (kk % 4) * 2 + lane / 16));
     }
     const int lim = w.ext - 1;
@@ -840,7 +846,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           const uint32_t k_base = smem + L::kOffK + st * kTile;
           mbar_wait(bar.k_full(st), ((k + h) / STAGES) & 1);
 #pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {
+          for (int kk = 0; kk < kHead / 16; ++kk) {
             const int c = 2 * kk + (lane / 8) % 2;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {  // positions 32 ws + 16 hh + [0, 16): two n8 tiles
@@ -991,27 +997,27 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 
   // ---- PV pair
   const int wv = warp - 2, tv = tid - 64;
-  float acc[32];
-  float run[WRITE_PARTIALS ? 1 : 32];
+  float acc[kPV];
+  float run[WRITE_PARTIALS ? 1 : kPV];
   if constexpr (!WRITE_PARTIALS) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) run[i] = 0.f;
+    for (int i = 0; i < kPV; ++i) run[i] = 0.f;
   }
   auto store_out_rows = [&](float inv_lo, float inv_hi) {  // fold mode: the CTA's output rows
     if constexpr (!WRITE_PARTIALS) {
-      if (ok_lo) store_out_half<BF16, 8>(p, t, head_lo, 64 * wv + c2, run, 0, inv_lo);
-      if (ok_hi) store_out_half<BF16, 8>(p, t, head_hi, 64 * wv + c2, run, 1, inv_hi);
+      if (ok_lo) store_out_half<BF16, kPV / 4>(p, t, head_lo, (kHead / 2) * wv + c2, run, 0, inv_lo);
+      if (ok_hi) store_out_half<BF16, kPV / 4>(p, t, head_hi, (kHead / 2) * wv + c2, run, 1, inv_hi);
     }
   };
-  float acc_c[(kCT && WRITE_PARTIALS) ? 32 : 1];  // CT split mode: the committed accumulator
+  float acc_c[(kCT && WRITE_PARTIALS) ? kPV : 1];  // CT split mode: the committed accumulator
   int k = 0;
   for (int sp = w.s_lo; sp < w.s_end; sp += w.s_stride) {
     enter_split<WRITE_PARTIALS>(w, sp);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kPV; ++i) acc[i] = 0.f;
     if constexpr (kCT && WRITE_PARTIALS) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) acc_c[i] = 0.f;
+      for (int i = 0; i < kPV; ++i) acc_c[i] = 0.f;
     }
     const int je = split_end(w, sp);
     for (int j = split_first(sp); j < je; j += 2, k += 2) {
@@ -1031,13 +1037,13 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         if constexpr (!kCT) {
           const int valid = w.seq_len - (j + h) * kStep;
           if (valid < kStep)
-            zero_v_tail<kStep, 64>(smem_ptr + L::kOffV + st * kTile, max(valid, 0), tv, kBarVTail,
+            zero_v_tail<kStep, 64, kHalves>(smem_ptr + L::kOffV + st * kTile, max(valid, 0), tv, kBarVTail,
                                    (OPT & kPairedV) ? p.box_rows : kStep);
         }
         const int v_len = kCT ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
         // window libraries: V below the window zeroed in the fragments (off: the tail is zeroed above)
         const int v_lo = kCT ? ct::select_int(role.dead, INT_MIN, w.ext - p.window) : w.ext - p.window;
-        pv_step_mma<BF16, 4, OPT>(acc, p, p_tile, v_base, 8 * wv, lane, (j + h) * kStep, kCT ? v_len : INT_MAX,
+        pv_step_mma<BF16, kHead / 32, OPT>(acc, p, p_tile, v_base, (kHead / 16) * wv, lane, (j + h) * kStep, kCT ? v_len : INT_MAX,
                                   v_lo);
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.v_empty(st));
@@ -1045,12 +1051,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       if constexpr (kCT) {  // the commit (step_role_v2), by selection
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
-          for (int i = 0; i < 32; ++i) acc_c[i] = ct::select_f32(role.commit, acc[i], acc_c[i]);
+          for (int i = 0; i < kPV; ++i) acc_c[i] = ct::select_f32(role.commit, acc[i], acc_c[i]);
         } else {  // the fold the S pair computed for this step, kept at the commit
           const FoldCoef c_lo{rv[kV2Coef + 32 * b + 2 * r_lo], rv[kV2Coef + 32 * b + 2 * r_lo + 1]};
           const FoldCoef c_hi{rv[kV2Coef + 32 * b + 2 * r_hi], rv[kV2Coef + 32 * b + 2 * r_hi + 1]};
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
+          for (int i = 0; i < kPV / 4; ++i) {
             const float f0 = fold_value(run[4 * i], acc[4 * i], c_lo);
             const float f1 = fold_value(run[4 * i + 1], acc[4 * i + 1], c_lo);
             const float f2 = fold_value(run[4 * i + 2], acc[4 * i + 2], c_hi);
@@ -1069,7 +1075,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
           const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
 #pragma unroll
-          for (int i = 0; i < 32; ++i) {
+          for (int i = 0; i < kPV; ++i) {
             const float a = fabsf(acc[i]);
             acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
           }
@@ -1081,9 +1087,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             const int64_t row = (static_cast<int64_t>(sp) * p.num_tokens + t) * p.num_heads +
                                 (h == 0 ? head_lo : head_hi);
             if constexpr (kCT)
-              store_split_half<8>(p, row, 64 * wv + c2, acc_c, h);
+              store_split_half<kPV / 4>(p, row, (kHead / 2) * wv + c2, acc_c, h);
             else
-              store_split_half<8>(p, row, 64 * wv + c2, acc, h);
+              store_split_half<kPV / 4>(p, row, (kHead / 2) * wv + c2, acc, h);
           }
         } else if constexpr (!kCT) {  // (CT: committed above)
           const FoldCoef c_lo{rv[kV2Coef + 32 * b + 2 * r_lo], rv[kV2Coef + 32 * b + 2 * r_lo + 1]};
@@ -1098,7 +1104,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         if constexpr (v2::kSinks && !WRITE_PARTIALS) {  // the sink's state: acc 0, its alpha (finish_rows)
           const FoldCoef s_lo{rv[kV2SinkAl + r_lo], 0.f}, s_hi{rv[kV2SinkAl + r_hi], 0.f};
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
+          for (int i = 0; i < kPV / 4; ++i) {
             run[4 * i] = fold_value(run[4 * i], 0.f, s_lo);
             run[4 * i + 1] = fold_value(run[4 * i + 1], 0.f, s_lo);
             run[4 * i + 2] = fold_value(run[4 * i + 2], 0.f, s_hi);
@@ -1237,16 +1243,17 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
   if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
   CUtensorMap tq, tk, tv;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_q_rows, q_head_stride, q_tok_stride, group, 1))
+  if (!tma::encode_q(encode, &tq, is_bf16, q, kHead, num_heads, num_q_rows, q_head_stride, q_tok_stride, group, 1))
     return -2;
   const int box_rows = block_size < kStep ? block_size : kStep;
-  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, box_rows))
     return -3;
-  const bool paired_v = variant >= 8 && ((variant / 8) & kPairedV);
+  // (a head-64 library loads V by the one-half map: its paired layout is that one's)
+  const bool paired_v = kHalves == 2 && variant >= 8 && ((variant / 8) & kPairedV);
   if (!(paired_v ? tma::encode_kv_paired(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks,
                                          kv_block_stride, kv_head_stride, kv_tok_stride, box_rows)
-                 : tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
+                 : tma::encode_kv(encode, &tv, is_bf16, v, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                                   kv_head_stride, kv_tok_stride, box_rows)))
     return -4;
 
@@ -1298,3 +1305,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   return split ? launch_variant<false, true>(variant, tq, tk, tv, p, grid, st)
                : launch_variant<false, false>(variant, tq, tk, tv, p, grid, st);
 }
+
+// The head size this library's binaries take (128; 64 in the head-64 libraries, -DDHP_HEAD=64):
+// ops.cuda_decode checks it when it loads a library.
+extern "C" int dhp_decode_sm90_head_size() { return dhp::kHead; }

@@ -12,8 +12,10 @@
 // audit sass-cuda` and G1 per instruction).
 //
 // Layouts (those of ops.paged_attention):
-//   query, out   [num_tokens, num_heads, 128], last dim contiguous
-//   key/value    [num_blocks, num_kv_heads, block_size, 128] (pages of one head contiguous)
+//   query, out   [num_tokens, num_heads, D], last dim contiguous
+//   key/value    [num_blocks, num_kv_heads, block_size, D] (pages of one head contiguous)
+// D = 128, or 64 in the head-64 libraries (-DDHP_HEAD=64, v2_arith.cuh kHead): every tile is
+// D / 64 halves of 64 columns, the output accumulator m64nD.
 //   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
@@ -21,7 +23,7 @@
 // One CTA = 128 query rows of one request and one KV head (GQA packing: every K/V tile
 // is read once for the group), 3 warpgroups:
 //   warpgroup 0  producer: TMA loads (Q once; per 128-position KV step the pages of K and
-//                of V, bs rows x 64 columns per box, 128-byte swizzle) into a ring of two
+//                of V, bs rows x 64 columns per box, D / 64 boxes per page, 128-byte swizzle) into a ring of two
 //                stages. K and V have their own full/empty mbarriers: K of a stage is
 //                refilled as soon as its QK^T is done, without waiting for the PV
 //                product of that step. Policy off: the four warps share every stage
@@ -53,11 +55,13 @@ namespace {
 using namespace sm90;
 using namespace compat;
 
-constexpr int kHead = 128;                       // head size (only size supported)
+constexpr int kHead = v2::kHead;                 // head size D: 128, or 64 (-DDHP_HEAD=64)
+constexpr int kHalves = v2::kHalves;             // 64-column halves of a tile row (D / 64)
+constexpr int kAcc = kHead / 2;                  // O accumulator values per consumer thread (m64nD)
 constexpr int kRows = 128;                       // query rows per CTA
 constexpr int kCols = 128;                       // KV positions per step
 constexpr int kHalfBytes = kRows * 128;          // one 64-column half of a 128-row tile (16 KB)
-constexpr int kTileBytes = 2 * kHalfBytes;       // a 128 x 128 16-bit tile (32 KB)
+constexpr int kTileBytes = kHalves * kHalfBytes; // a 128 x D 16-bit tile (32 KB at D = 128)
 constexpr int kThreads = 384;
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the two turn barriers of the pingpong schedule.
@@ -65,7 +69,7 @@ constexpr uint32_t kBarVTail = 1, kBarTurn = 3;
 
 // Shared memory: Q | K stages | V stages | mbarriers | running state, 1 KB aligned
 // (swizzle atoms). The consumers' running (folded) state, 64 fp32 per thread, lives in
-// shared memory rather than registers, in both binaries: [warpgroup][16][128 threads][4]
+// shared memory rather than registers, in both binaries: [warpgroup][D / 8][128 threads][4]
 // (policy off: with the overlap, s of the next step, P, O and a register-resident running
 // state would all be live; CT: the walk's extra live values spilled it).
 template <int STAGES>
@@ -74,7 +78,7 @@ struct Layout {
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffRun = kOffBar + 128;
-  static constexpr int kRunBytes = 2 * 128 * 64 * 4;
+  static constexpr int kRunBytes = 2 * 128 * kAcc * 4;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
@@ -158,7 +162,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int req, int g) {
 }
 
 // ---- producer ---------------------------------------------------------------
-// One 128-position stage of K or V: pages_per_step pages of bs rows, each two
+// One 128-position stage of K or V: pages_per_step pages of bs rows, each D / 64
 // 64-column TMA boxes (one per half of the [half][128 rows][64] stage), all on
 // the stage's full barrier (armed with the stage's bytes first).
 __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, uint32_t full, const int (&blk)[8],
@@ -167,8 +171,8 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 #pragma unroll
   for (int pg = 0; pg < 8; ++pg) {
     if (pg < pages_per_step) {  // block size: public
-      tma_load_4d(dst + pg * bs * 128, tm, full, 0, 0, kvh, blk[pg]);
-      tma_load_4d(dst + kHalfBytes + pg * bs * 128, tm, full, 64, 0, kvh, blk[pg]);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) tma_load_4d(dst + h * kHalfBytes + pg * bs * 128, tm, full, 64 * h, 0, kvh, blk[pg]);
     }
   }
 }
@@ -277,7 +281,7 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
                                                     2 * (tok * p.q_tok_stride + head * p.q_head_stride));
   // Four 16-byte pieces in flight at a time: the producer warpgroup runs on 40 registers.
 #pragma unroll
-  for (int c0 = 0; c0 < 16; c0 += 4) {
+  for (int c0 = 0; c0 < kHead / 8; c0 += 4) {
     uint4 v[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) v[c] = src[c0 + c];
@@ -397,12 +401,15 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32
 }
 
 template <bool BF16>
-__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pa)[32], uint32_t v_base,
+__device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
                                          uint32_t lbo, uint32_t sbo) {
 #pragma unroll
   for (int j = 0; j < kCols / 16; ++j) {
     const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
-    wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+    if constexpr (kHead == 128)
+      wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+    else
+      wgmma_m64n64k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
   }
 }
 
@@ -469,14 +476,14 @@ __device__ __forceinline__ Rows rows_of(const Params& p, const Work& w, int cw, 
 // Epilogue store of one accumulator row (16 column pairs) to out[token, head].
 template <bool BF16, int IDX>
 __device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi, int head, bool ok, int lane,
-                                          const float (&o)[64], float inv) {
+                                          const float (&o)[kAcc], float inv) {
   if (qi >= w.q_len || !ok) return;
   char* out = static_cast<char*>(p.out);
   uint32_t* dst = reinterpret_cast<uint32_t*>(
       out + 2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
   const int c = lane % 4;  // column pair 2c within each 8-column group
 #pragma unroll
-  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+  for (int i = 0; i < kHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
 
 // CT epilogue: every row is stored, to out[token, head] inside the request and
@@ -485,7 +492,7 @@ __device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi
 constexpr int kSinkSlots = 16, kSinkWidth = 256;  // ops/triton/workspace.py SINK_SLOTS, SINK_WIDTH
 template <bool BF16, int IDX>
 __device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int qi, int head, bool ok, int g,
-                                             int tile_row, int lane, const float (&o)[64], float inv) {
+                                             int tile_row, int lane, const float (&o)[kAcc], float inv) {
   const uint64_t real = reinterpret_cast<uint64_t>(static_cast<char*>(p.out) +
       2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
   const uint64_t sink = reinterpret_cast<uint64_t>(static_cast<char*>(p.sink) +
@@ -493,7 +500,7 @@ __device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int
   uint32_t* dst = reinterpret_cast<uint32_t*>(select_u64((qi < w.q_len) & ok, real, sink));
   const int c = lane % 4;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+  for (int i = 0; i < kHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
 
 // Turn-taking of the two consumer warpgroups (PINGPONG): a warpgroup waits for
@@ -535,7 +542,7 @@ __device__ __forceinline__ void scores_of_stage(float (&s)[64], uint32_t q_base,
 
 // O = O * alpha + P V over a stage (the caller has waited for its V rows), then the V stage released.
 template <bool BF16, int STAGES>
-__device__ __forceinline__ void accumulate_stage(float (&acc)[64], uint32_t (&pa)[32], float a_lo, float a_hi,
+__device__ __forceinline__ void accumulate_stage(float (&acc)[kAcc], uint32_t (&pa)[32], float a_lo, float a_hi,
                                                  uint32_t v_base, const Params& p, const Barriers<STAGES>& bar,
                                                  int st, int lane) {
   scale_rows(acc, a_lo, a_hi);
@@ -603,7 +610,7 @@ __device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, i
 // decode kernel's fold mode and merge, so a row keeps its bits.
 __device__ __forceinline__ void running_state_out(const Params& p, const Rows& rw, const float4* run_smem,
                                                   float mr_lo, float lr_lo, float mr_hi, float lr_hi,
-                                                  float (&acc)[64], float& inv_lo, float& inv_hi) {
+                                                  float (&acc)[kAcc], float& inv_lo, float& inv_hi) {
   FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};
   if constexpr (v2::kSinks) {
     sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
@@ -612,7 +619,7 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
   inv_lo = finalize_inv(lr_lo);
   inv_hi = finalize_inv(lr_hi);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kHead / 8; ++i) {
     const float4 r = run_smem[128 * i];
     acc[4 * i] = r.x, acc[4 * i + 1] = r.y, acc[4 * i + 2] = r.z, acc[4 * i + 3] = r.w;
     if constexpr (v2::kSinks) {
@@ -660,13 +667,13 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
   const int lo_tile = ctx0 + w.tok0 - p.window + 1;
 
-  float acc[64], s[64];
+  float acc[kAcc], s[64];
   uint32_t pa[32];
-  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * (kHead / 8) * 128 + tid;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
@@ -682,9 +689,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int st = (t - t0) % STAGES;
     mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
     const int valid = w.seq_len - t * kCols;
-    if (valid < kCols) zero_v_tail<kCols>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (valid < kCols)
+      zero_v_tail<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
     if (v2::kWindow && t == t0 && lo_tile > t * kCols)
-      zero_v_head<kCols>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - t * kCols, kCols), tid, kBarVTail + cw);
+      zero_v_head<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - t * kCols, kCols), tid, kBarVTail + cw);
     wgmma_fence();
     issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
@@ -707,7 +715,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
     const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kHead / 8; ++i) {
       const float4 r = run_smem[128 * i];
       run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
                                       fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
@@ -793,13 +801,13 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   // bucket's whatever the window is (its position follows the true length: design.md section 2).
   const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
 
-  float acc[64], s[64];
+  float acc[kAcc], s[64];
   uint32_t pa[32];
-  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * 16 * 128 + tid;
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * (kHead / 8) * 128 + tid;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
 
@@ -835,7 +843,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, quad_lanes(l_lo));
     const FoldCoef hi = fold_stats(mf_hi, lf_hi, m_hi, quad_lanes(l_hi));
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kHead / 8; ++i) {
       const float4 r = run_smem[128 * i];
       const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
       const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
@@ -848,7 +856,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     lr_hi = select_f32(commit, lf_hi, lr_hi);
     if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
@@ -918,12 +926,13 @@ int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap
 // repeat it (masked out of S and zeroed in V by the consumers).
 __device__ __forceinline__ void load_share(uint32_t dst, const CUtensorMap* tm, uint32_t full, int first, int n,
                                            const int (&blk)[2], int bs, int kvh) {
-  mbar_arrive_expect_tx(full, n * bs * 256);
+  mbar_arrive_expect_tx(full, n * bs * 2 * kHead);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (j < n) {  // block size: public
-      tma_load_4d(dst + (first + j) * bs * 128, tm, full, 0, 0, kvh, blk[j]);
-      tma_load_4d(dst + kHalfBytes + (first + j) * bs * 128, tm, full, 64, 0, kvh, blk[j]);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h)
+        tma_load_4d(dst + h * kHalfBytes + (first + j) * bs * 128, tm, full, 64 * h, 0, kvh, blk[j]);
     }
   }
 }
@@ -934,9 +943,10 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
                                                const Barriers<STAGES>& bar, int kvh, int req, int pw) {
   using L = Layout<STAGES>;
   if (pw == 0) {
-    mbar_arrive_expect_tx(bar.q_full(), 2 * p.group * p.block_q * 128);
-    tma_load_3d(smem, tm_q, bar.q_full(), 0, kvh * p.group, w.q0 + w.tok0);
-    tma_load_3d(smem + kHalfBytes, tm_q, bar.q_full(), 64, kvh * p.group, w.q0 + w.tok0);
+    mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+      tma_load_3d(smem + h * kHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, w.q0 + w.tok0);
   }
   const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
   const int bs = p.block_size, pps = kCols / bs;
@@ -978,9 +988,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
     const int toks = min(p.block_q, p.num_out_rows - first);
     char* out = static_cast<char*>(p.out);
-    for (int i = threadIdx.x; i < toks * p.group * 16; i += kThreads) {
-      const int64_t tok = first + (i / 16) / p.group, head = kvh * p.group + (i / 16) % p.group;
-      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % 16] =
+    constexpr int kPieces = kHead / 8;  // 16-byte pieces of a row
+    for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreads) {
+      const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
+      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
           make_uint4(0, 0, 0, 0);
     }
     return;
@@ -1068,13 +1079,13 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   // tile; the constant-time walk (61) keeps the slots (load_q_ct, rows_of)
   const bool packed = variant == 60;
   const int block_q = packed ? kRows / group : kRows >> group_shift;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, num_heads, num_tokens, q_head_stride, q_tok_stride,
+  if (!tma::encode_q(encode, &tq, is_bf16, q, kHead, num_heads, num_tokens, q_head_stride, q_tok_stride,
                      packed ? group : 1 << group_shift, block_q))
     return -2;
-  if (!tma::encode_kv(encode, &tk, is_bf16, k, block_size, num_kv_heads, num_blocks, kv_block_stride,
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
     return -3;
-  if (!tma::encode_kv(encode, &tv, is_bf16, v, block_size, num_kv_heads, num_blocks, kv_block_stride,
+  if (!tma::encode_kv(encode, &tv, is_bf16, v, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
     return -4;
 
@@ -1127,3 +1138,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)
                  : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
 }
+
+// The head size this library's binaries take (128; 64 in the head-64 libraries, -DDHP_HEAD=64):
+// ops.cuda_prefill checks it when it loads a library.
+extern "C" int dhp_prefill_sm90_head_size() { return dhp::kHead; }

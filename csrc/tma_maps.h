@@ -37,12 +37,12 @@ inline CUtensorMapDataType dtype(int is_bf16) {
   return is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
-// Q [rows, num_heads, 128] (strides in elements): boxes of 64 columns x box_heads
-// heads x box_tokens tokens. True when the driver accepted the map.
-inline bool encode_q(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* q, int num_heads, int rows,
-                     int64_t head_stride, int64_t tok_stride, int box_heads, int box_tokens) {
+// Q [rows, num_heads, head] (strides in elements): boxes of 64 columns x box_heads
+// heads x box_tokens tokens (head / 64 boxes per row). True when the driver accepted the map.
+inline bool encode_q(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* q, int head, int num_heads,
+                     int rows, int64_t head_stride, int64_t tok_stride, int box_heads, int box_tokens) {
   const cuuint32_t ones[3] = {1, 1, 1};
-  const cuuint64_t dims[3] = {128, static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(head), static_cast<cuuint64_t>(num_heads), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(tok_stride * 2)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_tokens)};
   return encode(map, dtype(is_bf16), 3, const_cast<void*>(q), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -50,13 +50,13 @@ inline bool encode_q(EncodeTiled encode, CUtensorMap* map, int is_bf16, const vo
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// One KV cache [num_blocks, num_kv_heads, block_size, 128] (strides in elements):
+// One KV cache [num_blocks, num_kv_heads, block_size, head] (strides in elements):
 // boxes of 64 columns x box_rows slots of one page of one head.
-inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* cache, int block_size,
-                      int num_kv_heads, int num_blocks, int64_t block_stride, int64_t head_stride, int64_t tok_stride,
-                      int box_rows) {
+inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const void* cache, int head,
+                      int block_size, int num_kv_heads, int num_blocks, int64_t block_stride, int64_t head_stride,
+                      int64_t tok_stride, int box_rows) {
   const cuuint32_t ones[4] = {1, 1, 1, 1};
-  const cuuint64_t dims[4] = {128, static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head), static_cast<cuuint64_t>(block_size), static_cast<cuuint64_t>(num_kv_heads),
                               static_cast<cuuint64_t>(num_blocks)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(tok_stride * 2), static_cast<cuuint64_t>(head_stride * 2),
                                  static_cast<cuuint64_t>(block_stride * 2)};
@@ -66,7 +66,7 @@ inline bool encode_kv(EncodeTiled encode, CUtensorMap* map, int is_bf16, const v
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The same cache with both 64-column halves of box_rows slots in ONE box (a
+// A head-128 cache with both 64-column halves of box_rows slots in ONE box (a
 // 5-d view: column in half, slot, half, head, block; the half's stride is 128 B):
 // shared memory receives [half][box_rows][64], 2 x box_rows x 128 B, so a
 // 16-token page of one head is one TMA instead of two.

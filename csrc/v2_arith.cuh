@@ -27,6 +27,11 @@
 #ifndef DHP_SINKS
 #define DHP_SINKS 0
 #endif
+// The head size a library is compiled for (-DDHP_HEAD=64: cuda_build.feature_library's head): 128
+// (the plain libraries) or 64 (gpt-oss). Public model configuration, like the features.
+#ifndef DHP_HEAD
+#define DHP_HEAD 128
+#endif
 
 namespace dhp::v2 {
 
@@ -46,6 +51,14 @@ constexpr bool kSoftCap = DHP_SOFTCAP != 0;
 constexpr bool kSinks = DHP_SINKS != 0;
 
 constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of 128
+
+// Head size D and its 64-column halves: every tile of Q, K and V is stored as D / 64 halves of
+// 64 columns (128 bytes, one 128-byte swizzle row), so a head of 64 is a tile of one half. A row's
+// operations are those of head 128 with D / 16 k16 slices in S = Q K^T and D / 8 output column
+// groups: the same contract.
+constexpr int kHead = DHP_HEAD;
+constexpr int kHalves = kHead / 64;
+static_assert(kHead == 64 || kHead == 128, "head sizes 64 and 128");
 
 // The running max after a step: the max over the step's raw scores (masked ones -inf), times
 // the scale (softmax scale x log2 e). Rounding is monotonic: max-then-scale and

@@ -190,12 +190,12 @@ def info(args: argparse.Namespace) -> dict:
 # for `info`: the model's features, as vLLM hands them to the backend.
 MODEL_FEATURES = {
     "logits_soft_cap": "reference, Triton kernels and the csrc Hopper kernels (their soft-cap library; policy off, "
-                       "strict, request): a layer the csrc kernels take (head 128) runs on them",
+                       "strict, request): a layer the csrc kernels take (head 128 or 64) runs on them",
     "sinks": "reference, Triton kernels and the csrc Hopper kernels (their sink library; policy off, strict, "
-             "request): a layer the csrc kernels take (head 128) runs on them",
+             "request): a layer the csrc kernels take (head 128 or 64) runs on them",
     "sliding_window": "reference, Triton kernels and the csrc Hopper kernels (their window library; policy off: the "
                       "walk starts at the window; strict, request: the whole bucket is walked, the window is a "
-                      "selection): a layer the csrc kernels take (head 128) runs on them; a window "
+                      "selection): a layer the csrc kernels take (head 128 or 64) runs on them; a window "
                       ">= max_model_len is no window. In "
                       "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
                       "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
@@ -274,10 +274,16 @@ def _build(args) -> int:
               "(the feature libraries of a model with sliding windows, logits soft-caps, attention sinks)",
               file=sys.stderr)
         return 2
-    libraries = list(cuda_build.LIBRARIES)
-    if features:  # a model's feature libraries too (its plain layers use the plain ones)
+    if args.head not in cuda_build.HEAD_SIZES:
+        print(f"dhp-backend build: --head {args.head}; accepted: "
+              f"{', '.join(map(str, cuda_build.HEAD_SIZES))} (the head sizes of the csrc kernels)", file=sys.stderr)
+        return 2
+    # The model's plain libraries, and its feature libraries too (its plain layers use the plain ones).
+    libraries = [cuda_build.feature_library(lib, head=args.head) for lib in cuda_build.LIBRARIES]
+    if features:
         libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features,
-                                                 sinks="sinks" in features) for lib in cuda_build.LIBRARIES]
+                                                 sinks="sinks" in features, head=args.head)
+                      for lib in cuda_build.LIBRARIES]
     try:
         built = [cuda_build.build(*lib) for lib in libraries]
     except cuda_build.CudaBuildError as e:
@@ -350,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the feature library of a model's layers with these features: window, softcap, "
                         "sinks, comma-separated (e.g. window,softcap: Gemma-2-27B's local layers); default: the "
                         "plain libraries only")
+    b.add_argument("--head", type=int, default=128,
+                   help="the head size of the model's layers: 128 (default) or 64 (gpt-oss): a head-64 model's "
+                        "layers run on libraries of their own (csrc/v2_arith.cuh DHP_HEAD)")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
     asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")

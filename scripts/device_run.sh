@@ -26,6 +26,8 @@
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
 #   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
+#   build     every csrc library (heads 128 and 64, plain and each feature set: BUILD_HEADS, BUILD_FEATURES)
+#             into the cache, in parallel, before GPU tests that would build them one by one
 #   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS)
 #   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
 # Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer] [.gpu-stack/send/moe, in a later call]
@@ -123,6 +125,13 @@ for step in "$@"; do
                | tee "$OUT/tp2.log" | tail -60 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
+    build)   for h in ${BUILD_HEADS:-128 64}; do
+               for f in ${BUILD_FEATURES:-none window softcap sinks window,softcap window,sinks softcap,sinks window,softcap,sinks}; do
+                 [ "$f" = none ] && f=""
+                 python3 -m dhp_backend.cli build --head $h ${f:+--features $f} >>"$OUT/build.log" 2>&1 &
+               done
+             done
+             wait; echo "built: $(grep -c 'built in' "$OUT/build.log") libraries"; grep -i "error" "$OUT/build.log" | head -5 ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
     ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
              # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target

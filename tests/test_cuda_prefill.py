@@ -25,7 +25,7 @@ def test_cpu_tensors_refused_with_the_accepted_device():
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(D=64), r"query's shape is \(10, 32, 64\); accepted: \[num_tokens, num_heads, 128\]"),
+    (dict(D=96), r"query's shape is \(10, 32, 96\); accepted: \[num_tokens, num_heads, D\] with D in \{64, 128\}"),
     (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
     (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
     (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads"),
@@ -165,10 +165,32 @@ def test_entry_argtypes_follow_the_c_signature(monkeypatch):
     from dhp_backend.ops import cuda_prefill
 
     fn = types.SimpleNamespace()
-    monkeypatch.setattr(cuda_prefill, "load", lambda *a, **k: types.SimpleNamespace(dhp_prefill_sm90=fn))
+    monkeypatch.setattr(cuda_prefill, "load", lambda *a, **k: types.SimpleNamespace(dhp_prefill_sm90=fn,
+                                                                       dhp_prefill_sm90_head_size=lambda: 128))
     cuda_prefill._entry.cache_clear()
     try:
         assert cuda_prefill._entry() is fn
         assert fn.argtypes == c_signature("prefill_sm90.cu", "dhp_prefill_sm90")
+    finally:
+        cuda_prefill._entry.cache_clear()
+
+
+def test_a_library_of_another_head_size_is_refused(monkeypatch):
+    """The head-64 library is checked to be one (its dhp_prefill_sm90_head_size export): a library of another head
+    size would read the wrong columns, so loading it for head 64 fails with a message."""
+    from dhp_backend.ops import cuda_prefill
+
+    seen = []
+
+    def fake_load(*a, **k):
+        seen.append(a[0])
+        return types.SimpleNamespace(dhp_prefill_sm90=types.SimpleNamespace(), dhp_prefill_sm90_head_size=lambda: 128)
+
+    monkeypatch.setattr(cuda_prefill, "load", fake_load)
+    cuda_prefill._entry.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"loaded for head size 64 was built for head size 128"):
+            cuda_prefill._entry(head=64)
+        assert seen == ["dhp_prefill_sm90_h64"]
     finally:
         cuda_prefill._entry.cache_clear()

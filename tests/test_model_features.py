@@ -190,11 +190,11 @@ def test_feature_arguments_of_the_csrc_launchers():
     from dhp_backend.ops.cuda_common import feature_args
 
     lib, tail = feature_args("t", 0.125, True, None, None)
-    assert lib == dict(window=False, softcap=False, sinks=False) and tail == (0, 0.0, 0.0, None)
-    q = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+    assert lib == dict(window=False, softcap=False, sinks=False, head=128) and tail == (0, 0.0, 0.0, None)
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)  # head 64 (gpt-oss): the head-64 libraries
     lib, tail = feature_args("t", 0.125, True, 4096, 50.0, torch.tensor([0.5, 1.0, -2.0, float("-inf")],
                                                                          dtype=torch.bfloat16), q)
-    assert lib == dict(window=True, softcap=True, sinks=True) and tail[0] == 4096
+    assert lib == dict(window=True, softcap=True, sinks=True, head=64) and tail[0] == 4096
     assert tail[3].dtype == torch.float32 and tail[3].tolist() == [0.5, 1.0, -2.0, float("-inf")]
     for bad in (torch.zeros(3), torch.zeros(4, dtype=torch.float16), [0.0] * 4):
         with pytest.raises(ValueError, match="sinks is .*accepted: None or a \\[num_heads\\] tensor"):
@@ -234,15 +234,16 @@ def test_info_lists_the_features_and_plans_them_by_head_size(capsys, with_nvcc):
     for case in r["cases"].values():  # head 128 (info's default): the csrc feature library
         assert case["kernel"].startswith("cuda_"), case
         assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
-    assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks",
-                     "--head-size", "64"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
-    for name in ("logits_soft_cap", "sinks", "sliding_window"):
-        assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
-    for case in r["cases"].values():
-        assert case["kernel"] == "triton"
-        assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
+    for head, family in ((64, "cuda_"), (256, "triton")):  # gpt-oss: the head-64 libraries; Gemma-2: Triton
+        assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks",
+                         "--head-size", str(head)]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
+        for name in ("logits_soft_cap", "sinks", "sliding_window"):
+            assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
+        for case in r["cases"].values():
+            assert case["kernel"].startswith(family), (head, case)
+            assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
     with pytest.raises(SystemExit):
         cli.main(["info", "--logits-soft-cap", "-3"])
 

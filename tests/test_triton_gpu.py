@@ -471,22 +471,23 @@ def test_features_prefill_row_equals_decode_row():
 
 
 def test_features_route_by_head_size_through_the_seam():
-    """Through ops.paged_attention on the GPU (path auto): a head-64 layer with a cap and sinks is planned on
-    the Triton kernels for every step kind and policy and gives the Triton kernels' bits; at head 128 the
-    same features go to the csrc kernels' feature library (tests/test_cuda_features_gpu.py checks its bits)."""
+    """Through ops.paged_attention on the GPU (path auto): a head-256 layer (Gemma-2) with a cap and sinks is
+    planned on the Triton kernels for every step kind and policy and gives the Triton kernels' bits; at head
+    128 and 64 the same features go to the csrc kernels' feature libraries (tests/test_cuda_features_gpu.py and
+    tests/test_cuda_head64_gpu.py check their bits)."""
     from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
 
     g = _gen(35)
     lens = [(1, 2000), (1, 17), (100, 1200), (64, 64), (1, 1)]
-    step = assemble([make_request(q, s, H=16, Hkv=4, D=64, dtype=torch.bfloat16, gen=g) for q, s in lens],
+    step = assemble([make_request(q, s, H=16, Hkv=4, D=256, dtype=torch.bfloat16, gen=g) for q, s in lens],
                     block_size=16, pad_tokens=2, gen=g)
     feats = _features("cap+sinks", 16, 35)
     for policy in POLICIES:
         out = poisoned_out(step)
-        paged_attention(*step.args(), out, scale=64 ** -0.5, causal=True, policy=policy,
+        paged_attention(*step.args(), out, scale=256 ** -0.5, causal=True, policy=policy,
                         bucket=step.bucket(policy), num_tokens=step.num_tokens, **feats)
         assert torch.equal(bits(out), bits(_run(step, policy=policy, **feats))), policy
-    for head_size, family in ((64, "triton"), (128, "cuda_")):
+    for head_size, family in ((256, "triton"), (64, "cuda_"), (128, "cuda_")):
         spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=head_size, num_heads=32, num_kv_heads=8,
                            block_size=16, device_capability=torch.cuda.get_device_capability(),
                            logits_soft_cap=50.0, sinks=True)

@@ -36,14 +36,15 @@ def make_request(q_len: int, seq_len: int, *, H: int, Hkv: int, D: int, dtype, g
     return Request(q=rnd(q_len, H, D), k=rnd(seq_len, Hkv, D), v=rnd(seq_len, Hkv, D))
 
 
-def random_requests(rng, gen: torch.Generator, n: int, H: int, Hkv: int, dtype, *, max_len: int) -> list[Request]:
-    """``n`` random head-128 requests of 1..max_len positions: whole prompts (two thirds) and chunks on
-    cached context (the csrc kernels' GPU tests)."""
+def random_requests(rng, gen: torch.Generator, n: int, H: int, Hkv: int, dtype, *, max_len: int,
+                    D: int = 128) -> list[Request]:
+    """``n`` random requests of head size ``D`` and 1..max_len positions: whole prompts (two thirds) and
+    chunks on cached context (the csrc kernels' GPU tests)."""
     reqs = []
     for _ in range(n):
         seq = rng.randint(1, max_len)
         q = rng.choice([seq, seq, rng.randint(1, seq)])
-        reqs.append(make_request(q, seq, H=H, Hkv=Hkv, D=128, dtype=dtype, gen=gen))
+        reqs.append(make_request(q, seq, H=H, Hkv=Hkv, D=D, dtype=dtype, gen=gen))
     return reqs
 
 

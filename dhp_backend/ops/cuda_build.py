@@ -53,16 +53,27 @@ LIBRARIES = (DECODE_LIBRARY, PREFILL_LIBRARY)
 # model has such layers: the plain libraries stay the code they were, and no plain step pays for a
 # feature it does not use.
 _FEATURE_MACROS = (("window", "-DDHP_WINDOW=1"), ("softcap", "-DDHP_SOFTCAP=1"), ("sinks", "-DDHP_SINKS=1"))
+# The head sizes the csrc kernels are compiled for (csrc/v2_arith.cuh DHP_HEAD): 128 is the plain
+# libraries' size; another size is a library of its own (suffix _h<size>, -DDHP_HEAD=<size>), like a feature.
+HEAD_SIZES = (64, 128)
+DEFAULT_HEAD = 128
 
 
 def feature_library(library: tuple[str, str], *, window: bool = False, softcap: bool = False,
-                    sinks: bool = False) -> tuple[str, str, tuple[str, ...]]:
+                    sinks: bool = False, head: int = DEFAULT_HEAD) -> tuple[str, str, tuple[str, ...]]:
     """``(name, source, flags)`` of ``library`` (e.g. `DECODE_LIBRARY`) compiled with the model features
-    named (`build` / `load` take the three): the plain library when none is."""
+    named and for head size ``head`` (`build` / `load` take the three): the plain library for head 128
+    without features. E.g. ``dhp_decode_sm90_window_sinks_h64`` (gpt-oss)."""
+    if head not in HEAD_SIZES:
+        raise ValueError(f"head size {head!r}; accepted: {', '.join(map(str, HEAD_SIZES))} (the csrc kernels)")
     name, source = library
     on = {"window": window, "softcap": softcap, "sinks": sinks}
     suffix = "".join(f"_{k}" for k, _ in _FEATURE_MACROS if on[k])
-    return name + suffix, source, SM90A + tuple(flag for k, flag in _FEATURE_MACROS if on[k])
+    flags = tuple(flag for k, flag in _FEATURE_MACROS if on[k])
+    if head != DEFAULT_HEAD:
+        suffix += f"_h{head}"
+        flags += (f"-DDHP_HEAD={head}",)
+    return name + suffix, source, SM90A + flags
 
 logger = logging.getLogger("dhp_backend")
 

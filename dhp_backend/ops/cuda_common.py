@@ -9,7 +9,7 @@ import math
 
 import torch
 
-HEAD_SIZE = 128
+HEAD_SIZES = (64, 128)  # cuda_build.HEAD_SIZES: one library per head size (csrc/v2_arith.cuh DHP_HEAD)
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # Query heads per KV head a csrc route takes: the 16 rows of the decode consumer's
@@ -31,6 +31,14 @@ _LAUNCH_ERRORS = {
     -9: "the split-state workspace is not 16-byte aligned",
     -10: "the window / soft-cap / sinks arguments do not match the library's features (cuda_build.feature_library)",
 }
+
+
+def check_head_size(who: str, built: int, wanted: int) -> None:
+    """A loaded library's head size (its ``*_head_size()`` export, csrc/v2_arith.cuh DHP_HEAD) is the one it
+    was loaded for: a library built for another head would read the wrong columns."""
+    if built != wanted:
+        raise RuntimeError(f"{who}: the library loaded for head size {wanted} was built for head size {built}; "
+                           "accepted: the library of the query's head size (cuda_build.feature_library head=)")
 
 
 def launch_error(rc: int) -> str:
@@ -66,8 +74,8 @@ def common_route_refusal(spec, source: str) -> str | None:
     of the reasons the kernels share (None when nothing shared stands in the way)."""
     if spec.device_type != "cuda" or tuple(spec.device_capability or ()) != (9, 0):
         return "not an sm_90 GPU"
-    if spec.head_size != HEAD_SIZE:
-        return f"head size {spec.head_size} (the kernel has {HEAD_SIZE})"
+    if spec.head_size not in HEAD_SIZES:
+        return f"head size {spec.head_size} (the csrc kernels have {', '.join(map(str, HEAD_SIZES))})"
     if spec.dtype not in ("bfloat16", "float16"):
         return f"dtype {spec.dtype}"
     if spec.block_size not in BLOCK_SIZES:
@@ -98,8 +106,9 @@ def validate_common(who: str, query, key_cache, value_cache, block_table, query_
             fail(name, f"a {type(t).__name__}", "a torch.Tensor")
         if t.device.type != "cuda":
             fail(f"{name}'s device", str(t.device), "a CUDA device (sm_90)")
-    if query.dim() != 3 or query.shape[2] != HEAD_SIZE:
-        fail("query's shape", str(tuple(query.shape)), f"[num_tokens, num_heads, {HEAD_SIZE}]")
+    if query.dim() != 3 or query.shape[2] not in HEAD_SIZES:
+        fail("query's shape", str(tuple(query.shape)),
+             f"[num_tokens, num_heads, D] with D in {{{', '.join(map(str, HEAD_SIZES))}}}")
     if query.dtype not in DTYPES:
         fail("query's dtype", str(query.dtype), "torch.bfloat16 or torch.float16")
     T, H, D = query.shape
@@ -122,7 +131,7 @@ def validate_common(who: str, query, key_cache, value_cache, block_table, query_
     for name, t in (("query", query), ("out", out)):
         if t.stride(-1) != 1 or t.stride(-2) != D:
             fail(f"{name}'s strides", str(t.stride()),
-                 "contiguous head rows ([..., H, 128] with strides (..., 128, 1))")
+                 f"contiguous head rows ([..., H, {D}] with strides (..., {D}, 1))")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             fail(f"{name}'s address/strides", f"{t.data_ptr():#x} / {t.stride()}",
@@ -172,7 +181,8 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
     both kernels (equal bits). ``sinks`` (None: none) is a [num_heads] tensor on the query's device,
     float32 or the query's dtype (``ops.attention.check_sinks``' rule), passed as float32: the kernels
     fold the sink's state (m = sinks[h] * log2 e, l = 1) into each row after its last split. The
-    returned tail holds the float32 tensor: keep it alive until the launch is queued."""
+    library's head size is the query's (128 when no query is given). The returned tail holds the
+    float32 tensor: keep it alive until the launch is queued."""
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{who}: sliding_window is {sliding_window!r}; accepted: None or an int >= 1 "
@@ -200,7 +210,7 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
                              "device, float32 or the query's dtype")
         sinks_f32 = sinks.to(torch.float32).contiguous()
     library = dict(window=sliding_window is not None, softcap=logits_soft_cap is not None,
-                   sinks=sinks_f32 is not None)
+                   sinks=sinks_f32 is not None, head=128 if query is None else int(query.shape[-1]))
     return library, (int(sliding_window or 0), cap_pre, cap_post, sinks_f32)
 
 
@@ -211,5 +221,6 @@ def feature_pointers(tail: tuple) -> tuple:
 
 
 def spec_features(spec) -> dict:
-    """``feature_library``'s keywords for a layer (`dispatch.ProblemSpec`)."""
-    return dict(window=spec.sliding_window is not None, softcap=bool(spec.logits_soft_cap), sinks=bool(spec.sinks))
+    """``feature_library``'s keywords for a layer (`dispatch.ProblemSpec`): its features and head size."""
+    return dict(window=spec.sliding_window is not None, softcap=bool(spec.logits_soft_cap), sinks=bool(spec.sinks),
+                head=int(spec.head_size))

@@ -27,7 +27,8 @@ request's rows do not depend on which kernel, batch or policy computed them.
   kConstTime, consume_v2; GROUP <= 16). Same bits as policy ``off``
   (GPU test). `ops.paged_attention` runs decode steps of
   those policies on it (`routes_decode_ct`).
-- Head size 128, fp16/bf16, block size 16/32/64/128, sm_90 only; anything else is
+- Head size 128 or 64 (one library per head size: cuda_build.feature_library), fp16/bf16,
+  block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
 Writes rows ``[0, num_tokens)``: the requests' rows, and zeros for the padding
@@ -46,7 +47,7 @@ import torch
 from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import DECODE_LIBRARY, feature_library, load
-from dhp_backend.ops.cuda_common import (CSRC_MAX_GROUP, common_route_refusal, ct_bucket, feature_args,
+from dhp_backend.ops.cuda_common import (CSRC_MAX_GROUP, check_head_size, common_route_refusal, ct_bucket, feature_args,
                                          feature_pointers, launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops import tiles as kcfg
 from dhp_backend.ops.validation import check_values
@@ -96,9 +97,11 @@ def routes_decode(spec) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(window: bool = False, softcap: bool = False, sinks: bool = False):
-    # Loaded and typed once per feature library, not per launch.
-    fn = load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap, sinks=sinks)).dhp_decode_sm90
+def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
+    # Loaded, checked and typed once per library (features, head size), not per launch.
+    lib = load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap, sinks=sinks, head=head))
+    check_head_size("cuda_decode", lib.dhp_decode_sm90_head_size(), head)
+    fn = lib.dhp_decode_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
@@ -132,6 +135,8 @@ def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capa
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
     cfg = dataclasses.replace(cfg, resident=resident)
     num_sms = geometry.num_sms_of(torch.device("cuda", torch.cuda.current_device()))
+    # head_size 128 for every library: the split-state workspace is sized for the largest head the
+    # kernels take (a head-64 launch stores half of it), so the grid does not depend on the head.
     p = geometry.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
                     head_size=128, cfg=cfg, ext_grid=capacity, num_sms=num_sms, mode=mode, tiling="token")
     return dict(p, slots=cfg.programs_per_sm * num_sms)

@@ -19,7 +19,7 @@ docs/kernels.md.
   128 rows (GQA 7: 18 tokens, 126 rows); `V2_CT` walks each request to its public
   bucket (policies strict / request) with the slotted tile (128 >> ceil(log2
   GROUP) tokens). A row's bits do not depend on its tile.
-- Head size 128, fp16/bf16, block size 16/32/64/128, up to 16 query heads per KV
+- Head size 128 or 64 (one library per head size), fp16/bf16, block size 16/32/64/128, up to 16 query heads per KV
   head (`cuda_common.CSRC_MAX_GROUP`: the decode kernel's limit, the family's),
   sm_90 only. Anything else is refused with a message saying what is accepted.
 
@@ -37,8 +37,8 @@ import torch
 
 from dhp_backend.ops import workspace as wsp
 from dhp_backend.ops.cuda_build import PREFILL_LIBRARY, feature_library, load
-from dhp_backend.ops.cuda_common import (BLOCK_SIZES, CSRC_MAX_GROUP, DTYPES, HEAD_SIZE,  # noqa: F401
-                                         common_route_refusal, ct_bucket, feature_args, feature_pointers,
+from dhp_backend.ops.cuda_common import (BLOCK_SIZES, CSRC_MAX_GROUP, DTYPES, HEAD_SIZES,  # noqa: F401
+                                         check_head_size, common_route_refusal, ct_bucket, feature_args, feature_pointers,
                                          launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops.validation import check_values
 
@@ -89,9 +89,11 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(window: bool = False, softcap: bool = False, sinks: bool = False):
-    # Loaded and typed once per feature library, not per launch.
-    fn = load(*feature_library(PREFILL_LIBRARY, window=window, softcap=softcap, sinks=sinks)).dhp_prefill_sm90
+def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
+    # Loaded, checked and typed once per library (features, head size), not per launch.
+    lib = load(*feature_library(PREFILL_LIBRARY, window=window, softcap=softcap, sinks=sinks, head=head))
+    check_head_size("cuda_prefill", lib.dhp_prefill_sm90_head_size(), head)
+    fn = lib.dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,

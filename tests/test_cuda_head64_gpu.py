@@ -1,0 +1,186 @@
+"""The csrc Hopper kernels at head size 64 (gpt-oss: 64 query / 8 KV heads, sinks on every layer, a
+window of 128 on alternating layers), on their head-64 libraries (`cuda_build.feature_library` head=64,
+csrc/v2_arith.cuh DHP_HEAD), on an sm_90 GPU. The same contract as head 128 (docs/kernels.md section 7):
+
+- accuracy against the reference over random packed steps, plain and with gpt-oss's features (and a cap),
+  GQA 8 / 7 and MHA, fp16 and bf16, block sizes 16-128;
+- every prefill row's bits equal the decode kernel's for the same position (split and fold mode), chunked
+  prefill and decode steps give the whole prefill's bits;
+- the constant-time walks (v2_ct, the decode CT binaries; one bucket and per-request buckets, on tables that
+  obey the address rule) give policy off's bits;
+- under policy off a window's dropped pages may be vLLM's null block (NaN/inf): the same bits;
+- ops.paged_attention runs a head-64 layer on the csrc kernels under every policy, with off's bits.
+
+Needs nvcc (the libraries are built on first use). Run: ``pytest -m gpu tests/test_cuda_head64_gpu.py``.
+"""
+
+import random
+
+import pytest
+import torch
+
+from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, random_requests,
+                          random_sinks, reference, rel_err, reserved_step)
+
+from dhp_backend.ops import paged_attention
+from dhp_backend.ops.cuda_build import find_nvcc
+from dhp_backend.ops.cuda_decode import decode_sm90
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, prefill_sm90, unavailable_reason
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or unavailable_reason() is not None,
+                       reason="needs an sm_90 GPU"),
+    pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/"),
+]
+
+D = 64
+SCALE = 0.125
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+FEATURES = [
+    ("plain", dict()),
+    ("sinks", dict(sinks="model")),  # gpt-oss's full layers
+    ("W128+sinks", dict(sliding_window=128, sinks="model")),  # its local layers
+    ("W100", dict(sliding_window=100)),
+    ("cap50+W300+sinks", dict(logits_soft_cap=50.0, sliding_window=300, sinks="f32")),
+]
+
+
+def materialize(feats, H, seed, dtype):
+    f = dict(feats)
+    if "sinks" in f:
+        dtype = torch.float32 if f["sinks"] == "f32" else dtype
+        f["sinks"] = random_sinks(H, gen=torch.Generator(device="cuda").manual_seed(seed), dtype=dtype)
+    return f
+
+
+def prefill(step, feats, *, variant=V2, bucket=None):
+    out = torch.full_like(step.query, float("nan"))
+    return prefill_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, variant=variant,
+                        bucket=bucket, **feats)
+
+
+def decode(step, feats, *, mode=None, bucket=None):
+    out = torch.full_like(step.query, float("nan"))
+    return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
+                       bucket=bucket, **feats)
+
+
+@pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
+@pytest.mark.parametrize("H,Hkv,dtype,bs", [(64, 8, torch.bfloat16, 16), (28, 4, torch.float16, 64),
+                                             (16, 16, torch.bfloat16, 128), (16, 2, torch.float16, 32)],
+                         ids=["gpt-oss", "gqa7", "mha", "gqa8-fp16"])
+def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype, bs):
+    rng = random.Random(hash((name, H, bs, D)) & 0xFFFF)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    feats = materialize(feats, H, 1, dtype)
+    for trial in range(3):
+        reqs = random_requests(rng, gen, rng.randint(1, 4), H, Hkv, dtype, max_len=1400, D=D)
+        step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5]), extra_rows=3)
+        n = int(step.query_start_loc[-1])
+        what = f"{name} trial {trial} {[(r.q_len, r.seq_len) for r in reqs]}"
+        ref = reference(step, scale=SCALE, causal=True, **{k: (v.float() if k == "sinks" else v)
+                                                           for k, v in feats.items()})
+        out = prefill(step, feats)
+        assert rel_err(out, ref, n) < TOL[dtype], what
+        assert (out[n: step.num_tokens] == 0).all(), f"padding rows must be zero: {what}"
+        assert torch.isnan(out[step.num_tokens:].float()).all(), f"rows at/after num_tokens written: {what}"
+        for mode in (None, "fold"):  # None: split mode where the launcher picks it (few tokens)
+            got = decode(step, feats, mode=mode)
+            assert torch.isnan(got[step.num_tokens:].float()).all(), f"decode/{mode} wrote past num_tokens: {what}"
+            assert torch.equal(bits(got[: step.num_tokens]), bits(out[: step.num_tokens])), \
+                f"decode/{mode} differs from the prefill: {what}"
+        assert torch.equal(bits(prefill(step, feats)[:n]), bits(out[:n])), f"not repeatable: {what}"
+
+
+def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    for feats in (dict(), materialize(dict(sliding_window=128, sinks="model"), 64, 4, torch.bfloat16)):
+        full = make_request(2100, 2100, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
+        whole = prefill(assemble([full], block_size=16, gen=gen), feats)[:2100]
+        for a, b in ((0, 1), (127, 128), (128, 600), (511, 1024), (1024, 2100), (1700, 2100)):
+            chunk = Request(q=full.q[a:b], k=full.k[:b], v=full.v[:b])
+            got = prefill(assemble([chunk], block_size=16, gen=gen), feats)[: b - a]
+            assert torch.equal(bits(got), bits(whole[a:b])), f"chunk [{a}, {b}) {sorted(feats)}"
+        positions = (0, 1, 127, 128, 129, 511, 512, 1023, 1024, 1025, 2099)
+        step = assemble([Request(q=full.q[p: p + 1], k=full.k[: p + 1], v=full.v[: p + 1]) for p in positions],
+                        block_size=16, gen=gen)
+        for mode in ("split", "fold"):
+            got = decode(step, feats, mode=mode)[: len(positions)]
+            assert torch.equal(bits(got), bits(whole[list(positions)])), f"decode/{mode} {sorted(feats)}"
+
+
+def next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+@pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
+@pytest.mark.parametrize("H,Hkv,bs", [(64, 8, 16), (28, 4, 32)], ids=["gpt-oss", "gqa7"])
+def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
+    rng = random.Random(hash((name, H, D)) & 0xFFFF)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    feats = materialize(feats, H, 3, torch.bfloat16)
+    for trial in range(2):
+        reqs = random_requests(rng, gen, rng.randint(1, 4), H, Hkv, torch.bfloat16, max_len=900, D=D)
+        width = -(-max(max(r.seq_len for r in reqs), 1100) // bs) + 1
+        for policy in ("strict", "request"):
+            step = reserved_step(reqs, policy, block_size=bs, width=width, gen=gen, pad_tokens=5, extra_rows=3)
+            off = bits(prefill(step, feats)[: step.num_tokens])
+            bucket = step.capacity if policy == "strict" else torch.tensor(
+                [min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
+            what = f"{name} {policy} {[(r.q_len, r.seq_len) for r in reqs]}"
+            got = prefill(step, feats, variant=V2_CT, bucket=bucket)
+            assert torch.equal(bits(got[: step.num_tokens]), off), f"v2_ct: {what}"
+            for mode in (None, "fold"):
+                dec = decode(step, feats, mode=mode, bucket=bucket)
+                assert torch.equal(bits(dec[: step.num_tokens]), off), f"decode CT/{mode}: {what}"
+
+
+def test_null_pages_below_the_window_change_no_bit():
+    rng = random.Random(64)
+    feats = materialize(dict(sliding_window=128, sinks="model"), 64, 2, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    for bs in (16, 64):
+        reqs = [make_request(rng.randint(1, 300), rng.randint(1500, 3000), H=64, Hkv=8, D=D, dtype=torch.bfloat16,
+                             gen=gen) for _ in range(4)]
+        step = assemble(reqs, block_size=bs, gen=gen)
+        dropped = drop_pages_below_window(step, 128, gen=gen)
+        assert (dropped.block_table == 0).any()
+        full = bits(prefill(step, feats)[: step.num_tokens])
+        assert torch.equal(bits(prefill(dropped, feats)[: step.num_tokens]), full), f"prefill, bs {bs}"
+        for mode in (None, "fold"):
+            assert torch.equal(bits(decode(dropped, feats, mode=mode)[: step.num_tokens]), full), f"decode/{mode}"
+
+
+def test_paged_attention_runs_head_64_layers_on_the_csrc_kernels(monkeypatch):
+    """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks) runs its prefill,
+    mixed and decode steps on the csrc kernels under every policy, with policy off's bits."""
+    from dhp_backend.ops import cuda_decode, cuda_prefill
+
+    calls = []
+    for module, fn in ((cuda_prefill, "prefill_sm90"), (cuda_decode, "decode_sm90")):
+        real = getattr(module, fn)
+
+        def spy(*a, _real=real, _name=fn, **k):
+            calls.append((_name, a[0].shape[2]))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, fn, spy)
+    feats = materialize(dict(sliding_window=128, sinks="model"), 64, 5, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    mixed = [make_request(q, s, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
+             for q, s in ((600, 1500), (1, 900), (1, 2000))]
+    decodes = [make_request(1, s, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen) for s in (17, 1200, 3000)]
+    for batch, kernel in ((mixed, "prefill_sm90"), (decodes, "decode_sm90")):
+        off = None
+        for policy in ("off", "strict", "request"):
+            step = reserved_step(batch, policy, block_size=16, width=256, gen=gen,
+                                 pad_tokens=4 if kernel == "prefill_sm90" else 0)
+            calls.clear()
+            out = torch.full_like(step.query, float("nan"))
+            paged_attention(*step.args(), out, scale=SCALE, causal=True, policy=policy, bucket=step.bucket(policy),
+                            num_tokens=step.num_tokens, max_model_len=step.capacity, **feats)
+            assert calls == [(kernel, D)], (policy, calls)
+            got = bits(out[: step.num_tokens])
+            off = got if off is None else off
+            assert torch.equal(got, off), f"{policy} differs from off"
