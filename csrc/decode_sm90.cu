@@ -1165,7 +1165,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 template <bool BF16, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
-  constexpr int kStages = 2, kMinBlocks = 2;
+  // Head 64: four stages, the bytes in flight of head 128's two (a stage holds half the bytes).
+  constexpr int kStages = kHead == 64 ? 4 : 2, kMinBlocks = 2;
   constexpr auto kernel = decode_v2_kernel<BF16, kStages, WRITE_PARTIALS, kMinBlocks, SMALL_Q, OPT>;
   constexpr int bytes = LayoutV2<kStages, SMALL_Q>::kBytes;
   static_assert((bytes + 1024) * kMinBlocks <= 228 * 1024, "the stages must fit two CTAs per SM");

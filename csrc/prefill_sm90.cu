@@ -77,10 +77,11 @@ struct Layout {
   static constexpr int kOffK = kTileBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
-  static constexpr int kOffRun = kOffBar + 128;
+  static constexpr int kBarBytes = (8 * RingBarriers<STAGES>::kCount + 127) / 128 * 128;  // 128 up to 2 stages
+  static constexpr int kOffRun = kOffBar + kBarBytes;
   static constexpr int kRunBytes = 2 * 128 * kAcc * 4;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
-  static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
+  static_assert(STAGES > 2 || kBarBytes == 128, "up to two stages (the CT binaries' v_clean barriers too) in 128 bytes");
 };
 static_assert(Layout<2>::kBytes <= 227 * 1024, "two stages and the running state fit");
 
@@ -967,13 +968,17 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
   }
 }
 
+// The policy-off kernel's stage ring: head 64 holds four stages of K and V (a stage is half head 128's).
+constexpr int kStagesOff = kHead == 64 ? 4 : 2;
+static_assert(Layout<kStagesOff>::kBytes <= 227 * 1024, "the stages and the running state fit");
+
 // The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
 // consumer; FA3's register split (producer warpgroup 24, consumers 240).
 template <bool BF16>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  constexpr int STAGES = 2;
+  constexpr int STAGES = kStagesOff;
   using L = Layout<STAGES>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -1022,7 +1027,7 @@ template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   constexpr auto kernel = prefill_v2_kernel<BF16>;
-  constexpr int bytes = Layout<2>::kBytes;  // the running state in shared memory (kOffRun)
+  constexpr int bytes = Layout<kStagesOff>::kBytes;  // the running state in shared memory (kOffRun)
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
