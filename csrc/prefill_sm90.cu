@@ -63,27 +63,36 @@ constexpr int kCols = 128;                       // KV positions per step
 constexpr int kHalfBytes = kRows * 128;          // one 64-column half of a 128-row tile (16 KB)
 constexpr int kTileBytes = kHalves * kHalfBytes; // a 128 x D 16-bit tile (32 KB at D = 128)
 constexpr int kThreads = 384;
+// The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
+// FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
+// softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs. The
+// constant-time binaries keep 2 (kRows, kThreads).
+constexpr int kConsumersOff = kHead == 64 ? 3 : 2;
+constexpr int kRowsOff = 64 * kConsumersOff;
+constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
-// tail, and the two turn barriers of the pingpong schedule.
-constexpr uint32_t kBarVTail = 1, kBarTurn = 3;
+// tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
+constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
 
 // Shared memory: Q | K stages | V stages | mbarriers | running state, 1 KB aligned
 // (swizzle atoms). The consumers' running (folded) state, 64 fp32 per thread, lives in
 // shared memory rather than registers, in both binaries: [warpgroup][D / 8][128 threads][4]
 // (policy off: with the overlap, s of the next step, P, O and a register-resident running
 // state would all be live; CT: the walk's extra live values spilled it).
-template <int STAGES>
+// CONSUMERS: the consumer warpgroups, 64 Q rows each (the Q tile: kHalves halves of 64 * CONSUMERS rows).
+template <int STAGES, int CONSUMERS = 2>
 struct Layout {
-  static constexpr int kOffK = kTileBytes;
+  static constexpr int kQHalfBytes = 64 * CONSUMERS * 128;
+  static constexpr int kOffK = kHalves * kQHalfBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
-  static constexpr int kBarBytes = (8 * RingBarriers<STAGES>::kCount + 127) / 128 * 128;  // 128 up to 2 stages
-  static constexpr int kOffRun = kOffBar + kBarBytes;
-  static constexpr int kRunBytes = 2 * 128 * kAcc * 4;
+  static constexpr int kOffRun = kOffBar + 128;
+  static constexpr int kRunBytes = CONSUMERS * 128 * kAcc * 4;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
-  static_assert(STAGES > 2 || kBarBytes == 128, "up to two stages (the CT binaries' v_clean barriers too) in 128 bytes");
+  static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<2>::kBytes <= 227 * 1024, "two stages and the running state fit");
+static_assert(Layout<2, kConsumersOff>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
 
 struct Params {
   void* out;
@@ -504,22 +513,24 @@ __device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int
   for (int i = 0; i < kHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
 
-// Turn-taking of the two consumer warpgroups (PINGPONG): a warpgroup waits for
-// its turn before issuing wgmmas and hands the turn over right after issuing.
-// bar.sync/bar.arrive on a 256-thread barrier: 128 waiting + 128 arriving.
-template <bool PINGPONG>
+// Turn-taking of the N consumer warpgroups (PINGPONG), round robin: a warpgroup waits for
+// its turn before issuing wgmmas and hands the turn to the next right after issuing.
+// bar.sync/bar.arrive on a 256-thread barrier: 128 waiting + 128 arriving. Every
+// warpgroup of a CTA takes the same number of turns (one walk per tile).
+template <bool PINGPONG, int N = 2>
 struct Turns {
   int cw;
   __device__ void start() const {  // warpgroup 0 goes first
-    if (PINGPONG && cw == 1) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn) : "memory");
+    if (PINGPONG && cw == N - 1) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn) : "memory");
   }
   __device__ void wait() const {
     if (PINGPONG) named_barrier(kBarTurn + cw, 256);
   }
   __device__ void pass() const {
-    if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn + (cw ^ 1)) : "memory");
+    const int next = N == 2 ? cw ^ 1 : (cw + 1) % N;
+    if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn + next) : "memory");
   }
-  __device__ void finish() const {  // consume warpgroup 1's last hand-over (no barrier left half-arrived)
+  __device__ void finish() const {  // consume the last warpgroup's last hand-over (no barrier left half-arrived)
     if (PINGPONG && cw == 0) named_barrier(kBarTurn, 256);
   }
 };
@@ -648,7 +659,7 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, kConsumersOff>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -658,7 +669,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
   const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
-  const Turns<true> turns{cw};
+  const Turns<true, kConsumersOff> turns{cw};
   // Window (feature libraries): the walk starts at step t0 (work_of); a step holding a position
   // at or below the warpgroup's highest lower bound (its last row's position - W) is masked
   // below too; the V rows below the tile's lowest bound (lo_tile) in step t0 are zeroed, as the
@@ -942,12 +953,12 @@ template <int STAGES>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh, int req, int pw) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, kConsumersOff>;
   if (pw == 0) {
     mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
-      tma_load_3d(smem + h * kHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, w.q0 + w.tok0);
+      tma_load_3d(smem + h * L::kQHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, w.q0 + w.tok0);
   }
   const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
   const int bs = p.block_size, pps = kCols / bs;
@@ -968,18 +979,14 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
   }
 }
 
-// The policy-off kernel's stage ring: head 64 holds four stages of K and V (a stage is half head 128's).
-constexpr int kStagesOff = kHead == 64 ? 4 : 2;
-static_assert(Layout<kStagesOff>::kBytes <= 227 * 1024, "the stages and the running state fit");
-
 // The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
-// consumer; FA3's register split (producer warpgroup 24, consumers 240).
+// consumer; FA3's register split (producer warpgroup 24, two consumers 240, three 160).
 template <bool BF16>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreadsOff, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  constexpr int STAGES = kStagesOff;
-  using L = Layout<STAGES>;
+  constexpr int STAGES = 2;
+  using L = Layout<STAGES, kConsumersOff>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -994,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int toks = min(p.block_q, p.num_out_rows - first);
     char* out = static_cast<char*>(p.out);
     constexpr int kPieces = kHead / 8;  // 16-byte pieces of a row
-    for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreads) {
+    for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreadsOff) {
       const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
       reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
           make_uint4(0, 0, 0, 0);
@@ -1008,8 +1015,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(bar.k_full(i), 4);
       mbar_init(bar.v_full(i), 4);
-      mbar_init(bar.k_empty(i), 8);
-      mbar_init(bar.v_empty(i), 8);
+      mbar_init(bar.k_empty(i), 4 * kConsumersOff);  // one arrival per consumer warp
+      mbar_init(bar.v_empty(i), 4 * kConsumersOff);
     }
     mbar_fence_init();
   }
@@ -1018,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     regs_dealloc<24>();
     if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
   } else {
-    regs_alloc<240>();
+    regs_alloc<kConsumersOff == 3 ? 160 : 240>();
     consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
@@ -1027,9 +1034,9 @@ template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   constexpr auto kernel = prefill_v2_kernel<BF16>;
-  constexpr int bytes = Layout<kStagesOff>::kBytes;  // the running state in shared memory (kOffRun)
+  constexpr int bytes = Layout<2, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
-  kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
+  kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -1080,10 +1087,10 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (group <= 0 || group > kRows || group * num_kv_heads != num_heads) return -7;
   int group_shift = 0;  // 2^group_shift tile slots per token: GROUP rounded up to a power of two
   while ((1 << group_shift) < group) ++group_shift;
-  // v2 (60) packs (token, head) rows without slots: floor(128 / GROUP) tokens of GROUP heads per
-  // tile; the constant-time walk (61) keeps the slots (load_q_ct, rows_of)
+  // v2 (60) packs (token, head) rows without slots: floor(kRowsOff / GROUP) tokens of GROUP heads per
+  // tile (128 rows, 192 at head 64); the constant-time walk (61) keeps the slots (load_q_ct, rows_of)
   const bool packed = variant == 60;
-  const int block_q = packed ? kRows / group : kRows >> group_shift;
+  const int block_q = packed ? kRowsOff / group : kRows >> group_shift;
   if (!tma::encode_q(encode, &tq, is_bf16, q, kHead, num_heads, num_tokens, q_head_stride, q_tok_stride,
                      packed ? group : 1 << group_shift, block_q))
     return -2;

@@ -64,8 +64,8 @@ _ALL_CODES = {**_CODES, **_CT_CODES}
 
 def tile_tokens(group: int) -> int:
     """Query tokens per 128-row tile of the constant-time walk: 128 / (``group`` rounded
-    up to a power of two), csrc ``Params::block_q`` (policy off packs more: 128 // group;
-    the fewer tokens bound the grid)."""
+    up to a power of two), csrc ``Params::block_q`` (policy off packs more: 128 // group, and
+    192 // group at head 64; the fewer tokens bound the grid)."""
     return 128 >> (max(1, group) - 1).bit_length()
 
 
