@@ -992,7 +992,7 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
 }
 
 // The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
-// consumer; FA3's register split (producer warpgroup 24 and two consumers 240, or 32 and three 160).
+// consumer; FA3's register split (producer warpgroup 32, two consumers 240, three 160).
 // Persistent, as FA3's: gridDim.x CTAs (one per SM) take the (KV head, tile) items round robin,
 // item i = KV head i % num_kv_heads of tile num_tiles - 1 - i / num_kv_heads (the longest causal
 // walks first, the order the one-CTA-per-tile grid ran them in). The producer loads the next tile's
@@ -1036,10 +1036,7 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   };
   int it = 0, tile_j = 0;  // the CTA's steps and tiles so far: the rings' stage and phase
   if (threadIdx.x < 128) {
-    // The warpgroups trade registers within the CTA's launch allocation (65536 / threads per thread):
-    // the producer gives up exactly what the consumers take (setmaxnreg.inc waits for registers
-    // that are free): 24 / 240 at 384 threads (168 each), 32 / 160 at 512 (128 each).
-    regs_dealloc<kConsumersOff == 3 ? 32 : 24>();
+    regs_dealloc<32>();  // the persistent loop's state: 32 x 128 + 240 x 256 (160 x 384) = 64 K
     for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
       int kvh, req;
       Work w;
