@@ -127,13 +127,6 @@ struct Params {
 
 template <int STAGES>
 using Barriers = RingBarriers<STAGES>;
-// The persistent policy-off kernel's Q buffer release: the consumer warps arrive once their tile's
-// last S is done, and the producer loads the next tile's Q after it. After the RingBarriers (the
-// constant-time kernel keeps its v_clean barriers there instead).
-template <int STAGES>
-__device__ __forceinline__ uint32_t q_empty(const Barriers<STAGES>& bar) {
-  return bar.base + 8 * Barriers<STAGES>::kCount;
-}
 
 // Per-request facts every warp derives the same way.
 struct Work {
@@ -663,12 +656,9 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
 // (token, head) rows without slots (rows_of_packed): a row's bits do not depend on its tile.
 // Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing
 // follow the true lengths.
-// Persistent (prefill_v2_kernel): one call per tile; it0 is the CTA's steps before this tile (the
-// stage ring runs on across tiles) and tile_j its tiles before (the Q buffer's phase).
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                           const Barriers<STAGES>& bar, int kvh, int it0, int tile_j,
-                                           const Turns<true, kConsumersOff>& turns) {
+                                           const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES, kConsumersOff>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
@@ -679,6 +669,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
   const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
+  const Turns<true, kConsumersOff> turns{cw};
   // Window (feature libraries): the walk starts at step t0 (work_of); a step holding a position
   // at or below the warpgroup's highest lower bound (its last row's position - W) is masked
   // below too; the V rows below the tile's lowest bound (lo_tile) in step t0 are zeroed, as the
@@ -699,17 +690,16 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
 
-  auto stage = [&](int t) { return (it0 + t - t0) % STAGES; };  // step t's stage in the CTA's ring
   auto scores = [&](int t) {  // issue S = Q K_t^T
-    const int st = stage(t);
-    mbar_wait(bar.k_full(st), ((it0 + t - t0) / STAGES) & 1);
+    const int st = (t - t0) % STAGES;
+    mbar_wait(bar.k_full(st), ((t - t0) / STAGES) & 1);
     wgmma_fence();
     issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
   };
   auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
-    const int st = stage(t);
-    mbar_wait(bar.v_full(st), ((it0 + t - t0) / STAGES) & 1);
+    const int st = (t - t0) % STAGES;
+    mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
     const int valid = w.seq_len - t * kCols;
     if (valid < kCols)
       zero_v_tail<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
@@ -745,13 +735,14 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
   };
 
-  mbar_wait(bar.q_full(), tile_j & 1);
+  mbar_wait(bar.q_full(), 0);
+  turns.start();
   turns.wait();
   scores(t0);
   turns.pass();
   wgmma_wait<0>();
   pin(s);
-  release(bar.k_empty(stage(t0)));
+  release(bar.k_empty(0));
   softmax(t0);
   scale_rows(acc, a_lo, a_hi);
   pack_p<BF16, 64>(s, pa);
@@ -769,25 +760,25 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
     pin(s);
-    release(bar.k_empty(stage(t + 1)));
+    release(bar.k_empty((t + 1 - t0) % STAGES));
     softmax(t + 1);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty(stage(t)));
+    release(bar.v_empty((t - t0) % STAGES));
     if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
     scale_rows(acc, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
   }
-  release(q_empty(bar));  // every S of the tile is done: the producer may load the next tile's Q
   turns.wait();
   values(w.n_steps - 1);
   turns.pass();
   wgmma_wait<0>();
   pin(acc);
   pin(pa);
-  release(bar.v_empty(stage(w.n_steps - 1)));
+  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES));
   fold(m_lo, m_hi, l_lo, l_hi);
+  turns.finish();
 
   float inv_lo, inv_hi;
   running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
@@ -961,11 +952,9 @@ __device__ __forceinline__ void load_share(uint32_t dst, const CUtensorMap* tm, 
 template <int STAGES>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                               const Barriers<STAGES>& bar, int kvh, int req, int pw, int it0,
-                                               int tile_j) {
+                                               const Barriers<STAGES>& bar, int kvh, int req, int pw) {
   using L = Layout<STAGES, kConsumersOff>;
-  if (pw == 0) {  // the Q buffer once the consumers are done with the previous tile's
-    if (tile_j > 0) mbar_wait(q_empty(bar), (tile_j - 1) & 1);
+  if (pw == 0) {
     mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
@@ -977,28 +966,21 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
   const int last_page = (w.seq_len + bs - 1) / bs - 1;
   const int t0 = v2::kWindow ? w.t0 : 0;  // a window's first step (work_of)
   for (int t = t0; t < w.n_steps; ++t) {
-    const int it = it0 + t - t0;  // the CTA's step count: the ring runs on across tiles
-    const int s = it % STAGES;
-    const uint32_t parity = ((it / STAGES) - 1) & 1;  // the release of step it - STAGES
+    const int s = (t - t0) % STAGES;
+    const uint32_t parity = (((t - t0) / STAGES) - 1) & 1;  // the release of step t - STAGES
     const uint32_t k_dst = smem + L::kOffK + s * kTileBytes, v_dst = smem + L::kOffV + s * kTileBytes;
     int blk[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) blk[j] = j < n ? table[min(t * pps + first + j, last_page)] : 0;
-    if (it >= STAGES) mbar_wait(bar.k_empty(s), parity);
+    if (t - t0 >= STAGES) mbar_wait(bar.k_empty(s), parity);
     load_share(k_dst, tm_k, bar.k_full(s), first, n, blk, bs, kvh);
-    if (it >= STAGES) mbar_wait(bar.v_empty(s), parity);
+    if (t - t0 >= STAGES) mbar_wait(bar.v_empty(s), parity);
     load_share(v_dst, tm_v, bar.v_full(s), first, n, blk, bs, kvh);
   }
 }
 
 // The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
-// consumer; FA3's register split (producer warpgroup 32, two consumers 240, three 160).
-// Persistent, as FA3's: gridDim.x CTAs (one per SM) take the (KV head, tile) items round robin,
-// item i = KV head i % num_kv_heads of tile num_tiles - 1 - i / num_kv_heads (the longest causal
-// walks first, the order the one-CTA-per-tile grid ran them in). The producer loads the next tile's
-// Q and first K/V stages while the consumers finish the last one (their last PV and epilogue): a
-// short walk (a sliding window, a chunk on a short context) no longer pays a CTA's start-up and
-// drain per tile. A tile's operations do not depend on which CTA or when: the same bits.
+// consumer; FA3's register split (producer warpgroup 24, two consumers 240, three 160).
 template <bool BF16>
 __global__ void __launch_bounds__(kThreadsOff, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -1011,68 +993,40 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
+  const int kvh = blockIdx.x;
+  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
+  const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
+  if (req == p.num_seqs) {  // padding rows: zeros
+    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
+    const int toks = min(p.block_q, p.num_out_rows - first);
+    char* out = static_cast<char*>(p.out);
+    constexpr int kPieces = kHead / 8;  // 16-byte pieces of a row
+    for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreadsOff) {
+      const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
+      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
+          make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const Work w = work_of(p, req, g);
+  if (w.tok0 >= w.q_len) return;
   if (threadIdx.x == 0) {  // full barriers complete on the four producer warps' arrivals
     mbar_init(bar.q_full(), 1);
-    mbar_init(q_empty(bar), 4 * kConsumersOff);  // one arrival per consumer warp
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(bar.k_full(i), 4);
       mbar_init(bar.v_full(i), 4);
-      mbar_init(bar.k_empty(i), 4 * kConsumersOff);
+      mbar_init(bar.k_empty(i), 4 * kConsumersOff);  // one arrival per consumer warp
       mbar_init(bar.v_empty(i), 4 * kConsumersOff);
     }
     mbar_fence_init();
   }
   __syncthreads();
-  // Each role walks the same items in its own loop (one loop over both roles' code left ptxas unable to
-  // honour the producer's 24 registers: setmaxnreg ignored, the wgmmas serialized).
-  const int n_items = p.num_kv_heads * p.num_tiles;
-  auto tile_work = [&](int item, int& kvh, int& req, Work& w) {  // false: padding or a surplus tile
-    kvh = item % p.num_kv_heads;
-    const int g = p.num_tiles - 1 - item / p.num_kv_heads;
-    req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
-    if (req == p.num_seqs) return false;
-    w = work_of(p, req, g);
-    return w.tok0 < w.q_len;
-  };
-  int it = 0, tile_j = 0;  // the CTA's steps and tiles so far: the rings' stage and phase
   if (threadIdx.x < 128) {
-    regs_dealloc<32>();  // the persistent loop's state: 32 x 128 + 240 x 256 (160 x 384) = 64 K
-    for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-      int kvh, req;
-      Work w;
-      if (!tile_work(item, kvh, req, w)) {
-        if (req == p.num_seqs) {  // padding rows: zeros, by the producer warpgroup
-          const int g = p.num_tiles - 1 - item / p.num_kv_heads;
-          const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
-          const int toks = min(p.block_q, p.num_out_rows - first);
-          char* out = static_cast<char*>(p.out);
-          constexpr int kPieces = kHead / 8;  // 16-byte pieces of a row
-          for (int i = threadIdx.x; i < toks * p.group * kPieces; i += 128) {
-            const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
-            reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
-                make_uint4(0, 0, 0, 0);
-          }
-        }
-        continue;
-      }
-      if (threadIdx.x % 32 == 0)
-        produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32, it, tile_j);
-      it += w.n_steps - (v2::kWindow ? w.t0 : 0);
-      ++tile_j;
-    }
+    regs_dealloc<24>();
+    if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
   } else {
     regs_alloc<kConsumersOff == 3 ? 160 : 240>();
-    const Turns<true, kConsumersOff> turns{static_cast<int>(threadIdx.x) / 128 - 1};
-    turns.start();
-    for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-      int kvh, req;
-      Work w;
-      if (!tile_work(item, kvh, req, w)) continue;
-      consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh, it, tile_j, turns);
-      it += w.n_steps - (v2::kWindow ? w.t0 : 0);
-      ++tile_j;
-    }
-    turns.finish();
+    consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
@@ -1082,13 +1036,7 @@ int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& t
   constexpr auto kernel = prefill_v2_kernel<BF16>;
   constexpr int bytes = Layout<2, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
-  // Persistent: one CTA per SM (one fits: launch bounds and shared memory), at most one per item.
-  int dev = 0, sms = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return static_cast<int>(e);
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess)
-    return static_cast<int>(e);
-  const long long items = static_cast<long long>(grid.x) * grid.y;
-  kernel<<<dim3(static_cast<unsigned>(items < sms ? items : sms)), kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
+  kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
 }
 
