@@ -118,6 +118,13 @@ def test_cli_build_prebuilds_every_library(fake_nvcc, capsys, monkeypatch):
         (f"{n}_window_softcap", "built") for n, _ in cuda_build.LIBRARIES]
     assert cli.main(["build", "--features", "window,alibi"]) == 2
     assert "accepted: window, softcap, sinks" in capsys.readouterr().err
+    # a head-64 model (gpt-oss): its own libraries, plain and with its features
+    assert cli.main(["build", "--json", "--head", "64", "--features", "window,sinks"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["library"], r["state"]) for r in rows] == [(f"{n}_h64", "built") for n, _ in cuda_build.LIBRARIES] + [
+        (f"{n}_window_sinks_h64", "built") for n, _ in cuda_build.LIBRARIES]
+    assert cli.main(["build", "--head", "96"]) == 2
+    assert "--head 96; accepted: 64, 128" in capsys.readouterr().err
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     assert cli.main(["build"]) == 1
     assert "nvcc not found" in capsys.readouterr().err
@@ -205,3 +212,18 @@ def test_a_featured_layer_builds_its_feature_libraries_and_one_of_head_256_nothi
                                              "dhp_prefill_sm90_window_softcap_sinks"]
     assert len(fake_nvcc()) == 2
     plan.clear_caches()
+    # gpt-oss's local layers: head 64 with sinks and a window, on the head-64 libraries built with -DDHP_HEAD=64
+    oss = dataclasses.replace(_sm90_spec(), num_heads=64, head_size=64, sinks=True, sliding_window=128)
+    built = plan.prepare_kernels(oss)
+    assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_sinks_h64", "dhp_prefill_sm90_window_sinks_h64"]
+    assert len(fake_nvcc()) == 4 and all("_window_sinks_h64-" in out for out in fake_nvcc()[2:]), fake_nvcc()
+    plan.clear_caches()
+
+
+def test_feature_library_names_and_flags_per_head_size():
+    name, src, flags = cuda_build.feature_library(cuda_build.PREFILL_LIBRARY, head=64)
+    assert (name, src) == ("dhp_prefill_sm90_h64", "prefill_sm90.cu") and flags[-1] == "-DDHP_HEAD=64"
+    assert cuda_build.feature_library(cuda_build.DECODE_LIBRARY) == ("dhp_decode_sm90", "decode_sm90.cu",
+                                                                     cuda_build.SM90A)
+    with pytest.raises(ValueError, match=r"head size 256; accepted: 64, 128"):
+        cuda_build.feature_library(cuda_build.DECODE_LIBRARY, head=256)

@@ -284,8 +284,12 @@ def audit_cubin(cubin: bytes, source: str) -> list[dict]:
 
 
 # The feature libraries audited with the plain ones (`--features`): a model's window, soft-cap and
-# sinks (cuda_build.feature_library); all three at once compile every feature path of the kernels.
-FEATURE_SETS = {"plain": {}, "window+softcap+sinks": dict(window=True, softcap=True, sinks=True)}
+# sinks (cuda_build.feature_library); all three at once compile every feature path of the kernels. The
+# head-64 libraries (gpt-oss; csrc/v2_arith.cuh DHP_HEAD) are other binaries of the same sources: "h64"
+# sets audit them.
+FEATURE_SETS = {"plain": {}, "window+softcap+sinks": dict(window=True, softcap=True, sinks=True),
+                "h64": dict(head=64), "h64+window+softcap+sinks": dict(window=True, softcap=True, sinks=True, head=64)}
+DEFAULT_FEATURE_SETS = ",".join(FEATURE_SETS)
 
 
 def audit_sources(sources=tuple(SOURCES), progress=print, feature_sets=("plain",)) -> dict:
@@ -344,7 +348,7 @@ def write_reports(report_dir: str, s: dict, where: str = "nvcc") -> tuple[str, s
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sources", default=",".join(SOURCES), help="csrc sources (comma-separated)")
-    ap.add_argument("--features", default="plain,window+softcap+sinks",
+    ap.add_argument("--features", default=DEFAULT_FEATURE_SETS,
                     help=f"feature libraries to audit (comma-separated: {', '.join(FEATURE_SETS)})")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--report-dir", help="write <date>-sass-cuda-cpu.md/.json there")
