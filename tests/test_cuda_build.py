@@ -227,3 +227,28 @@ def test_feature_library_names_and_flags_per_head_size():
                                                                      cuda_build.SM90A)
     with pytest.raises(ValueError, match=r"head size 256; accepted: 64, 128"):
         cuda_build.feature_library(cuda_build.DECODE_LIBRARY, head=256)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_a_library_of_another_head_size_is_refused(monkeypatch, kernel):
+    """A launcher checks the library it loads for a head size is one (its dhp_*_sm90_head_size export): a
+    library of another head size would read the wrong columns, so loading it fails with a message."""
+    import importlib
+    import types
+
+    module = importlib.import_module(f"dhp_backend.ops.cuda_{kernel}")
+    entry = f"dhp_{kernel}_sm90"
+    seen = []
+
+    def fake_load(*a, **k):
+        seen.append(a[0])
+        return types.SimpleNamespace(**{entry: types.SimpleNamespace(), f"{entry}_head_size": lambda: 128})
+
+    monkeypatch.setattr(module, "load", fake_load)
+    module._entry.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"loaded for head size 64 was built for head size 128"):
+            module._entry(head=64)
+        assert seen == [f"{entry}_h64"]
+    finally:
+        module._entry.cache_clear()

@@ -27,13 +27,12 @@ import random
 import pytest
 import torch
 
-from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, random_requests,
-                          random_sinks, reference, rel_err, reserved_step)
+from triton_steps import (Request, assemble, bits, csrc_decode, csrc_prefill, drop_pages_below_window,
+                          feature_tensors, make_request, next_pow2, random_requests, reference, rel_err, reserved_step)
 
 from dhp_backend.ops import paged_attention
 from dhp_backend.ops.cuda_build import find_nvcc
-from dhp_backend.ops.cuda_decode import decode_sm90
-from dhp_backend.ops.cuda_prefill import V2, V2_CT, prefill_sm90, unavailable_reason
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,26 +59,15 @@ FEATURES = [
 
 
 def materialize(feats, H, seed, dtype=torch.bfloat16):
-    """The features as the launchers take them: sinks as a [H] tensor (gpt-oss-like spread, one head -inf),
-    float32 or the model dtype ``dtype``."""
-    f = dict(feats)
-    if "sinks" in f:
-        dtype = torch.float32 if f["sinks"] == "f32" else dtype
-        f["sinks"] = random_sinks(H, gen=torch.Generator(device="cuda").manual_seed(seed), dtype=dtype)
-    return f
+    return feature_tensors(feats, H, seed, dtype)
 
 
 def prefill(step, feats, *, variant=V2, bucket=None):
-    out = torch.full_like(step.query, float("nan"))
-    return prefill_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, variant=variant,
-                        bucket=bucket, **feats)
+    return csrc_prefill(step, feats, scale=SCALE, variant=variant, bucket=bucket)
 
 
 def decode(step, feats, *, mode=None, bucket=None):
-    """Every row of the step through the csrc decode kernel (each query token its own CTA row)."""
-    out = torch.full_like(step.query, float("nan"))
-    return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
-                       bucket=bucket, **feats)
+    return csrc_decode(step, feats, scale=SCALE, mode=mode, bucket=bucket)
 
 
 def random_reqs(rng, gen, n, H, Hkv, dtype, max_len=1400):
@@ -159,10 +147,6 @@ def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
         for mode in ("split", "fold"):
             got = decode(step, feats, mode=mode)[: len(positions)]
             assert torch.equal(bits(got), bits(whole[list(positions)])), f"decode/{mode} {feats}"
-
-
-def next_pow2(n):
-    return 1 << max(0, n - 1).bit_length()
 
 
 CT_FEATURES = [f for f in FEATURES if f[0] in ("W100", "cap50", "cap30+W700", "W128+sinks", "cap50+W300+sinks")]

@@ -19,13 +19,12 @@ import random
 import pytest
 import torch
 
-from triton_steps import (Request, assemble, bits, drop_pages_below_window, make_request, random_requests,
-                          random_sinks, reference, rel_err, reserved_step)
+from triton_steps import (Request, assemble, bits, csrc_decode, csrc_prefill, drop_pages_below_window,
+                          feature_tensors, make_request, next_pow2, random_requests, reference, rel_err, reserved_step)
 
 from dhp_backend.ops import paged_attention
 from dhp_backend.ops.cuda_build import find_nvcc
-from dhp_backend.ops.cuda_decode import decode_sm90
-from dhp_backend.ops.cuda_prefill import V2, V2_CT, prefill_sm90, unavailable_reason
+from dhp_backend.ops.cuda_prefill import V2, V2_CT, unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,24 +45,12 @@ FEATURES = [
 ]
 
 
-def materialize(feats, H, seed, dtype):
-    f = dict(feats)
-    if "sinks" in f:
-        dtype = torch.float32 if f["sinks"] == "f32" else dtype
-        f["sinks"] = random_sinks(H, gen=torch.Generator(device="cuda").manual_seed(seed), dtype=dtype)
-    return f
-
-
 def prefill(step, feats, *, variant=V2, bucket=None):
-    out = torch.full_like(step.query, float("nan"))
-    return prefill_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, variant=variant,
-                        bucket=bucket, **feats)
+    return csrc_prefill(step, feats, scale=SCALE, variant=variant, bucket=bucket)
 
 
 def decode(step, feats, *, mode=None, bucket=None):
-    out = torch.full_like(step.query, float("nan"))
-    return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
-                       bucket=bucket, **feats)
+    return csrc_decode(step, feats, scale=SCALE, mode=mode, bucket=bucket)
 
 
 @pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
@@ -73,7 +60,7 @@ def decode(step, feats, *, mode=None, bucket=None):
 def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype, bs):
     rng = random.Random(hash((name, H, bs, D)) & 0xFFFF)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
-    feats = materialize(feats, H, 1, dtype)
+    feats = feature_tensors(feats, H, 1, dtype)
     for trial in range(3):
         reqs = random_requests(rng, gen, rng.randint(1, 4), H, Hkv, dtype, max_len=1400, D=D)
         step = assemble(reqs, block_size=bs, gen=gen, pad_tokens=rng.choice([0, 5]), extra_rows=3)
@@ -95,7 +82,7 @@ def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype
 
 def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
     gen = torch.Generator(device="cuda").manual_seed(23)
-    for feats in (dict(), materialize(dict(sliding_window=128, sinks="model"), 64, 4, torch.bfloat16)):
+    for feats in (dict(), feature_tensors(dict(sliding_window=128, sinks="model"), 64, 4, torch.bfloat16)):
         full = make_request(2100, 2100, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
         whole = prefill(assemble([full], block_size=16, gen=gen), feats)[:2100]
         for a, b in ((0, 1), (127, 128), (128, 600), (511, 1024), (1024, 2100), (1700, 2100)):
@@ -110,16 +97,12 @@ def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
             assert torch.equal(bits(got), bits(whole[list(positions)])), f"decode/{mode} {sorted(feats)}"
 
 
-def next_pow2(n):
-    return 1 << max(0, n - 1).bit_length()
-
-
 @pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
 @pytest.mark.parametrize("H,Hkv,bs", [(64, 8, 16), (28, 4, 32)], ids=["gpt-oss", "gqa7"])
 def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
     rng = random.Random(hash((name, H, D)) & 0xFFFF)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
-    feats = materialize(feats, H, 3, torch.bfloat16)
+    feats = feature_tensors(feats, H, 3, torch.bfloat16)
     for trial in range(2):
         reqs = random_requests(rng, gen, rng.randint(1, 4), H, Hkv, torch.bfloat16, max_len=900, D=D)
         width = -(-max(max(r.seq_len for r in reqs), 1100) // bs) + 1
@@ -138,7 +121,7 @@ def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
 
 def test_null_pages_below_the_window_change_no_bit():
     rng = random.Random(64)
-    feats = materialize(dict(sliding_window=128, sinks="model"), 64, 2, torch.bfloat16)
+    feats = feature_tensors(dict(sliding_window=128, sinks="model"), 64, 2, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(17)
     for bs in (16, 64):
         reqs = [make_request(rng.randint(1, 300), rng.randint(1500, 3000), H=64, Hkv=8, D=D, dtype=torch.bfloat16,
@@ -166,7 +149,7 @@ def test_paged_attention_runs_head_64_layers_on_the_csrc_kernels(monkeypatch):
             return _real(*a, **k)
 
         monkeypatch.setattr(module, fn, spy)
-    feats = materialize(dict(sliding_window=128, sinks="model"), 64, 5, torch.bfloat16)
+    feats = feature_tensors(dict(sliding_window=128, sinks="model"), 64, 5, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(31)
     mixed = [make_request(q, s, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
              for q, s in ((600, 1500), (1, 900), (1, 2000))]

@@ -202,6 +202,38 @@ def random_sinks(num_heads: int, *, gen: torch.Generator, dtype=torch.float32) -
     return sinks.to(dtype)
 
 
+def feature_tensors(feats: dict, H: int, seed: int, dtype) -> dict:
+    """A test's model features as the launchers take them: ``sinks="f32"`` / ``"model"`` become a [H]
+    `random_sinks` tensor on the GPU, float32 or the model dtype ``dtype``; the rest as given."""
+    f = dict(feats)
+    if "sinks" in f:
+        dtype = torch.float32 if f["sinks"] == "f32" else dtype
+        f["sinks"] = random_sinks(H, gen=torch.Generator(device="cuda").manual_seed(seed), dtype=dtype)
+    return f
+
+
+def csrc_prefill(step: Step, feats: dict, *, scale: float, variant: str = "v2", bucket=None) -> torch.Tensor:
+    """Every row of ``step`` through the csrc prefill kernel (rows past num_tokens left NaN)."""
+    from dhp_backend.ops.cuda_prefill import prefill_sm90
+
+    out = torch.full_like(step.query, float("nan"))
+    return prefill_sm90(*step.args(), out, scale=scale, causal=True, num_tokens=step.num_tokens, variant=variant,
+                        bucket=bucket, **feats)
+
+
+def csrc_decode(step: Step, feats: dict, *, scale: float, mode=None, bucket=None) -> torch.Tensor:
+    """Every row of ``step`` through the csrc decode kernel (each query token its own CTA row)."""
+    from dhp_backend.ops.cuda_decode import decode_sm90
+
+    out = torch.full_like(step.query, float("nan"))
+    return decode_sm90(*step.args(), out, scale=scale, causal=True, num_tokens=step.num_tokens, mode=mode,
+                       bucket=bucket, **feats)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def poisoned_out(step: Step, extra: int = 3) -> torch.Tensor:
     q = step.query
     return torch.full((max(step.num_tokens + extra, q.shape[0]),) + tuple(q.shape[1:]), float("nan"),
