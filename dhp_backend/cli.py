@@ -113,9 +113,14 @@ def info(args: argparse.Namespace) -> dict:
                        sliding_window=check_sliding_window(args.sliding_window, args.max_model_len))
     device = None if num_sms else _cpu()
     max_blocks = -(-args.max_model_len // args.block_size)  # vLLM's block table covers max_model_len
+    # The `dhp-backend build` line that builds this layer's libraries ahead of time.
+    feats = [k for k, on in (("window", spec.sliding_window is not None), ("softcap", bool(spec.logits_soft_cap)),
+                             ("sinks", spec.sinks)) if on]
+    build_cmd = ("dhp-backend build" + (f" --head {args.head_size}" if args.head_size != 128 else "")
+                 + (f" --features {','.join(feats)}" if feats else ""))
     routes = startup_report.step_routes(
         spec, cfg, args.max_model_len, device=device, num_sms=num_sms,
-        unbuilt="built by the engine at start-up unless the build cache has it (`dhp-backend build` builds it now)")
+        unbuilt=f"built by the engine at start-up unless the build cache has it (`{build_cmd}` builds it now)")
     cases = {}
     for name, step in startup_report.example_steps(args.max_model_len).items():
         seq_lens = [c + q for c, q in step]

@@ -244,6 +244,11 @@ def test_info_lists_the_features_and_plans_them_by_head_size(capsys, with_nvcc):
         for case in r["cases"].values():
             assert case["kernel"].startswith(family), (head, case)
             assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
+    # the text report names a head-64 layer's library and the build line that makes it ahead of time
+    assert cli.main(["info", "--device", "cuda", "--head-size", "64", "--sinks", "--sliding-window", "128"]) == 0
+    text = capsys.readouterr().out
+    assert "csrc/decode_sm90.cu (library dhp_decode_sm90_window_sinks_h64)" in text
+    assert "(`dhp-backend build --head 64 --features window,sinks` builds it now)" in text
     with pytest.raises(SystemExit):
         cli.main(["info", "--logits-soft-cap", "-3"])
 

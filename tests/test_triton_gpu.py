@@ -701,7 +701,12 @@ def test_window_off_short_walk_gives_strict_bits_at_8k():
     assert torch.equal(bits(_run(step, policy="off", **feats)), bits(_run(step, policy="strict", **feats)))
 
 
-def test_window_routes_to_triton_through_the_seam():
+def test_window_through_the_seam_on_the_triton_path():
+    """A windowed layer through ops.paged_attention with the setting path: triton gives the Triton kernels'
+    bits under every policy; path auto plans a windowed head-256 layer on Triton and a head-128 or head-64
+    one on the csrc window library (tests/test_cuda_features_gpu.py, test_cuda_head64_gpu.py: their bits)."""
+    import dataclasses
+
     from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
 
     step = _llama_mixed_step(47)
@@ -709,12 +714,14 @@ def test_window_routes_to_triton_through_the_seam():
         out = poisoned_out(step)
         paged_attention(*step.args(), out, scale=128 ** -0.5, causal=True, policy=policy,
                         bucket=step.bucket(policy), num_tokens=step.num_tokens, sliding_window=1024,
-                        max_model_len=step.capacity)
+                        max_model_len=step.capacity, path="triton")
         assert torch.equal(bits(out), bits(_run(step, policy=policy, sliding_window=1024))), policy
-    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
+    spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=256, num_heads=32, num_kv_heads=8,
                        block_size=16, device_capability=torch.cuda.get_device_capability(), sliding_window=4096)
-    for n, r in ((64, 64), (4096, 1), (300, 5)):
-        for policy in POLICIES:
-            p = plan_step(spec, policy, num_tokens=n, num_reqs=r, max_blocks=512,
-                          bucket_l=8192 if policy == "strict" else None)
-            assert p.kernel == "triton" and "sliding window 4096" in p.binary(), (n, r, policy, p.describe())
+    for head_size, family in ((256, "triton"), (128, "cuda_"), (64, "cuda_")):
+        for n, r in ((64, 64), (4096, 1), (300, 5)):
+            for policy in POLICIES:
+                p = plan_step(dataclasses.replace(spec, head_size=head_size), policy, num_tokens=n, num_reqs=r,
+                              max_blocks=512, bucket_l=8192 if policy == "strict" else None)
+                assert p.kernel.startswith(family) and "sliding window 4096" in p.binary(), (
+                    head_size, n, r, policy, p.describe())

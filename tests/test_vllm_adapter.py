@@ -313,6 +313,24 @@ def test_sinks_of_another_dtype_are_refused_at_the_first_forward(model_dir):
                     sinks=torch.zeros(NUM_HEADS, dtype=torch.float64))
 
 
+def test_model_dtype_sinks_are_converted_once_per_weight_version(model_dir):
+    """gpt-oss's bf16 sinks reach the kernels as float32 (what the csrc launchers take), converted once and
+    again only when the parameter is updated in place; float32 sinks go as they are."""
+    cfg = make_vllm_config(model_dir, 16, policy="off")
+    sinks = torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    impl = make_impl(DHPAttentionBackend, cfg, sinks=sinks)
+    first = impl._sinks_for_kernels()
+    assert first.dtype == torch.float32 and torch.equal(first, sinks.float())
+    assert impl._sinks_for_kernels() is first  # no conversion per launch
+    with torch.no_grad():
+        sinks.copy_(sinks * 2)  # a weight update in place
+    again = impl._sinks_for_kernels()
+    assert again is not first and torch.equal(again, sinks.float())
+    f32 = torch.zeros(NUM_HEADS)
+    assert make_impl(DHPAttentionBackend, cfg, sinks=f32)._sinks_for_kernels() is f32
+    assert make_impl(DHPAttentionBackend, cfg)._sinks_for_kernels() is None
+
+
 @pytest.mark.parametrize("policy", ["strict", "request", "off"])
 def test_each_policy_same_bits(model_dir, policy):
     step = Step(STEPS["long_mixed"], 16, seed=5, pad_tokens=3)

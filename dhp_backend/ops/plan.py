@@ -99,10 +99,19 @@ class StepPlan:
                     + (" + merge_kernel" if self.triton.split else ""))
         features = "".join(f", {f}" for f in self.spec.features)
         if self.kernel in (CUDA_PREFILL, CUDA_PREFILL_CT):
-            return f"csrc/prefill_sm90.cu, {self.prefill_variant} binary{features}"
+            return f"csrc/prefill_sm90.cu{self._library(cuda_build.PREFILL_LIBRARY)}, {self.prefill_variant} " \
+                   f"binary{features}"
         ct = " (constant-time walk)" if self.kernel == CUDA_DECODE_CT else ""
         variant = self.decode.variant if self.decode else "variant chosen on the GPU"
-        return f"csrc/decode_sm90.cu, {variant}{ct}{features}"
+        return f"csrc/decode_sm90.cu{self._library(cuda_build.DECODE_LIBRARY)}, {variant}{ct}{features}"
+
+    def _library(self, library: tuple[str, str]) -> str:
+        """" (library <name>)" where the layer's csrc library is not the plain one (a feature or head-64
+        library, cuda_build.feature_library), else ""."""
+        from dhp_backend.ops import cuda_common
+
+        name = cuda_build.feature_library(library, **cuda_common.spec_features(self.spec))[0]
+        return "" if name == library[0] else f" (library {name})"
 
     def launch(self) -> dict:
         """The grid and split geometry the plan fixed (empty where the kernel decides inside)."""

@@ -132,7 +132,7 @@ class DHPAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sink(cls) -> bool:
-        return True  # gpt-oss's attention sinks: the reference and the Triton kernels (ops.paged_attention)
+        return True  # gpt-oss's attention sinks: every implementation of ops.paged_attention
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -358,6 +358,8 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                 f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else ''}; accepted: a [num_heads] = "
                 f"[{num_heads}] tensor")
         self._sinks_checked = sinks is None
+        self._sinks_f32: torch.Tensor | None = None
+        self._sinks_f32_key: tuple | None = None
 
         self.dhp_config = DHPConfig.from_sources(vllm_config.additional_config)
         dtype = model_config.dtype if model_config is not None else torch.float16
@@ -416,7 +418,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
         if self.dhp_config.check_values:
             _check_step(md, key_cache)
         run(plan, q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
-            scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self.sinks,
+            scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self._sinks_for_kernels(),
             sliding_window=self.sliding_window)
         # once per setting (a process may run several engines: each its trace file) and window
         _once(("forward", self.path_choice.name, self.dhp_config, self.sliding_window), lambda: _trace(
@@ -432,6 +434,21 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
                 "event": "kernel", "backend": "DHP", "path": plan.path.name, "kernel": plan.kernel,
                 "policy": md.policy.value}))
         return output
+
+    def _sinks_for_kernels(self) -> torch.Tensor | None:
+        """The sinks in float32, converted once per weight version: the csrc kernels take float32 sinks and
+        would convert a bf16 parameter (gpt-oss) at every launch, one more kernel per layer and step (in the
+        CUDA graph too). bf16 / fp16 to float32 is exact, so every path gives the bits it gives with the
+        parameter itself. A parameter updated in place (its version counter moves) or moved is converted
+        again."""
+        s = self.sinks
+        if s is None or s.dtype == torch.float32:
+            return s
+        key = (s.data_ptr(), s.device, s.dtype, s._version)
+        if key != self._sinks_f32_key:
+            self._sinks_f32 = s.detach().to(torch.float32).contiguous()
+            self._sinks_f32_key = key
+        return self._sinks_f32
 
     def _check_sinks(self, query: torch.Tensor) -> None:
         """The sinks' dtype and device, once the weights are loaded: what the seam
