@@ -9,7 +9,8 @@ import math
 
 import torch
 
-HEAD_SIZES = (64, 128)  # cuda_build.HEAD_SIZES: one library per head size (csrc/v2_arith.cuh DHP_HEAD)
+from dhp_backend.ops.cuda_build import HEAD_SIZES  # one library per head size
+
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # Query heads per KV head a csrc route takes: the 16 rows of the decode consumer's
