@@ -29,13 +29,15 @@ them with nvcc (-lineinfo, no GPU needed), and explains every branch of the
 constant-time binaries by a rule of ``dhp_backend/audit/cuda_rules.py`` checked
 on the PTX ptxas compiled, or fails.
 
-    dhp-backend build [--json]
+    dhp-backend build [--json] [--model PATH | [--head 64] [--features window,softcap,sinks]]
 
 `build` compiles the csrc Hopper kernels the engine routes to with nvcc into the
 build cache (the setting ``cuda_cache``, ``DHP_CUDA_CACHE``) now, so an engine
 started later (a container built from this image) finds them there instead of
-building at start-up; it needs nvcc, not a GPU. Exit 1 with nvcc's message when
-a build fails or nvcc is missing.
+building at start-up; it needs nvcc, not a GPU. ``--model`` reads a local
+checkpoint's config.json and builds exactly the libraries its layers load (head
+size, each layer's window, soft-cap and sinks: `dhp_backend.model_config`). Exit 1
+with nvcc's message when a build fails or nvcc is missing, 2 on bad arguments.
 
     dhp-backend golden record|check|selfcheck ...
 
@@ -283,12 +285,39 @@ def _build(args) -> int:
         print(f"dhp-backend build: --head {args.head}; accepted: "
               f"{', '.join(map(str, cuda_build.HEAD_SIZES))} (the head sizes of the csrc kernels)", file=sys.stderr)
         return 2
-    # The model's plain libraries, and its feature libraries too (its plain layers use the plain ones).
-    libraries = [cuda_build.feature_library(lib, head=args.head) for lib in cuda_build.LIBRARIES]
-    if features:
-        libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features,
-                                                 sinks="sinks" in features, head=args.head)
-                      for lib in cuda_build.LIBRARIES]
+    if args.model:
+        if features or args.head != 128:
+            print("dhp-backend build: --model with --features or --head; accepted: --model alone (it gives the "
+                  "head size and every layer's features), or --head / --features without it", file=sys.stderr)
+            return 2
+        from dhp_backend import model_config
+
+        try:
+            model = model_config.read(args.model)
+        except model_config.ModelConfigError as e:
+            print(f"dhp-backend build: --model: {e}", file=sys.stderr)
+            return 2
+        kinds = sorted(model.layers.items(), key=lambda kv: kv[0].describe())
+        if not args.json:
+            print(f"{args.model}: {model.model_type or 'model'}, {model.num_layers} attention layers, head size "
+                  f"{model.head_size}: " + "; ".join(f"{n} {k.describe()}" for k, n in kinds))
+        if model.head_size not in cuda_build.HEAD_SIZES:
+            print(f"head size {model.head_size}: the csrc kernels take {', '.join(map(str, cuda_build.HEAD_SIZES))}; "
+                  "every layer of this model runs on the Triton kernels (JIT-compiled by Triton): nothing to build",
+                  file=sys.stderr if args.json else sys.stdout)
+            if args.json:
+                print("[]")
+            return 0
+        # exactly the libraries the engine's layers load (ops.plan.prepare_kernels)
+        libraries = list(dict.fromkeys(cuda_build.feature_library(lib, **k.library_features(), head=model.head_size)
+                                       for k, _ in kinds for lib in cuda_build.LIBRARIES))
+    else:
+        # The model's plain libraries, and its feature libraries too (its plain layers use the plain ones).
+        libraries = [cuda_build.feature_library(lib, head=args.head) for lib in cuda_build.LIBRARIES]
+        if features:
+            libraries += [cuda_build.feature_library(lib, window="window" in features, softcap="softcap" in features,
+                                                     sinks="sinks" in features, head=args.head)
+                          for lib in cuda_build.LIBRARIES]
     try:
         built = [cuda_build.build(*lib) for lib in libraries]
     except cuda_build.CudaBuildError as e:
@@ -364,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--head", type=int, default=128,
                    help="the head size of the model's layers: 128 (default) or 64 (gpt-oss): a head-64 model's "
                         "layers run on libraries of their own (csrc/v2_arith.cuh DHP_HEAD)")
+    b.add_argument("--model", metavar="PATH",
+                   help="a local checkpoint (its directory or config.json): build exactly the libraries its "
+                        "layers load, from its head size and each layer's window, soft-cap and sinks "
+                        "(dhp_backend.model_config); nothing is downloaded")
     a = sub.add_parser("audit", help="constant-time audit gates (design.md section 3)")
     asub = a.add_subparsers(dest="gate")  # none: every gate this machine can run (audit.summary)
     g2 = asub.add_parser("sass", help="G2: every branch of every compiled kernel variant explained by a public rule")

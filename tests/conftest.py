@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 
 import pytest
 
@@ -59,3 +60,39 @@ def with_nvcc(monkeypatch):
     plan.clear_caches()
     yield
     plan.clear_caches()
+
+
+FAKE_NVCC = textwrap.dedent('''\
+    #!{python}
+    """A stand-in for nvcc: logs each compile, waits, writes a fake library (or fails on request)."""
+    import os, sys, time
+    if "--version" in sys.argv:
+        print("Cuda compilation tools, release 99.9, V99.9.1")
+        sys.exit(0)
+    out = sys.argv[sys.argv.index("-o") + 1]
+    with open(os.environ["FAKE_NVCC_LOG"], "a") as f:
+        f.write(out + "\\n")
+    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+    if os.environ.get("FAKE_NVCC_FAIL"):
+        print("prefill_sm90.cu(1): error: planted failure", file=sys.stderr)
+        sys.exit(2)
+    with open(out, "wb") as f:
+        f.write(b"\\x7fELF fake library " + os.urandom(64))
+''')
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    """nvcc replaced by FAKE_NVCC (CUDA_HOME), the build cache in tmp_path: returns the outputs it compiled."""
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(FAKE_NVCC.format(python=sys.executable))
+    nvcc.chmod(0o755)
+    log = tmp_path / "nvcc.log"
+    log.write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setenv("DHP_CUDA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
+    monkeypatch.delenv("FAKE_NVCC_FAIL", raising=False)
+    return lambda: [ln for ln in log.read_text().splitlines() if ln]

@@ -1,0 +1,102 @@
+"""What a checkpoint's configuration says about its attention layers, for `dhp-backend build --model`:
+the head size and each layer's model features (sliding window, logits soft-cap, attention sinks), so
+that a container image can build exactly the csrc libraries the engine will load (the engine builds
+them at start-up otherwise: `ops.plan.prepare_kernels`).
+
+Read from the checkpoint's ``config.json`` (a local directory or the file itself; nothing is
+downloaded), with the rules the model families use:
+
+- head size: ``head_dim``, else ``hidden_size / num_attention_heads``;
+- window: ``layer_types`` when the config has it (``"sliding_attention"`` layers are windowed: Gemma-2/3,
+  gpt-oss); else ``sliding_window`` on every layer (Mistral-7B-v0.1, Phi-3) unless
+  ``use_sliding_window`` is false (Qwen2's configs carry a window they do not use); a window at least
+  the context (``max_position_embeddings``) is no window (Phi-3.5-mini, Phi-4-mini), as vLLM's check
+  (`ops.attention.check_sliding_window`) makes it;
+- soft-cap: ``attn_logit_softcapping`` (Gemma-2);
+- sinks: gpt-oss (``model_type`` ``gpt_oss``: a learned sink per head on every layer).
+
+A multimodal config's ``text_config`` is the language model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """The features of a group of a model's attention layers."""
+
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    sinks: bool
+
+    def library_features(self) -> dict:
+        """`cuda_build.feature_library`'s feature keywords."""
+        return dict(window=self.sliding_window is not None, softcap=self.logits_soft_cap is not None,
+                    sinks=self.sinks)
+
+    def describe(self) -> str:
+        parts = ([f"window {self.sliding_window}"] if self.sliding_window is not None else []) + (
+            [f"soft-cap {self.logits_soft_cap:g}"] if self.logits_soft_cap is not None else []) + (
+            ["sinks"] if self.sinks else [])
+        return ", ".join(parts) or "plain"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAttention:
+    model_type: str
+    head_size: int
+    num_layers: int
+    layers: dict[LayerKind, int]  # layer kind -> how many layers have it
+
+
+class ModelConfigError(ValueError):
+    """The configuration is missing or does not say what the attention layers are."""
+
+
+def read(path: str | Path) -> ModelAttention:
+    """The attention layers of the checkpoint at ``path`` (a directory holding config.json, or the file)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ModelConfigError(f"{f} does not exist; accepted: a local checkpoint directory holding config.json, "
+                               "or the config.json file (nothing is downloaded)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{f} is not a JSON configuration ({e})") from None
+    model_type = str(cfg.get("model_type", ""))
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    heads, layers = text.get("num_attention_heads"), text.get("num_hidden_layers")
+    if not isinstance(heads, int) or not isinstance(layers, int) or heads < 1 or layers < 1:
+        raise ModelConfigError(f"{f}: num_attention_heads / num_hidden_layers are {heads!r} / {layers!r}; "
+                               "accepted: positive ints (a decoder language model's configuration)")
+    head = text.get("head_dim")
+    if not isinstance(head, int):
+        hidden = text.get("hidden_size")
+        if not isinstance(hidden, int) or hidden % heads:
+            raise ModelConfigError(f"{f}: no head_dim, and hidden_size {hidden!r} is not a multiple of "
+                                   f"num_attention_heads {heads}")
+        head = hidden // heads
+    context = text.get("max_position_embeddings")
+    window = text.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window < 1 or text.get("use_sliding_window") is False
+                               or (isinstance(context, int) and window >= context)):
+        window = None
+    layer_types = text.get("layer_types")
+    if window is not None and isinstance(layer_types, list) and len(layer_types) == layers:
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+    else:
+        windows = [window] * layers
+    cap = text.get("attn_logit_softcapping")
+    cap = float(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0 else None
+    sinks = model_type == "gpt_oss" or text.get("model_type") == "gpt_oss"
+    kinds: dict[LayerKind, int] = {}
+    for w in windows:
+        k = LayerKind(w, cap, sinks)
+        kinds[k] = kinds.get(k, 0) + 1
+    return ModelAttention(model_type=model_type or str(text.get("model_type", "")), head_size=head,
+                          num_layers=layers, layers=kinds)

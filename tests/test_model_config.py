@@ -1,0 +1,83 @@
+"""`dhp_backend.model_config` and `dhp-backend build --model`: a checkpoint's config.json gives the head
+size and each layer's features, and the build makes exactly the csrc libraries those layers load."""
+
+import json
+
+import pytest
+
+from dhp_backend import cli, model_config
+from dhp_backend.model_config import LayerKind
+
+
+def write(tmp_path, name, **cfg):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+ALTERNATING = ["sliding_attention", "full_attention"] * 12
+
+
+@pytest.mark.parametrize("cfg,head,layers", [
+    # gpt-oss-20b: head 64, sinks on every layer, window 128 on every other
+    (dict(model_type="gpt_oss", num_attention_heads=64, num_hidden_layers=24, head_dim=64, sliding_window=128,
+          layer_types=ALTERNATING, max_position_embeddings=131072), 64,
+     {LayerKind(128, None, True): 12, LayerKind(None, None, True): 12}),
+    # Gemma-2-9B: head 256, soft-cap 50, window 4096 on every other layer
+    (dict(model_type="gemma2", num_attention_heads=16, num_hidden_layers=42, head_dim=256, sliding_window=4096,
+          attn_logit_softcapping=50.0, layer_types=["sliding_attention", "full_attention"] * 21,
+          max_position_embeddings=8192), 256, {LayerKind(4096, 50.0, False): 21, LayerKind(None, 50.0, False): 21}),
+    # Mistral-7B-v0.1: a window on every layer (no layer_types)
+    (dict(model_type="mistral", num_attention_heads=32, num_hidden_layers=32, hidden_size=4096, sliding_window=4096,
+          max_position_embeddings=32768), 128, {LayerKind(4096, None, False): 32}),
+    # Qwen2: a window in the config that is not used
+    (dict(model_type="qwen2", num_attention_heads=28, num_hidden_layers=28, hidden_size=3584, sliding_window=131072,
+          use_sliding_window=False, max_position_embeddings=32768), 128, {LayerKind(None, None, False): 28}),
+    # Phi-3.5-mini: a window at least the context is no window
+    (dict(model_type="phi3", num_attention_heads=32, num_hidden_layers=32, hidden_size=3072, sliding_window=262144,
+          max_position_embeddings=131072), 96, {LayerKind(None, None, False): 32}),
+    # Gemma-3 (multimodal): the text_config's layers
+    (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", num_attention_heads=16,
+                                                num_hidden_layers=6, head_dim=128, sliding_window=1024,
+                                                layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                                max_position_embeddings=131072)), 128,
+     {LayerKind(1024, None, False): 5, LayerKind(None, None, False): 1}),
+], ids=["gpt-oss", "gemma2-9b", "mistral-v0.1", "qwen2", "phi3.5", "gemma3"])
+def test_layers_of_each_family(tmp_path, cfg, head, layers):
+    m = model_config.read(write(tmp_path, "m", **cfg))
+    assert m.head_size == head and m.layers == layers and sum(layers.values()) == m.num_layers
+
+
+def test_bad_configurations_say_what_is_accepted(tmp_path):
+    with pytest.raises(model_config.ModelConfigError, match="accepted: a local checkpoint directory"):
+        model_config.read(tmp_path / "nowhere")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(model_config.ModelConfigError, match="is not a JSON configuration"):
+        model_config.read(tmp_path / "bad.json")
+    with pytest.raises(model_config.ModelConfigError, match="accepted: positive ints"):
+        model_config.read(write(tmp_path, "vision", model_type="clip"))
+    with pytest.raises(model_config.ModelConfigError, match="not a multiple of num_attention_heads 3"):
+        model_config.read(write(tmp_path, "odd", num_attention_heads=3, num_hidden_layers=2, hidden_size=100))
+
+
+def test_build_model_makes_exactly_the_libraries_its_layers_load(tmp_path, fake_nvcc, capsys):
+    oss = write(tmp_path, "gpt-oss", model_type="gpt_oss", num_attention_heads=64, num_hidden_layers=4, head_dim=64,
+                sliding_window=128, layer_types=ALTERNATING[:4], max_position_embeddings=131072)
+    assert cli.main(["build", "--json", "--model", str(oss)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted(r["library"] for r in rows) == ["dhp_decode_sm90_sinks_h64", "dhp_decode_sm90_window_sinks_h64",
+                                                 "dhp_prefill_sm90_sinks_h64", "dhp_prefill_sm90_window_sinks_h64"]
+    assert cli.main(["build", "--model", str(oss)]) == 0  # text: what it read, then the cache
+    out = capsys.readouterr().out
+    assert "gpt_oss, 4 attention layers, head size 64: 2 sinks; 2 window 128, sinks" in out
+    assert out.count("in the cache") == 4
+    gemma = write(tmp_path, "gemma2", model_type="gemma2", num_attention_heads=16, num_hidden_layers=2, head_dim=256,
+                  sliding_window=4096, attn_logit_softcapping=50.0, max_position_embeddings=8192)
+    assert cli.main(["build", "--model", str(gemma)]) == 0
+    assert "every layer of this model runs on the Triton kernels" in capsys.readouterr().out
+    assert len(fake_nvcc()) == 4  # nothing built for head 256
+    assert cli.main(["build", "--model", str(oss), "--head", "64"]) == 2
+    assert "accepted: --model alone" in capsys.readouterr().err
+    assert cli.main(["build", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "--model:" in capsys.readouterr().err
