@@ -81,3 +81,20 @@ def test_build_model_makes_exactly_the_libraries_its_layers_load(tmp_path, fake_
     assert "accepted: --model alone" in capsys.readouterr().err
     assert cli.main(["build", "--model", str(tmp_path / "nowhere")]) == 2
     assert "--model:" in capsys.readouterr().err
+
+
+def test_the_tiny_checkpoints_read_as_vllm_runs_them(tmp_path):
+    """The end-to-end tests' tiny checkpoints (transformers writes their config.json): the windows read here
+    are those vLLM hands the layers (tests/test_e2e_windowed.py EXPECTED_WINDOWS, seen in the engine's
+    trace), Gemma-2's soft-cap on every layer, gpt-oss's sinks on every layer."""
+    from integration.tiny_windowed import WINDOWS, _config
+    from test_e2e_windowed import EXPECTED_WINDOWS
+
+    for arch, window in WINDOWS.items():
+        d = tmp_path / arch
+        _config(arch, window, num_heads=4, num_kv_heads=2, head_size=64, num_layers=2,
+                max_positions=4096).save_pretrained(d)
+        m = model_config.read(d)
+        assert m.head_size == 64 and {k.sliding_window for k in m.layers} == EXPECTED_WINDOWS[arch], arch
+        assert all((k.logits_soft_cap is not None) == (arch == "gemma2") for k in m.layers), arch
+        assert all(k.sinks == (arch == "gpt_oss") for k in m.layers), arch
