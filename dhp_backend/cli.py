@@ -2,7 +2,7 @@
 
     dhp-backend info [--num-heads 32 --num-kv-heads 8 --head-size 128 --block-size 16
                       --dtype bfloat16 --max-model-len 8192] [--kv-cache-blocks N | --kv-cache-tokens T]
-                     [--additional-config JSON] [--json]
+                     [--additional-config JSON] [--model PATH] [--json]
 
 `info` prints the start-up report an engine of this model shape and configuration
 would print (`dhp_backend.startup_report`, the same renderer and wording: version,
@@ -384,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="plan for this device type (default: what this machine has)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--model", metavar="PATH",
+                   help="a local checkpoint (its directory or config.json): one report per kind of its attention "
+                        "layers, their heads, head size and features read from the config (they replace "
+                        "--num-heads, --num-kv-heads, --head-size, --logits-soft-cap, --sinks, --sliding-window)")
     b = sub.add_parser("build", help="build the csrc Hopper kernels into the cache now (no GPU needed)")
     b.add_argument("--json", action="store_true", help="print JSON instead of text")
     b.add_argument("--features", default="",
@@ -449,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return gate_modules[args.gate].run(args)
         return _audit(args, ap)
+    if args.command == "info" and args.model:
+        return _info_model(args)
     if args.command == "info":
         for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len", "kv_cache_blocks",
                      "kv_cache_tokens"):
@@ -465,6 +471,41 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result, indent=2))
         else:
             _print_info(result)
+    return 0
+
+
+def _info_model(args: argparse.Namespace) -> int:
+    """`dhp-backend info --model PATH`: the report of each kind of the checkpoint's attention layers (its heads,
+    head size and each layer's window, soft-cap and sinks: `dhp_backend.model_config`)."""
+    from dhp_backend import model_config
+
+    try:
+        model = model_config.read(args.model)
+    except model_config.ModelConfigError as e:
+        print(f"dhp-backend info: --model: {e}", file=sys.stderr)
+        return 2
+    kinds = sorted(model.layers.items(), key=lambda kv: kv[0].describe())
+    reports = []
+    for kind, n in kinds:
+        one = argparse.Namespace(**{**vars(args), "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
+                                    "head_size": model.head_size, "logits_soft_cap": kind.logits_soft_cap,
+                                    "sinks": kind.sinks, "sliding_window": kind.sliding_window})
+        try:
+            reports.append((kind, n, info(one)))
+        except ValueError as exc:
+            print(f"dhp-backend info: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps({"model": str(args.model), "model_type": model.model_type,
+                          "layer_kinds": [{"layers": n, "features": k.describe(), "report": r}
+                                          for k, n, r in reports]}, indent=2))
+        return 0
+    print(f"{args.model}: {model.model_type or 'model'}, {model.num_layers} attention layers "
+          f"({model.num_heads} query / {model.num_kv_heads} KV heads, head size {model.head_size}), "
+          f"{len(reports)} kind(s) of layer")
+    for kind, n, r in reports:
+        print(f"\n== {n} layer(s): {kind.describe()}")
+        _print_info(r)
     return 0
 
 

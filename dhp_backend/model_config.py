@@ -1,5 +1,5 @@
-"""What a checkpoint's configuration says about its attention layers, for `dhp-backend build --model`:
-the head size and each layer's model features (sliding window, logits soft-cap, attention sinks), so
+"""What a checkpoint's configuration says about its attention layers, for `dhp-backend build --model` and
+`dhp-backend info --model`: the heads, the head size and each layer's model features (sliding window, logits soft-cap, attention sinks), so
 that a container image can build exactly the csrc libraries the engine will load (the engine builds
 them at start-up otherwise: `ops.plan.prepare_kernels`).
 
@@ -48,6 +48,8 @@ class LayerKind:
 @dataclasses.dataclass(frozen=True)
 class ModelAttention:
     model_type: str
+    num_heads: int
+    num_kv_heads: int
     head_size: int
     num_layers: int
     layers: dict[LayerKind, int]  # layer kind -> how many layers have it
@@ -81,6 +83,9 @@ def read(path: str | Path) -> ModelAttention:
             raise ModelConfigError(f"{f}: no head_dim, and hidden_size {hidden!r} is not a multiple of "
                                    f"num_attention_heads {heads}")
         head = hidden // heads
+    kv_heads = text.get("num_key_value_heads", heads)
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ModelConfigError(f"{f}: num_key_value_heads {kv_heads!r} does not divide num_attention_heads {heads}")
     context = text.get("max_position_embeddings")
     window = text.get("sliding_window")
     if window is not None and (not isinstance(window, int) or window < 1 or text.get("use_sliding_window") is False
@@ -98,5 +103,5 @@ def read(path: str | Path) -> ModelAttention:
     for w in windows:
         k = LayerKind(w, cap, sinks)
         kinds[k] = kinds.get(k, 0) + 1
-    return ModelAttention(model_type=model_type or str(text.get("model_type", "")), head_size=head,
-                          num_layers=layers, layers=kinds)
+    return ModelAttention(model_type=model_type or str(text.get("model_type", "")), num_heads=heads,
+                          num_kv_heads=kv_heads, head_size=head, num_layers=layers, layers=kinds)

@@ -98,3 +98,28 @@ def test_the_tiny_checkpoints_read_as_vllm_runs_them(tmp_path):
         assert m.head_size == 64 and {k.sliding_window for k in m.layers} == EXPECTED_WINDOWS[arch], arch
         assert all((k.logits_soft_cap is not None) == (arch == "gemma2") for k in m.layers), arch
         assert all(k.sinks == (arch == "gpt_oss") for k in m.layers), arch
+
+
+def test_info_model_reports_each_kind_of_layer(tmp_path, capsys, with_nvcc):
+    oss = write(tmp_path, "gpt-oss", model_type="gpt_oss", num_attention_heads=64, num_key_value_heads=8,
+                num_hidden_layers=24, head_dim=64, sliding_window=128, layer_types=ALTERNATING,
+                max_position_embeddings=131072)
+    assert cli.main(["info", "--device", "cuda", "--json", "--model", str(oss)]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [(k["layers"], k["features"]) for k in r["layer_kinds"]] == [(12, "sinks"), (12, "window 128, sinks")]
+    for k in r["layer_kinds"]:
+        for case in k["report"]["cases"].values():  # head 64: the csrc kernels' head-64 libraries
+            assert case["kernel"].startswith("cuda_") and "attention sinks" in case["binary"], case
+            assert "_h64" in case["binary"], case
+    gemma = write(tmp_path, "gemma2", model_type="gemma2", num_attention_heads=16, num_key_value_heads=8,
+                  num_hidden_layers=2, head_dim=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                  layer_types=["sliding_attention", "full_attention"], max_position_embeddings=8192)
+    assert cli.main(["info", "--device", "cuda", "--model", str(gemma)]) == 0
+    out = capsys.readouterr().out
+    assert "gemma2, 2 attention layers (16 query / 8 KV heads, head size 256), 2 kind(s) of layer" in out
+    assert "== 1 layer(s): window 4096, soft-cap 50" in out and "== 1 layer(s): soft-cap 50" in out
+    assert cli.main(["info", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "dhp-backend info: --model:" in capsys.readouterr().err
+    with pytest.raises(model_config.ModelConfigError, match="num_key_value_heads 5 does not divide"):
+        model_config.read(write(tmp_path, "kv5", num_attention_heads=32, num_key_value_heads=5,
+                                num_hidden_layers=2, head_dim=128))
