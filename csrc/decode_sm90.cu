@@ -273,6 +273,8 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 //     dhp_backend/audit/guarded.py);
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under walk 2), num_seqs, num_tokens, the step geometry, block size, group.
+// The head size is a compile-time constant of the library (v2_arith.cuh kHead): the loops over its
+// 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length.
 template <int WALK>
 __device__ __forceinline__ Work work_ct(const Params& p, int t, int chunk, bool write_partials) {
   static_assert(WALK == 1 || WALK == 2, "the constant-time walks");

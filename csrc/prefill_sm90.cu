@@ -224,6 +224,8 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 //     no data-dependent path, the sinks one read per row at sinks + head after the walk;
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
+// The head size is a compile-time constant of the library (v2_arith.cuh kHead): the loops over its
+// 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length.
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
 using namespace ct;

@@ -290,14 +290,9 @@ def _build(args) -> int:
             print("dhp-backend build: --model with --features or --head; accepted: --model alone (it gives the "
                   "head size and every layer's features), or --head / --features without it", file=sys.stderr)
             return 2
-        from dhp_backend import model_config
-
-        try:
-            model = model_config.read(args.model)
-        except model_config.ModelConfigError as e:
-            print(f"dhp-backend build: --model: {e}", file=sys.stderr)
+        model, kinds = _read_model(args.model, "build")
+        if model is None:
             return 2
-        kinds = sorted(model.layers.items(), key=lambda kv: kv[0].describe())
         if not args.json:
             print(f"{args.model}: {model.model_type or 'model'}, {model.num_layers} attention layers, head size "
                   f"{model.head_size}: " + "; ".join(f"{n} {k.describe()}" for k, n in kinds))
@@ -474,17 +469,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _info_model(args: argparse.Namespace) -> int:
-    """`dhp-backend info --model PATH`: the report of each kind of the checkpoint's attention layers (its heads,
-    head size and each layer's window, soft-cap and sinks: `dhp_backend.model_config`)."""
+def _read_model(path: str, command: str):
+    """``--model``: the checkpoint's attention layers (`dhp_backend.model_config`) and their kinds in a fixed
+    order, or (None, None) after saying on stderr why the configuration cannot be read."""
     from dhp_backend import model_config
 
     try:
-        model = model_config.read(args.model)
+        model = model_config.read(path)
     except model_config.ModelConfigError as e:
-        print(f"dhp-backend info: --model: {e}", file=sys.stderr)
+        print(f"dhp-backend {command}: --model: {e}", file=sys.stderr)
+        return None, None
+    return model, sorted(model.layers.items(), key=lambda kv: kv[0].describe())
+
+
+def _info_model(args: argparse.Namespace) -> int:
+    """`dhp-backend info --model PATH`: the report of each kind of the checkpoint's attention layers (its heads,
+    head size and each layer's window, soft-cap and sinks: `dhp_backend.model_config`)."""
+    model, kinds = _read_model(args.model, "info")
+    if model is None:
         return 2
-    kinds = sorted(model.layers.items(), key=lambda kv: kv[0].describe())
     reports = []
     for kind, n in kinds:
         one = argparse.Namespace(**{**vars(args), "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
