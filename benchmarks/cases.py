@@ -25,7 +25,8 @@ read together:
   have it, timed against FA3 with the same feature (issue 31): a sliding window
   (Mistral-7B: 32/8 heads, head 128, W 4096), the logits soft-cap 50
   (Gemma-2-9B: 16/8 heads, head 256), both (a Gemma-2 local layer), attention
-  sinks with and without a window of 128 (gpt-oss: 64/8 heads, head 64).
+  sinks with and without a window of 128 (gpt-oss: 64/8 heads, head 64), a window of
+  2047 at head 96 (Phi-3-mini-4k: 32/32 heads).
 
 Outside ``strict``, ``max_model_len`` is the smallest power of two that holds
 the longest sequence, so ``strict`` and ``batch`` walk the same L there. A case's
@@ -70,6 +71,7 @@ TINY = {"num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16, "d
 MISTRAL = LLAMA  # Mistral-7B-v0.1: 32 query / 8 KV heads, head 128, window 4096
 GEMMA2 = {**LLAMA, "num_heads": 16, "num_kv_heads": 8, "head_size": 256}  # Gemma-2-9B
 GPT_OSS = {**LLAMA, "num_heads": 64, "num_kv_heads": 8, "head_size": 64}  # gpt-oss
+PHI3 = {**LLAMA, "num_heads": 32, "num_kv_heads": 32, "head_size": 96}  # Phi-3-mini, Phi-3.5-mini
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 DECODE_BATCHES = (1, 4, 16, 64, 256)
@@ -233,7 +235,7 @@ def gpu_cases(quick: bool = False) -> list[Case]:
 FEATURES = "features"
 # Families run only when named (``--cases features``): never part of the default list.
 ON_REQUEST = (FEATURES,)
-WINDOW_MISTRAL, CAP_GEMMA2, WINDOW_GPT_OSS = 4096, 50.0, 128
+WINDOW_MISTRAL, CAP_GEMMA2, WINDOW_GPT_OSS, WINDOW_PHI3 = 4096, 50.0, 128, 2047
 
 
 def _tag(c: Case) -> str:
@@ -263,7 +265,8 @@ def feature_cases(quick: bool = False) -> list[Case]:
     local = {**swa, **cap}  # a Gemma-2 local layer: window 4096 and the cap
     sink = {"sinks": True}
     sink_w = {**sink, "sliding_window": WINDOW_GPT_OSS}
-    m7, g2, oss = {"shape": MISTRAL}, {"shape": GEMMA2}, {"shape": GPT_OSS}
+    m7, g2, oss, phi = {"shape": MISTRAL}, {"shape": GEMMA2}, {"shape": GPT_OSS}, {"shape": PHI3}
+    phi_w = {"sliding_window": WINDOW_PHI3}
     cases = [  # (in the quick subset, case)
         (True, featured(decode(16, 16384, **m7), "mistral", **swa)),
         (False, featured(decode(16, 32768, **m7), "mistral", **swa)),
@@ -278,6 +281,8 @@ def feature_cases(quick: bool = False) -> list[Case]:
         (False, featured(decode(16, 8192, **oss), "gpt-oss", **sink)),
         (True, featured(prefill(4096, True, **oss), "gpt-oss", **sink_w)),
         (False, featured(prefill(4096, True, **oss), "gpt-oss", **sink)),
+        (True, featured(decode(16, 4096, **phi), "phi3", **phi_w)),
+        (True, featured(prefill(4096, True, **phi), "phi3", **phi_w)),
     ]
     return [c for in_quick, c in cases if in_quick or not quick]
 

@@ -14,8 +14,9 @@
 // Layouts (those of ops.paged_attention):
 //   query, out   [num_tokens, num_heads, D], last dim contiguous
 //   key/value    [num_blocks, num_kv_heads, block_size, D] (pages of one head contiguous)
-// D = 128, or 64 in the head-64 libraries (-DDHP_HEAD=64, v2_arith.cuh kHead): every tile is
-// D / 64 halves of 64 columns, the output accumulator m64nD.
+// D = 128, 64 or 96 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every tile is
+// kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; head 96 on head-128 tiles
+// whose columns 96-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head 128's).
 //   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
@@ -55,7 +56,8 @@ namespace {
 using namespace sm90;
 using namespace compat;
 
-constexpr int kHead = v2::kHead;                 // head size D: 128, or 64 (-DDHP_HEAD=64)
+constexpr int kHead = v2::kHead;                 // the tiles' head size: 128, or 64 (-DDHP_HEAD=64)
+constexpr int kModelHead = v2::kModelHead;       // the tensors' head size D: kHead, or 96 (on 128 tiles)
 constexpr int kHalves = v2::kHalves;             // 64-column halves of a tile row (D / 64)
 constexpr int kAcc = kHead / 2;                  // O accumulator values per consumer thread (m64nD)
 constexpr int kRows = 128;                       // query rows per CTA
@@ -224,8 +226,9 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 //     no data-dependent path, the sinks one read per row at sinks + head after the walk;
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
-// The head size is a compile-time constant of the library (v2_arith.cuh kHead): the loops over its
-// 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length.
+// The head size is a compile-time constant of the library (v2_arith.cuh kHead, kModelHead): the loops
+// over its 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length;
+// at head 96 the zero columns 96-127 are the TMA's fill of a public box (no address follows a length).
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
 using namespace ct;
@@ -296,7 +299,7 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
   for (int c0 = 0; c0 < kHead / 8; c0 += 4) {
     uint4 v[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] = src[c0 + c];
+    for (int c = 0; c < 4; ++c) v[c] = c0 + c < kModelHead / 8 ? src[c0 + c] : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int piece = c0 + c;
@@ -495,7 +498,7 @@ __device__ __forceinline__ void store_row(const Params& p, const Work& w, int qi
       out + 2 * ((static_cast<int64_t>(w.q0) + qi) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride));
   const int c = lane % 4;  // column pair 2c within each 8-column group
 #pragma unroll
-  for (int i = 0; i < kHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+  for (int i = 0; i < kModelHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
 
 // CT epilogue: every row is stored, to out[token, head] inside the request and
@@ -512,7 +515,7 @@ __device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int
   uint32_t* dst = reinterpret_cast<uint32_t*>(select_u64((qi < w.q_len) & ok, real, sink));
   const int c = lane % 4;
 #pragma unroll
-  for (int i = 0; i < kHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
+  for (int i = 0; i < kModelHead / 8; ++i) dst[4 * i + c] = pack2<BF16>(__fmul_rn(o[4 * i + IDX], inv), __fmul_rn(o[4 * i + IDX + 1], inv));
 }
 
 // Turn-taking of the N consumer warpgroups (PINGPONG), round robin: a warpgroup waits for
@@ -1002,7 +1005,7 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
     const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
     const int toks = min(p.block_q, p.num_out_rows - first);
     char* out = static_cast<char*>(p.out);
-    constexpr int kPieces = kHead / 8;  // 16-byte pieces of a row
+    constexpr int kPieces = kModelHead / 8;  // 16-byte pieces of a row
     for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreadsOff) {
       const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
       reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
@@ -1093,13 +1096,13 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   // tile (128 rows, 192 at head 64); the constant-time walk (61) keeps the slots (load_q_ct, rows_of)
   const bool packed = variant == 60;
   const int block_q = packed ? kRowsOff / group : kRows >> group_shift;
-  if (!tma::encode_q(encode, &tq, is_bf16, q, kHead, num_heads, num_tokens, q_head_stride, q_tok_stride,
+  if (!tma::encode_q(encode, &tq, is_bf16, q, kModelHead, num_heads, num_tokens, q_head_stride, q_tok_stride,
                      packed ? group : 1 << group_shift, block_q))
     return -2;
-  if (!tma::encode_kv(encode, &tk, is_bf16, k, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
+  if (!tma::encode_kv(encode, &tk, is_bf16, k, kModelHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
     return -3;
-  if (!tma::encode_kv(encode, &tv, is_bf16, v, kHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
+  if (!tma::encode_kv(encode, &tv, is_bf16, v, kModelHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
     return -4;
 
@@ -1153,6 +1156,6 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                  : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
 }
 
-// The head size this library's binaries take (128; 64 in the head-64 libraries, -DDHP_HEAD=64):
+// The head size this library's binaries take (128; 64 or 96 in the libraries built with -DDHP_HEAD):
 // ops.cuda_prefill checks it when it loads a library.
-extern "C" int dhp_prefill_sm90_head_size() { return dhp::kHead; }
+extern "C" int dhp_prefill_sm90_head_size() { return dhp::kModelHead; }

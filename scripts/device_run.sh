@@ -26,7 +26,7 @@
 #   audit     G2 SASS gate on the binaries this GPU's Triton compiles and runs
 #   g1 g3 g4  the counter, bits and timing gates (dhp-backend audit counters|bits|timing)
 #   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
-#   build     every csrc library (heads 128 and 64, plain and each feature set: BUILD_HEADS, BUILD_FEATURES)
+#   build     every csrc library (heads 128, 64 and 96, plain and each feature set: BUILD_HEADS, BUILD_FEATURES)
 #             into the cache, in parallel, before GPU tests that would build them one by one
 #   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS)
 #   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
@@ -125,7 +125,7 @@ for step in "$@"; do
                | tee "$OUT/tp2.log" | tail -60 ;;
     e2e)     python3 -m integration.gpu_e2e --only "${E2E_ONLY:-fa3,dhp,dhp-again,dhp-off,dhp-graphs,bi-solo,bi-reversed}" \
                --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log" | tail -30 ;;
-    build)   for h in ${BUILD_HEADS:-128 64}; do
+    build)   for h in ${BUILD_HEADS:-128 64 96}; do
                for f in ${BUILD_FEATURES:-none window softcap sinks window,softcap window,sinks softcap,sinks window,softcap,sinks}; do
                  [ "$f" = none ] && f=""
                  python3 -m dhp_backend.cli build --head $h ${f:+--features $f} >>"$OUT/build.log" 2>&1 &

@@ -39,7 +39,7 @@ def _plain(c):
 
 def test_feature_cases_carry_their_models_features():
     full, quick = C.feature_cases(), C.feature_cases(quick=True)
-    assert len(full) == 12 and len(quick) == 6 and {c.name for c in quick} <= {c.name for c in full}
+    assert len(full) == 14 and len(quick) == 8 and {c.name for c in quick} <= {c.name for c in full}
     assert len({c.name for c in full}) == len(full)
     assert all(c.family == "features" and c.features for c in full)
     by = {c.name: c for c in full}
@@ -55,6 +55,8 @@ def test_feature_cases_carry_their_models_features():
     assert (oss.num_heads, oss.num_kv_heads, oss.head_size) == (64, 8, 64)
     assert oss.features == ("sliding_window", "sinks") and by["gpt-oss sinks prefill S4096 causal"].features == (
         "sinks",)
+    phi3 = by["phi3 W2047 prefill S4096 causal"]
+    assert (phi3.num_heads, phi3.num_kv_heads, phi3.head_size, phi3.features) == (32, 32, 96, ("sliding_window",))
     assert by["mistral W4096 mixed chunk2048@ctx6144 + 15 decodes@16384"].kind == "mixed"
     # Every window bites (below max_model_len: DHP and FA3 would otherwise run plain attention).
     assert all(c.sliding_window < c.max_model_len for c in full if c.sliding_window)

@@ -27,7 +27,7 @@ request's rows do not depend on which kernel, batch or policy computed them.
   kConstTime, consume_v2; GROUP <= 16). Same bits as policy ``off``
   (GPU test). `ops.paged_attention` runs decode steps of
   those policies on it (`routes_decode_ct`).
-- Head size 128 or 64 (one library per head size: cuda_build.feature_library), fp16/bf16,
+- Head size 128, 96 or 64 (one library per head size: cuda_build.feature_library; 96 on 128-column tiles), fp16/bf16,
   block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 
@@ -46,7 +46,7 @@ import torch
 
 from dhp_backend.ops import geometry
 from dhp_backend.ops import workspace as wsp
-from dhp_backend.ops.cuda_build import DECODE_LIBRARY, feature_library, load
+from dhp_backend.ops.cuda_build import DECODE_LIBRARY, TILE_HEAD, feature_library, load
 from dhp_backend.ops.cuda_common import (CSRC_MAX_GROUP, check_head_size, common_route_refusal, ct_bucket, feature_args,
                                          feature_pointers, launch_error, unavailable_reason, validate_common)
 from dhp_backend.ops import tiles as kcfg
@@ -242,7 +242,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         spp_arg = 0  # fold mode
         if p["split"]:
             ws, _, _ = wsp.reserve_workspace(query.device)
-            acc, m, l = geometry.split_states(ws, p["n_split_grid"], num_tokens, H, D)
+            acc, m, l = geometry.split_states(ws, p["n_split_grid"], num_tokens, H, TILE_HEAD[D])
             ws_acc, ws_m, ws_l = acc.data_ptr(), m.data_ptr(), l.data_ptr()
             spp_arg = p["spp"] if spp is None else min(spp, p["n_split_grid"])
         elif not ct and (order or (order is None and longest_first(p, num_tokens, Hkv))):

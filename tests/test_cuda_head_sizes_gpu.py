@@ -1,17 +1,24 @@
-"""The csrc Hopper kernels at head size 64 (gpt-oss: 64 query / 8 KV heads, sinks on every layer, a
-window of 128 on alternating layers), on their head-64 libraries (`cuda_build.feature_library` head=64,
-csrc/v2_arith.cuh DHP_HEAD), on an sm_90 GPU. The same contract as head 128 (docs/kernels.md section 7):
+"""The csrc Hopper kernels at the head sizes other than 128, on their own libraries
+(`cuda_build.feature_library` head=, csrc/v2_arith.cuh DHP_HEAD), on an sm_90 GPU:
 
-- accuracy against the reference over random packed steps, plain and with gpt-oss's features (and a cap),
-  GQA 8 / 7 and MHA, fp16 and bf16, block sizes 16-128;
+- head 64 (gpt-oss: 64 query / 8 KV heads, sinks on every layer, a window of 128 on alternating layers):
+  tiles of one 64-column half;
+- head 96 (Phi-3-mini / Phi-3.5-mini: 32 query and 32 KV heads, Phi-3-mini-4k's window of 2047): head-128
+  tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96.
+
+The same contract as head 128 (docs/kernels.md section 7), each checked at both head sizes:
+
+- accuracy against the reference over random packed steps, plain and with the models' features (and a
+  cap), the model's heads, GQA 7, MHA / GQA 8, fp16 and bf16, block sizes 16-128 (and no write past a
+  row's D columns: a neighbouring head's row would show it);
 - every prefill row's bits equal the decode kernel's for the same position (split and fold mode), chunked
   prefill and decode steps give the whole prefill's bits;
 - the constant-time walks (v2_ct, the decode CT binaries; one bucket and per-request buckets, on tables that
   obey the address rule) give policy off's bits;
 - under policy off a window's dropped pages may be vLLM's null block (NaN/inf): the same bits;
-- ops.paged_attention runs a head-64 layer on the csrc kernels under every policy, with off's bits.
+- ops.paged_attention runs a head-64 / head-96 layer on the csrc kernels under every policy, with off's bits.
 
-Needs nvcc (the libraries are built on first use). Run: ``pytest -m gpu tests/test_cuda_head64_gpu.py``.
+Needs nvcc (the libraries are built on first use). Run: ``pytest -m gpu tests/test_cuda_head_sizes_gpu.py``.
 """
 
 import random
@@ -33,16 +40,26 @@ pytestmark = [
     pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc to build csrc/"),
 ]
 
-D = 64
+# Per head size: the model's (query heads, KV heads) and its windowed layer's features.
+MODELS = {64: dict(name="gpt-oss", H=64, Hkv=8, local=dict(sliding_window=128, sinks="model")),
+          96: dict(name="phi3", H=32, Hkv=32, local=dict(sliding_window=2047))}
+HEADS = list(MODELS)
 SCALE = 0.125
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 FEATURES = [
     ("plain", dict()),
     ("sinks", dict(sinks="model")),  # gpt-oss's full layers
     ("W128+sinks", dict(sliding_window=128, sinks="model")),  # its local layers
+    ("W2047", dict(sliding_window=2047)),  # Phi-3-mini-4k
     ("W100", dict(sliding_window=100)),
     ("cap50+W300+sinks", dict(logits_soft_cap=50.0, sliding_window=300, sinks="f32")),
 ]
+
+
+def shapes(D, second):
+    """(H, Hkv) of the model of head size D, then of GQA 7, then ``second``."""
+    m = MODELS[D]
+    return [(m["H"], m["Hkv"]), (28, 4), second]
 
 
 def prefill(step, feats, *, variant=V2, bucket=None):
@@ -54,10 +71,11 @@ def decode(step, feats, *, mode=None, bucket=None):
 
 
 @pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
-@pytest.mark.parametrize("H,Hkv,dtype,bs", [(64, 8, torch.bfloat16, 16), (28, 4, torch.float16, 64),
-                                             (16, 16, torch.bfloat16, 128), (16, 2, torch.float16, 32)],
-                         ids=["gpt-oss", "gqa7", "mha", "gqa8-fp16"])
-def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype, bs):
+@pytest.mark.parametrize("shape,dtype,bs", [(0, torch.bfloat16, 16), (1, torch.float16, 64), (2, torch.bfloat16, 128),
+                                            (3, torch.float16, 32)], ids=["model", "gqa7", "mha", "gqa8-fp16"])
+@pytest.mark.parametrize("D", HEADS)
+def test_matches_reference_and_the_decode_kernel_bits(name, feats, shape, dtype, bs, D):
+    H, Hkv = (shapes(D, (16, 16)) + [(16, 2)])[shape]
     rng = random.Random(hash((name, H, bs, D)) & 0xFFFF)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
     feats = feature_tensors(feats, H, 1, dtype)
@@ -80,10 +98,13 @@ def test_matches_reference_and_the_decode_kernel_bits(name, feats, H, Hkv, dtype
         assert torch.equal(bits(prefill(step, feats)[:n]), bits(out[:n])), f"not repeatable: {what}"
 
 
-def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
+@pytest.mark.parametrize("D", HEADS)
+def test_chunked_prefill_and_decode_give_the_whole_prefill_bits(D):
     gen = torch.Generator(device="cuda").manual_seed(23)
-    for feats in (dict(), feature_tensors(dict(sliding_window=128, sinks="model"), 64, 4, torch.bfloat16)):
-        full = make_request(2100, 2100, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
+    m = MODELS[D]
+    for feats in (dict(), feature_tensors(dict(sliding_window=128, sinks="model"), m["H"], 4, torch.bfloat16),
+                  feature_tensors(m["local"], m["H"], 4, torch.bfloat16)):
+        full = make_request(2100, 2100, H=m["H"], Hkv=m["Hkv"], D=D, dtype=torch.bfloat16, gen=gen)
         whole = prefill(assemble([full], block_size=16, gen=gen), feats)[:2100]
         for a, b in ((0, 1), (127, 128), (128, 600), (511, 1024), (1024, 2100), (1700, 2100)):
             chunk = Request(q=full.q[a:b], k=full.k[:b], v=full.v[:b])
@@ -98,8 +119,10 @@ def test_chunked_prefill_and_decode_give_the_whole_prefill_bits():
 
 
 @pytest.mark.parametrize("name,feats", FEATURES, ids=[n for n, _ in FEATURES])
-@pytest.mark.parametrize("H,Hkv,bs", [(64, 8, 16), (28, 4, 32)], ids=["gpt-oss", "gqa7"])
-def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
+@pytest.mark.parametrize("shape,bs", [(0, 16), (1, 32)], ids=["model", "gqa7"])
+@pytest.mark.parametrize("D", HEADS)
+def test_constant_time_walks_have_the_policy_off_bits(name, feats, shape, bs, D):
+    H, Hkv = shapes(D, None)[shape]
     rng = random.Random(hash((name, H, D)) & 0xFFFF)
     gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
     feats = feature_tensors(feats, H, 3, torch.bfloat16)
@@ -119,13 +142,15 @@ def test_constant_time_walks_have_the_policy_off_bits(name, feats, H, Hkv, bs):
                 assert torch.equal(bits(dec[: step.num_tokens]), off), f"decode CT/{mode}: {what}"
 
 
-def test_null_pages_below_the_window_change_no_bit():
-    rng = random.Random(64)
-    feats = feature_tensors(dict(sliding_window=128, sinks="model"), 64, 2, torch.bfloat16)
+@pytest.mark.parametrize("D", HEADS)
+def test_null_pages_below_the_window_change_no_bit(D):
+    rng = random.Random(D)
+    m = MODELS[D]
+    feats = feature_tensors(dict(sliding_window=128, sinks="model"), m["H"], 2, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(17)
     for bs in (16, 64):
-        reqs = [make_request(rng.randint(1, 300), rng.randint(1500, 3000), H=64, Hkv=8, D=D, dtype=torch.bfloat16,
-                             gen=gen) for _ in range(4)]
+        reqs = [make_request(rng.randint(1, 300), rng.randint(1500, 3000), H=m["H"], Hkv=m["Hkv"], D=D,
+                             dtype=torch.bfloat16, gen=gen) for _ in range(4)]
         step = assemble(reqs, block_size=bs, gen=gen)
         dropped = drop_pages_below_window(step, 128, gen=gen)
         assert (dropped.block_table == 0).any()
@@ -135,9 +160,11 @@ def test_null_pages_below_the_window_change_no_bit():
             assert torch.equal(bits(decode(dropped, feats, mode=mode)[: step.num_tokens]), full), f"decode/{mode}"
 
 
-def test_paged_attention_runs_head_64_layers_on_the_csrc_kernels(monkeypatch):
-    """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks) runs its prefill,
-    mixed and decode steps on the csrc kernels under every policy, with policy off's bits."""
+@pytest.mark.parametrize("D", HEADS)
+def test_paged_attention_runs_the_layers_on_the_csrc_kernels(monkeypatch, D):
+    """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks) or a Phi-3-mini-4k
+    layer (head 96, window 2047) runs its prefill, mixed and decode steps on the csrc kernels under every
+    policy, with policy off's bits."""
     from dhp_backend.ops import cuda_decode, cuda_prefill
 
     calls = []
@@ -149,11 +176,12 @@ def test_paged_attention_runs_head_64_layers_on_the_csrc_kernels(monkeypatch):
             return _real(*a, **k)
 
         monkeypatch.setattr(module, fn, spy)
-    feats = feature_tensors(dict(sliding_window=128, sinks="model"), 64, 5, torch.bfloat16)
+    m = MODELS[D]
+    feats = feature_tensors(m["local"], m["H"], 5, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(31)
-    mixed = [make_request(q, s, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen)
-             for q, s in ((600, 1500), (1, 900), (1, 2000))]
-    decodes = [make_request(1, s, H=64, Hkv=8, D=D, dtype=torch.bfloat16, gen=gen) for s in (17, 1200, 3000)]
+    mixed = [make_request(q, s, H=m["H"], Hkv=m["Hkv"], D=D, dtype=torch.bfloat16, gen=gen)
+             for q, s in ((600, 1500), (1, 900), (1, 2500))]
+    decodes = [make_request(1, s, H=m["H"], Hkv=m["Hkv"], D=D, dtype=torch.bfloat16, gen=gen) for s in (17, 1200, 3000)]
     for batch, kernel in ((mixed, "prefill_sm90"), (decodes, "decode_sm90")):
         off = None
         for policy in ("off", "strict", "request"):
