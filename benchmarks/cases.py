@@ -283,6 +283,10 @@ def feature_cases(quick: bool = False) -> list[Case]:
         (False, featured(prefill(4096, True, **oss), "gpt-oss", **sink)),
         (True, featured(decode(16, 4096, **phi), "phi3", **phi_w)),
         (True, featured(prefill(4096, True, **phi), "phi3", **phi_w)),
+        # FA3 (vllm_flash_attn, fa_version 3) gave wrong results at hdim 96 once the window bites at
+        # S 4096 and 8192 (rel. err. 0.04-0.05, H200, vLLM 0.24): at S 2048 a window of 2047 masks one
+        # key per row at most, and FA3 is right there
+        (False, featured(prefill(2048, True, **phi), "phi3", **phi_w)),
     ]
     return [c for in_quick, c in cases if in_quick or not quick]
 

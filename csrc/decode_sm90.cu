@@ -21,9 +21,9 @@
 // consumer warpgroup never issues a load.
 //
 // Layouts (those of ops.paged_attention): query/out [num_tokens, num_heads, D];
-// key/value [num_blocks, num_kv_heads, block_size, D] (D = 128, 64 or 96: one library per head size,
-// -DDHP_HEAD; every tile is kHead / 64 halves of 64 columns, head 96 on head-128 tiles whose columns
-// 96-127 the TMA fills with zeros, v2_arith.cuh); block_table
+// key/value [num_blocks, num_kv_heads, block_size, D] (D = 128, 64, 80 or 96: one library per head
+// size, -DDHP_HEAD; every tile is kHead / 64 halves of 64 columns, heads 80 and 96 on head-128 tiles
+// whose columns D-127 the TMA fills with zeros, v2_arith.cuh); block_table
 // [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs].
 //
 // One CTA = one query token x the GROUP query heads of one KV head (the Triton
@@ -64,7 +64,7 @@ using namespace sm90;
 using namespace compat;
 
 constexpr int kHead = v2::kHead;              // the tiles' head size: 128, or 64 (-DDHP_HEAD=64)
-constexpr int kModelHead = v2::kModelHead;    // the tensors' head size D: kHead, or 96 (on 128 tiles)
+constexpr int kModelHead = v2::kModelHead;    // the tensors' head size D: kHead, or 80 / 96 (128 tiles)
 constexpr int kHalves = v2::kHalves;          // 64-column halves of a tile row (D / 64)
 constexpr int kPV = kHead / 4;                // a PV warp's accumulator values per thread (16 rows x D / 2)
 constexpr int kRows = 64;                     // wgmma rows per CTA (GROUP of them real)
@@ -97,11 +97,11 @@ static_assert(kRows == kStep, "K and V tiles share the 64 x D layout");
 //                   the tensor work per step. GROUP <= 16.
 // (Bits 2 and 4 were timing diagnostics, 32 a merge without PDL: measurements, in git history.)
 constexpr int kPairedV = 1, kEvictFirst = 8, kMmaSync = 16;
-// The paired map reads both halves of a 128-column row: at head 96 a row has 96 columns, so the
+// The paired map reads both halves of a 128-column row: at heads 80 and 96 a row is shorter, so the
 // binaries of the variant codes with kPairedV load V by the one-half maps (tma::encode_kv, the
-// zero fill past column 96) and address their [half][64 rows] layout. (At head 64 the paired
+// zero fill past column D) and address their [half][64 rows] layout. (At head 64 the paired
 // layout [box][row] is the one half's: the option stays, the host encodes the one-half map.)
-constexpr int kPairable = kModelHead == 96 ? 0 : kPairedV;
+constexpr int kPairable = kModelHead == kHead ? kPairedV : 0;
 // kMmaPipe (with kMmaSync): S and PV on separate warp pairs (consume_v2).
 constexpr int kMmaPipe = 64;
 // kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
@@ -281,9 +281,9 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under walk 2), num_seqs, num_tokens, the step geometry, block size, group.
 // The head size is a compile-time constant of the library (v2_arith.cuh kHead, kModelHead): the loops
-// over its 64-column halves (TMA boxes, stores) unroll, the same code for every length; at head 96
-// the zero columns 96-127 are the TMA's fill of a public box, and a store's column guard compares
-// a thread's column (its warp and lane) with a constant.
+// over its 64-column halves (TMA boxes, stores) unroll, the same code for every length; at heads 80
+// and 96 the zero columns D-127 are the TMA's fill of a public box, and a store's column guard
+// compares a thread's column (its warp and lane) with a constant.
 template <int WALK>
 __device__ __forceinline__ Work work_ct(const Params& p, int t, int chunk, bool write_partials) {
   static_assert(WALK == 1 || WALK == 2, "the constant-time walks");
@@ -545,7 +545,7 @@ __device__ __forceinline__ void store_out_half(const Params& p, int t, int head,
       static_cast<char*>(p.out) +
       2 * (static_cast<int64_t>(t) * p.out_tok_stride + static_cast<int64_t>(head) * p.out_head_stride + col));
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)  // (head 96: the zero columns 96-127 are not stored)
+  for (int nt = 0; nt < NT; ++nt)  // (heads 80, 96: the zero columns D-127 are not stored)
     if (kModelHead == kHead || col + 8 * nt < kModelHead)
       dst[4 * nt] = pack2<BF16>(__fmul_rn(run[4 * nt + 2 * h], inv), __fmul_rn(run[4 * nt + 2 * h + 1], inv));
 }
@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
     acc = fold_value(acc, 0.f, sk);
   }
   const float o = __fmul_rn(acc, finalize_inv(lr));
-  if (kModelHead != kHead && d >= kModelHead) return;  // head 96: columns 96-127 are the tiles' zeros
+  if (kModelHead != kHead && d >= kModelHead) return;  // heads 80, 96: columns D-127 are the tiles' zeros
   char* out = static_cast<char*>(p.out) + 2 * (static_cast<int64_t>(t) * p.out_tok_stride +
                                                static_cast<int64_t>(head) * p.out_head_stride + d);
   if constexpr (BF16)
@@ -1321,6 +1321,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                : launch_variant<false, false>(variant, tq, tk, tv, p, grid, st);
 }
 
-// The head size this library's binaries take (128; 64 or 96 in the libraries built with -DDHP_HEAD):
+// The head size this library's binaries take (128; 64, 80 or 96 in the libraries built with -DDHP_HEAD):
 // ops.cuda_decode checks it when it loads a library.
 extern "C" int dhp_decode_sm90_head_size() { return dhp::kModelHead; }

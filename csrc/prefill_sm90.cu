@@ -14,9 +14,9 @@
 // Layouts (those of ops.paged_attention):
 //   query, out   [num_tokens, num_heads, D], last dim contiguous
 //   key/value    [num_blocks, num_kv_heads, block_size, D] (pages of one head contiguous)
-// D = 128, 64 or 96 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every tile is
-// kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; head 96 on head-128 tiles
-// whose columns 96-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head 128's).
+// D = 128, 64, 80 or 96 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every tile
+// is kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; heads 80 and 96 on head-128
+// tiles whose columns D-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head 128's).
 //   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
@@ -57,7 +57,7 @@ using namespace sm90;
 using namespace compat;
 
 constexpr int kHead = v2::kHead;                 // the tiles' head size: 128, or 64 (-DDHP_HEAD=64)
-constexpr int kModelHead = v2::kModelHead;       // the tensors' head size D: kHead, or 96 (on 128 tiles)
+constexpr int kModelHead = v2::kModelHead;       // the tensors' head size D: kHead, or 80 / 96 (128 tiles)
 constexpr int kHalves = v2::kHalves;             // 64-column halves of a tile row (D / 64)
 constexpr int kAcc = kHead / 2;                  // O accumulator values per consumer thread (m64nD)
 constexpr int kRows = 128;                       // query rows per CTA
@@ -228,7 +228,8 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 // buckets under policy request), num_seqs, the step geometry, block size, group.
 // The head size is a compile-time constant of the library (v2_arith.cuh kHead, kModelHead): the loops
 // over its 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length;
-// at head 96 the zero columns 96-127 are the TMA's fill of a public box (no address follows a length).
+// at heads 80 and 96 the zero columns D-127 are the TMA's fill of a public box (no address follows a
+// length).
 constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
 using namespace ct;
@@ -1156,6 +1157,6 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                  : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
 }
 
-// The head size this library's binaries take (128; 64 or 96 in the libraries built with -DDHP_HEAD):
+// The head size this library's binaries take (128; 64, 80 or 96 in the libraries built with -DDHP_HEAD):
 // ops.cuda_prefill checks it when it loads a library.
 extern "C" int dhp_prefill_sm90_head_size() { return dhp::kModelHead; }

@@ -28,7 +28,8 @@
 #define DHP_SINKS 0
 #endif
 // The head size a library is compiled for (-DDHP_HEAD=64: cuda_build.feature_library's head): 128
-// (the plain libraries), 64 (gpt-oss) or 96 (Phi-3). Public model configuration, like the features.
+// (the plain libraries), 64 (gpt-oss), 80 (Phi-2) or 96 (Phi-3). Public model configuration, like the
+// features.
 #ifndef DHP_HEAD
 #define DHP_HEAD 128
 #endif
@@ -57,18 +58,20 @@ constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of
 // operations are those of head 128 with D / 16 k16 slices in S = Q K^T and D / 8 output column
 // groups: the same contract.
 //
-// Head 96 runs on head-128 tiles: kModelHead (the tensors' row, 96) is not kHead (the tiles', 128).
-// The TMA maps describe rows of 96 columns, so a box of the second half (columns 64-127) brings
-// columns 64-95 and fills 96-127 with zeros (out of bounds: no memory read, the transaction count
-// is still the whole box). Zero columns of Q and K add exact zeros to every score; zero columns of
-// V give zero output columns that are never stored (the stores and the CT Q loader stop at
-// kModelHead). So a head-96 row's bits are those of head 128 on the zero-padded tensors, and every
-// invariance of the contract carries over unchanged. The cost: a third more tensor work than the
-// row needs (FA3 runs hdim 96 on 96-column tiles); the bytes read are the row's.
+// Heads 80 and 96 run on head-128 tiles: kModelHead (the tensors' row) is not kHead (the tiles',
+// 128). The TMA maps describe rows of kModelHead columns, so a box of the second half (columns
+// 64-127) brings columns 64 to kModelHead - 1 and fills the rest with zeros (out of bounds: no
+// memory read, the transaction count is still the whole box). Zero columns of Q and K add exact
+// zeros to every score; zero columns of V give zero output columns that are never stored (the
+// stores and the CT Q loader stop at kModelHead). So such a row's bits are those of head 128 on the
+// zero-padded tensors, and every invariance of the contract carries over unchanged. The cost: the
+// tensor work of 128 columns (a third more than head 96 needs, 60 % more than 80; FA3 runs hdim 96
+// on 96-column tiles, and 80 on those too); the bytes read are the row's.
 constexpr int kModelHead = DHP_HEAD;
-constexpr int kHead = kModelHead == 96 ? 128 : kModelHead;
+constexpr int kHead = kModelHead == 64 ? 64 : 128;
 constexpr int kHalves = kHead / 64;
-static_assert(kModelHead == 64 || kModelHead == 96 || kModelHead == 128, "head sizes 64, 96 and 128");
+static_assert(kModelHead == 64 || kModelHead == 80 || kModelHead == 96 || kModelHead == 128,
+              "head sizes 64, 80, 96 and 128");
 
 // The running max after a step: the max over the step's raw scores (masked ones -inf), times
 // the scale (softmax scale x log2 e). Rounding is monotonic: max-then-scale and

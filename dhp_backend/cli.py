@@ -197,12 +197,12 @@ def info(args: argparse.Namespace) -> dict:
 # for `info`: the model's features, as vLLM hands them to the backend.
 MODEL_FEATURES = {
     "logits_soft_cap": "reference, Triton kernels and the csrc Hopper kernels (their soft-cap library; policy off, "
-                       "strict, request): a layer the csrc kernels take (head 128, 96 or 64) runs on them",
+                       "strict, request): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them",
     "sinks": "reference, Triton kernels and the csrc Hopper kernels (their sink library; policy off, strict, "
-             "request): a layer the csrc kernels take (head 128, 96 or 64) runs on them",
+             "request): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them",
     "sliding_window": "reference, Triton kernels and the csrc Hopper kernels (their window library; policy off: the "
                       "walk starts at the window; strict, request: the whole bucket is walked, the window is a "
-                      "selection): a layer the csrc kernels take (head 128, 96 or 64) runs on them; a window "
+                      "selection): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them; a window "
                       ">= max_model_len is no window. In "
                       "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
                       "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",

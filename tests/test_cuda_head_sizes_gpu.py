@@ -4,7 +4,8 @@
 - head 64 (gpt-oss: 64 query / 8 KV heads, sinks on every layer, a window of 128 on alternating layers):
   tiles of one 64-column half;
 - head 96 (Phi-3-mini / Phi-3.5-mini: 32 query and 32 KV heads, Phi-3-mini-4k's window of 2047): head-128
-  tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96.
+  tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96;
+- head 80 (Phi-2: 32 query and 32 KV heads, no window): as 96, with 48 zero columns.
 
 The same contract as head 128 (docs/kernels.md section 7), each checked at both head sizes:
 
@@ -16,7 +17,7 @@ The same contract as head 128 (docs/kernels.md section 7), each checked at both 
 - the constant-time walks (v2_ct, the decode CT binaries; one bucket and per-request buckets, on tables that
   obey the address rule) give policy off's bits;
 - under policy off a window's dropped pages may be vLLM's null block (NaN/inf): the same bits;
-- ops.paged_attention runs a head-64 / head-96 layer on the csrc kernels under every policy, with off's bits.
+- ops.paged_attention runs a head-64 / 80 / 96 layer on the csrc kernels under every policy, with off's bits.
 
 Needs nvcc (the libraries are built on first use). Run: ``pytest -m gpu tests/test_cuda_head_sizes_gpu.py``.
 """
@@ -42,6 +43,7 @@ pytestmark = [
 
 # Per head size: the model's (query heads, KV heads) and its windowed layer's features.
 MODELS = {64: dict(name="gpt-oss", H=64, Hkv=8, local=dict(sliding_window=128, sinks="model")),
+          80: dict(name="phi2", H=32, Hkv=32, local=dict()),
           96: dict(name="phi3", H=32, Hkv=32, local=dict(sliding_window=2047))}
 HEADS = list(MODELS)
 SCALE = 0.125
@@ -162,9 +164,9 @@ def test_null_pages_below_the_window_change_no_bit(D):
 
 @pytest.mark.parametrize("D", HEADS)
 def test_paged_attention_runs_the_layers_on_the_csrc_kernels(monkeypatch, D):
-    """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks) or a Phi-3-mini-4k
-    layer (head 96, window 2047) runs its prefill, mixed and decode steps on the csrc kernels under every
-    policy, with policy off's bits."""
+    """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks), a Phi-2 layer
+    (head 80) or a Phi-3-mini-4k layer (head 96, window 2047) runs its prefill, mixed and decode steps on the
+    csrc kernels under every policy, with policy off's bits."""
     from dhp_backend.ops import cuda_decode, cuda_prefill
 
     calls = []

@@ -25,7 +25,7 @@ def test_cpu_tensors_refused_with_the_accepted_device():
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(D=80), r"query's shape is \(10, 32, 80\); accepted: \[num_tokens, num_heads, D\] with D in \{64, 96, 128\}"),
+    (dict(D=256), r"query's shape is \(10, 32, 256\); accepted: \[num_tokens, num_heads, D\] with D in \{64, 80, 96, 128\}"),
     (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
     (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
     (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads"),

@@ -112,7 +112,7 @@ def test_a_layer_with_features_says_them_and_runs_every_step_on_triton():
         assert kernel.strip() == "triton" and "Triton attention_kernel, CONST_TIME, logits soft-cap 50, attention " \
                                               "sinks" in rest
         assert rest.endswith("; Triton's JIT (compiled at its first launch, kept in Triton's cache); not a csrc "
-                             "kernel: head size 256 (the csrc kernels have 64, 96, 128)")
+                             "kernel: head size 256 (the csrc kernels have 64, 80, 96, 128)")
 
 
 def test_facts_of_other_processes_are_left_out():

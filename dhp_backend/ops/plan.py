@@ -285,7 +285,7 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     step geometry. A layer runs **every** step on one family of kernels:
 
     - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
-      `cuda_decode.routes_decode`: sm_90, head size 128, 96 or 64, at most
+      `cuda_decode.routes_decode`: sm_90, head size 128, 96, 80 or 64, at most
       `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc; sliding windows,
       soft-caps and sinks on their feature libraries): decode steps (the launcher's
       token tiles, `geometry.decode_step`) on
