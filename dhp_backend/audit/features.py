@@ -120,4 +120,5 @@ def add_argument(parser) -> None:
     parser.add_argument("--features", default="",
                         help="attention features of every audited layer: window=W, softcap=C, sinks, "
                              "comma-separated (e.g. window=4096,softcap=50,sinks; default none: plain attention). "
-                             "Such layers run the Triton kernels")
+                             "Such layers run the csrc kernels' feature libraries at heads 64, 80, 96 and 128, "
+                             "the Triton kernels at other head sizes")

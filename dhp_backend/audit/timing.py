@@ -31,8 +31,8 @@ up to L and a short and a long request read the very same pages. The grid:
   once: class-specific copy sources made a pair's second class 0.018 % slower (`SlotStaging`);
 - attention features (issue 31): ``--features window=W,softcap=C,sinks`` (`audit.features`;
   any subset) measures every shape of the run as a layer with those features (public model
-  configuration). Such layers run the Triton kernels (`plan.step_kernel`: the csrc kernels
-  implement no feature), and under ``strict``/``request`` a windowed layer walks the whole
+  configuration). Such layers run the csrc kernels' feature libraries at heads 64, 80, 96 and 128
+  and the Triton kernels at other head sizes (`plan.step_kernel`), and under ``strict``/``request`` a windowed layer walks the whole
   bucket (docs/kernels.md section 6), so the classes are the plain ones: short and long put
   the window at two secret positions in the same walk. Rows carry ``features`` ("" for plain
   attention) and merge beside the plain rows; they gate like them but fill no cell of the
