@@ -117,6 +117,12 @@ RULES = (
              "the CTA's output rows after its last step (or at once with no step): the bucket's step count"),
     CudaRule("dec-group-rows", "decode_sm90.cu", r"^if \(ok_(lo|hi)\) store_out_half<", PUBLIC,
              "only the tile rows that are query heads of the group are stored: thread index and GROUP"),
+    CudaRule("dec-head-cols", "decode_sm90.cu", r"^if \(kModelHead == kHead \|\| col \+ 8 \* nt < kModelHead\)$", PUBLIC,
+             "heads 80 and 96 (head-128 tiles): a thread's output columns at or past the head size are not "
+             "stored; its columns follow from its warp and lane, the head size is a compile-time constant"),
+    CudaRule("merge-head-cols", "decode_sm90.cu", r"^if \(kModelHead != kHead && d >= kModelHead\) return;", PUBLIC,
+             "heads 80 and 96: the merge threads of columns at or past the head size (thread index against "
+             "the compile-time head size) store nothing"),
     CudaRule("merge-chunks", "decode_sm90.cu",
              r"^(for \(int c0 = s_first; c0 < n_split; c0 \+= kMergeChunk\) \{|"
              r"for \(int k = d; k < n \* \(kHead / 4\); k \+= kHead\) \{|"
