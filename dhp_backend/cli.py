@@ -184,7 +184,7 @@ def info(args: argparse.Namespace) -> dict:
                   "block_size": args.block_size, "dtype": args.dtype, "max_model_len": args.max_model_len},
         "cases": cases,
         "device_memory": memory,
-        "features": MODEL_FEATURES,
+        "features": model_features(),
         "refusal": refusal,
         "reservation": reservation,
         "note": "The path is chosen per layer shape at start-up; the plan (kernel, binary, launch geometry) "
@@ -194,19 +194,27 @@ def info(args: argparse.Namespace) -> dict:
 
 
 # What each implementation covers beyond plain causal GQA attention (issue 31),
-# for `info`: the model's features, as vLLM hands them to the backend.
+# for `info`: the model's features, as vLLM hands them to the backend ({heads}: `model_features`).
 MODEL_FEATURES = {
     "logits_soft_cap": "reference, Triton kernels and the csrc Hopper kernels (their soft-cap library; policy off, "
-                       "strict, request): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them",
+                       "strict, request): a layer the csrc kernels take (head {heads}) runs on them",
     "sinks": "reference, Triton kernels and the csrc Hopper kernels (their sink library; policy off, strict, "
-             "request): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them",
+             "request): a layer the csrc kernels take (head {heads}) runs on them",
     "sliding_window": "reference, Triton kernels and the csrc Hopper kernels (their window library; policy off: the "
                       "walk starts at the window; strict, request: the whole bucket is walked, the window is a "
-                      "selection): a layer the csrc kernels take (head 128, 96, 80 or 64) runs on them; a window "
+                      "selection): a layer the csrc kernels take (head {heads}) runs on them; a window "
                       ">= max_model_len is no window. In "
                       "vLLM: under strict/request a windowed layer's KV cache is managed as full attention (every "
                       "page up to the bucket kept: no memory saving), under off by vLLM's sliding-window manager",
 }
+
+
+def model_features() -> dict:
+    """`MODEL_FEATURES` with the csrc kernels' head sizes (`cuda_build.HEAD_SIZES`, declared there once)."""
+    from dhp_backend.ops.cuda_build import HEAD_SIZES
+
+    heads = ", ".join(map(str, sorted(HEAD_SIZES, reverse=True)))
+    return {name: text.format(heads=heads) for name, text in MODEL_FEATURES.items()}
 
 
 def _cpu():

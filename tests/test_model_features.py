@@ -241,6 +241,7 @@ def test_info_lists_the_features_and_plans_them_by_head_size(capsys, with_nvcc):
         assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
         for name in ("logits_soft_cap", "sinks", "sliding_window"):
             assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
+            assert "(head 128, 96, 80, 64)" in r["features"][name]  # cuda_build.HEAD_SIZES, formatted
         for case in r["cases"].values():
             assert case["kernel"].startswith(family), (head, case)
             assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
