@@ -7,11 +7,12 @@
   tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96;
 - head 80 (Phi-2: 32 query and 32 KV heads, no window): as 96, with 48 zero columns.
 
-The same contract as head 128 (docs/kernels.md section 7), each checked at both head sizes:
+The same contract as head 128 (docs/kernels.md section 7), each checked at every head size here:
 
 - accuracy against the reference over random packed steps, plain and with the models' features (and a
-  cap), the model's heads, GQA 7, MHA / GQA 8, fp16 and bf16, block sizes 16-128 (and no write past a
-  row's D columns: a neighbouring head's row would show it);
+  cap), the model's heads, GQA 7, MHA / GQA 8, fp16 and bf16, block sizes 16-128 (a store past a row's D
+  columns lands in the next head's row, or for the last head in the rows past num_tokens, which must
+  stay NaN);
 - every prefill row's bits equal the decode kernel's for the same position (split and fold mode), chunked
   prefill and decode steps give the whole prefill's bits;
 - the constant-time walks (v2_ct, the decode CT binaries; one bucket and per-request buckets, on tables that
