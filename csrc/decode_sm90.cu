@@ -762,7 +762,7 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
 // and merged, from ext - W): policy off only.
 constexpr int kSync = kPairedV | kEvictFirst | kMmaSync;
 constexpr int kPipe = kSync | kMmaPipe;
-constexpr int kPipeOpt = kPipe & ~(kPairedV & ~kPairable);  // the binary's options (kPairable)
+constexpr int kPipeOpt = (kPipe & ~kPairedV) | kPairable;  // the binary's options: kPairedV where kPairable
 
 constexpr int kV2 = 512;         // the variant option bit of this consumer
 constexpr int kStepV2 = v2::kStepKV;  // positions per arithmetic step
