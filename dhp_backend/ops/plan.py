@@ -106,7 +106,7 @@ class StepPlan:
         return f"csrc/decode_sm90.cu{self._library(cuda_build.DECODE_LIBRARY)}, {variant}{ct}{features}"
 
     def _library(self, library: tuple[str, str]) -> str:
-        """" (library <name>)" where the layer's csrc library is not the plain one (a feature or head-64
+        """" (library <name>)" where the layer's csrc library is not the plain one (a feature or head-64, 80 or 96
         library, cuda_build.feature_library), else ""."""
         from dhp_backend.ops import cuda_common
 
