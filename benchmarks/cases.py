@@ -235,7 +235,7 @@ def gpu_cases(quick: bool = False) -> list[Case]:
 FEATURES = "features"
 # Families run only when named (``--cases features``): never part of the default list.
 ON_REQUEST = (FEATURES,)
-WINDOW_MISTRAL, CAP_GEMMA2, WINDOW_GPT_OSS, WINDOW_PHI3 = 4096, 50.0, 128, 2047
+WINDOW_MISTRAL, CAP_GEMMA2, WINDOW_GPT_OSS, WINDOW_PHI3, WINDOW_GEMMA3 = 4096, 50.0, 128, 2047, 1024
 
 
 def _tag(c: Case) -> str:
@@ -277,6 +277,9 @@ def feature_cases(quick: bool = False) -> list[Case]:
         (False, featured(prefill(4096, True, **g2), "gemma2", **cap)),
         (True, featured(decode(16, 8192, **g2), "gemma2-local", **local)),
         (False, featured(prefill(8192, True, **g2), "gemma2-local", **local)),
+        # Gemma-3 12B's local layers (its attention shape is Gemma-2 9B's: 16 / 8 heads of 256; no cap)
+        (False, featured(decode(16, 8192, **g2), "gemma3-local", sliding_window=WINDOW_GEMMA3)),
+        (False, featured(prefill(8192, True, **g2), "gemma3-local", sliding_window=WINDOW_GEMMA3)),
         (True, featured(decode(16, 8192, **oss), "gpt-oss", **sink_w)),
         (False, featured(decode(16, 8192, **oss), "gpt-oss", **sink)),
         (True, featured(prefill(4096, True, **oss), "gpt-oss", **sink_w)),

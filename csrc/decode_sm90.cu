@@ -101,7 +101,9 @@ constexpr int kPairedV = 1, kEvictFirst = 8, kMmaSync = 16;
 // binaries of the variant codes with kPairedV load V by the one-half maps (tma::encode_kv, the
 // zero fill past column D) and address their [half][64 rows] layout. (At head 64 the paired
 // layout [box][row] is the one half's: the option stays, the host encodes the one-half map.)
-constexpr int kPairable = kModelHead == kHead ? kPairedV : 0;
+// Head 256 has four halves: its V stage keeps the one-half layout [half][64 rows] (the paired map
+// holds two halves).
+constexpr int kPairable = kModelHead == kHead && kHalves <= 2 ? kPairedV : 0;
 // kMmaPipe (with kMmaSync): S and PV on separate warp pairs (consume_v2).
 constexpr int kMmaPipe = 64;
 // kConstTime (with kMmaSync | kMmaPipe): the constant-time walk (work_ct): every CTA
@@ -639,7 +641,8 @@ __global__ void __launch_bounds__(kOrderThreads) order_kernel(const Params p, in
 // change 24). The sign of a zero running max can differ from the sequential fmax
 // chain's, which no coefficient sees (select_ex2 compares with ==, and
 // 2^(a - (+-0)) is one value). One CTA per (token, query head), one thread per column.
-constexpr int kMergeChunk = 64;
+// (Head 256: 32 splits a chunk, the chunk's acc rows are 32 KB of static shared memory.)
+constexpr int kMergeChunk = kHead == 256 ? 32 : 64;
 // WALK (kWalk of the decode binary): 0 the splits of the true length, 1 those of the
 // one bucket, 2 those of the token's request bucket (work_ct's count, all 128 threads).
 template <bool BF16, int WALK>
@@ -1180,10 +1183,12 @@ template <bool BF16, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   // Head 64: four stages, the bytes in flight of head 128's two (a stage holds half the bytes).
-  constexpr int kStages = kHead == 64 ? 4 : 2, kMinBlocks = 2;
+  // Head 256: two stages of twice the bytes and one CTA per SM, the bytes in flight of head 128's
+  // two CTAs (ops.cuda_decode plans the grid with that residency).
+  constexpr int kStages = kHead == 64 ? 4 : 2, kMinBlocks = kHead == 256 ? 1 : 2;
   constexpr auto kernel = decode_v2_kernel<BF16, kStages, WRITE_PARTIALS, kMinBlocks, SMALL_Q, OPT>;
   constexpr int bytes = LayoutV2<kStages, SMALL_Q>::kBytes;
-  static_assert((bytes + 1024) * kMinBlocks <= 228 * 1024, "the stages must fit two CTAs per SM");
+  static_assert((bytes + 1024) * kMinBlocks <= 228 * 1024, "the stages must fit the CTAs of an SM");
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   if (p.order != nullptr) {
     order_kernel<<<1, kOrderThreads, 0, stream>>>(p, reinterpret_cast<int2*>(const_cast<int*>(p.order)));

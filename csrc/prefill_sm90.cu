@@ -60,16 +60,26 @@ constexpr int kHead = v2::kHead;                 // the tiles' head size: 128, o
 constexpr int kModelHead = v2::kModelHead;       // the tensors' head size D: kHead, or 80 / 96 (128 tiles)
 constexpr int kHalves = v2::kHalves;             // 64-column halves of a tile row (D / 64)
 constexpr int kAcc = kHead / 2;                  // O accumulator values per consumer thread (m64nD)
-constexpr int kRows = 128;                       // query rows per CTA
 constexpr int kCols = 128;                       // KV positions per step
-constexpr int kHalfBytes = kRows * 128;          // one 64-column half of a 128-row tile (16 KB)
-constexpr int kTileBytes = kHalves * kHalfBytes; // a 128 x D 16-bit tile (32 KB at D = 128)
-constexpr int kThreads = 384;
+constexpr int kHalfBytes = kCols * 128;          // one 64-column half of a K or V stage (16 KB)
+constexpr int kTileBytes = kHalves * kHalfBytes; // a 128-position x D 16-bit stage (32 KB at D = 128)
+// Head 256: one consumer warpgroup of 64 rows in both kernels, one stage of K and of V. Its output
+// accumulator is 128 registers a thread, so S of a 128-position step (64), its P and O fill a
+// warpgroup's registers and the overlap of consume_v2 (S of the next step live beside P and O) does
+// not fit; the running state, Q, a 64 KB K stage and a 64 KB V stage fill shared memory (225 KB),
+// so a second warpgroup's rows (64 KB more running state, 32 KB more Q) do not fit either. The
+// kernels then run consume_v2_serial (policy off) and consume_v2_ct on 64-row tiles: the same row
+// operations in the same order, so the same bits as any other tile of the contract.
+constexpr int kConsumersCT = kHead == 256 ? 1 : 2;  // the constant-time binaries' consumer warpgroups
+constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-time CTA
+constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
+constexpr int kThreads = 128 * (kConsumersCT + 1);
+constexpr int kStages = kHead == 256 ? 1 : 2;       // K and V stages of both kernels
 // The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
 // FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
-// softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs. The
-// constant-time binaries keep 2 (kRows, kThreads).
-constexpr int kConsumersOff = kHead == 64 ? 3 : 2;
+// softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs; 1 at head
+// 256 (above).
+constexpr int kConsumersOff = kHead == 64 ? 3 : kHead == 256 ? 1 : 2;
 constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
@@ -93,8 +103,8 @@ struct Layout {
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
-static_assert(Layout<2>::kBytes <= 227 * 1024, "two stages and the running state fit");
-static_assert(Layout<2, kConsumersOff>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
+static_assert(Layout<kStages, kConsumersCT>::kBytes <= 227 * 1024, "the stages and the running state fit");
+static_assert(Layout<kStages, kConsumersOff>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
 
 struct Params {
   void* out;
@@ -243,7 +253,7 @@ __device__ __forceinline__ int locate_ct(const Params& p, int g) {
     const int i = base + static_cast<int>(threadIdx.x);
     const bool in = i <= p.num_seqs;
     const int qs = p.query_start_loc[min(i, p.num_seqs)];
-    count += __syncthreads_count(in & ((qs >> (7 - p.group_shift)) + i <= g));  // BQ = 128 / GROUP
+    count += __syncthreads_count(in & ((qs >> (kRowsLog2 - p.group_shift)) + i <= g));  // BQ = kRows / GROUP
   }
   return count;
 }
@@ -266,7 +276,7 @@ __device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
   w.q_len = select_int(is_pad, p.num_out_rows, q_next) - w.q0;
   w.page_req = r_row;
   w.seq_len = select_int(is_pad, 0, p.seq_lens[r_row]);
-  w.tok0 = (g - ((w.q0 >> (7 - p.group_shift)) + req)) * p.block_q;
+  w.tok0 = (g - ((w.q0 >> (kRowsLog2 - p.group_shift)) + req)) * p.block_q;
   // LMODE is a template flag, not a run-time test of p.l_mode: the binary the
   // gate calls constant-time (one bucket) then holds no path through the
   // per-request buckets at all (audit/cuda_rules.py checks it on the PTX).
@@ -281,12 +291,15 @@ __device__ __forceinline__ Work work_ct(const Params& p, int req, int g) {
   return w;
 }
 
-// Q tile by the producer warpgroup (128 threads, one tile row each) into the
-// layout the TMA box gives: [half][128 rows][64 columns], 128-byte swizzle.
+// Q tile by the producer warpgroup (128 threads, one tile row each; at head 256's 64 rows, two
+// threads a row, which store the same values) into the layout the TMA box gives:
+// [half][kRows rows][64 columns], 128-byte swizzle.
 template <int STAGES>
 __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_t* smem_ptr,
                                           const Barriers<STAGES>& bar, int kvh) {
-  const int row = threadIdx.x;
+  using L = Layout<STAGES, kConsumersCT>;
+  int row = threadIdx.x;
+  if constexpr (kRows != 128) row = threadIdx.x % kRows;
   const uint32_t tok = mod_barrett(static_cast<uint32_t>(w.q0 + w.tok0 + (row >> p.group_shift)),
                                    static_cast<uint32_t>(p.q_rows), p.q_magic);
   // Slots >= GROUP (public: the row and the model's GQA ratio) re-read the group's
@@ -304,13 +317,13 @@ __device__ __forceinline__ void load_q_ct(const Params& p, const Work& w, uint8_
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int piece = c0 + c;
-      *reinterpret_cast<uint4*>(smem_ptr + (piece / 8) * kHalfBytes + row * 128 + (((piece % 8) ^ (row % 8)) * 16)) =
+      *reinterpret_cast<uint4*>(smem_ptr + (piece / 8) * L::kQHalfBytes + row * 128 + (((piece % 8) ^ (row % 8)) * 16)) =
           v[c];
     }
   }
   fence_proxy_async();
   named_barrier(kBarQ, 128);
-  if (row == 0) mbar_arrive(bar.q_full());
+  if (threadIdx.x == 0) mbar_arrive(bar.q_full());
 }
 
 // K/V pages of every step up to the bucket: the entries of the request's reserved
@@ -323,7 +336,7 @@ template <int STAGES>
 __device__ __forceinline__ void produce_ct(const Params& p, const Work& w, const CUtensorMap* tm_k,
                                            const CUtensorMap* tm_v, uint32_t smem, const Barriers<STAGES>& bar,
                                            int kvh, int lane) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, kConsumersCT>;
   const int* table = p.block_table + static_cast<int64_t>(w.page_req) * p.bt_stride;
   const int bs = p.block_size;
   const int pages_per_step = kCols / bs;
@@ -375,7 +388,7 @@ constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 constexpr int kCleanBatch = 4;
 template <int STAGES>
 __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, const Barriers<STAGES>& bar, int tid) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, kConsumersCT>;
   constexpr int kPieces = kTileBytes / 16 / kCleanThreads;  // per thread and step
   static_assert(kPieces % kCleanBatch == 0, "whole batches");
   for (int t = 0; t < w.n_steps; ++t) {
@@ -392,7 +405,7 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
 #pragma unroll
       for (int c = 0; c < kCleanBatch; ++c) {
         const int idx = (it + c) * kCleanThreads + tid;  // 16-byte piece: [half][row][8 pieces]
-        const int row = (idx / 8) % kRows;
+        const int row = (idx / 8) % kCols;  // the position in the stage
         const uint32_t keep = 0u - static_cast<uint32_t>((t * kCols + row < w.seq_len) | dead);  // ~0u kept, 0 zeroed
         tile[idx] = make_uint4(v[c].x & keep, v[c].y & keep, v[c].z & keep, v[c].w & keep);
       }
@@ -407,12 +420,13 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
 // Accumulator layout of an m64n128 wgmma (per thread): element 4*i + e is row
 // g (+8 for e >= 2) of the warp's 16, column 8*i + 2*(lane % 4) + (e & 1).
 
-template <bool BF16>
+// Q_HALF: the bytes between the Q tile's 64-column halves (64 rows per consumer warpgroup x 128 B).
+template <bool BF16, int Q_HALF>
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_base) {
 #pragma unroll
   for (int kk = 0; kk < kHead / 16; ++kk) {
-    const uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-    wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + off, 16, 1024), desc_sw128(k_base + off, 16, 1024), kk > 0);
+    const uint32_t q_off = (kk / 4) * Q_HALF + (kk % 4) * 32, k_off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+    wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + q_off, 16, 1024), desc_sw128(k_base + k_off, 16, 1024), kk > 0);
   }
 }
 
@@ -422,10 +436,16 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
 #pragma unroll
   for (int j = 0; j < kCols / 16; ++j) {
     const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
-    if constexpr (kHead == 128)
+    if constexpr (kHead == 256) {  // two m64n128 halves of the accumulator: columns 0-127, 128-255
+      float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+      float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
+      wgmma_m64n128k16_rs<BF16>(o_lo, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+      wgmma_m64n128k16_rs<BF16>(o_hi, a, desc_sw128(v_base + 2 * kHalfBytes + j * 16 * 128, lbo, sbo));
+    } else if constexpr (kHead == 128) {
       wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
-    else
+    } else {
       wgmma_m64n64k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+    }
   }
 }
 
@@ -550,7 +570,7 @@ __device__ __forceinline__ void scores_of_stage(float (&s)[64], uint32_t q_base,
                                                 const Barriers<STAGES>& bar, int st, uint32_t par, int lane) {
   mbar_wait(bar.k_full(st), par);
   wgmma_fence();
-  issue_qk<BF16>(s, q_base, k_base);
+  issue_qk<BF16, Layout<STAGES, kConsumersCT>::kQHalfBytes>(s, q_base, k_base);
   wgmma_commit();
   wgmma_wait<0>();
   pin(s);
@@ -700,7 +720,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int st = (t - t0) % STAGES;
     mbar_wait(bar.k_full(st), ((t - t0) / STAGES) & 1);
     wgmma_fence();
-    issue_qk<BF16>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
   };
   auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
@@ -792,6 +812,106 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
 }
 
+// Policy off at head 256 (one consumer warpgroup, one stage of K and of V: kConsumersOff): the
+// operations of consume_v2 on its rows in the same order, without its schedules. Per step: S = Q K_t^T,
+// K released; the step's row arithmetic (v2_step); O = O * a(t) + P(t) V(t), V released; at a split's
+// end the split's state folded into the running state (shared memory) and a fresh state. consume_v2
+// computes the same: a(t) applied right before PV(t), the fold after the split's last PV with the
+// state saved before the next split's first softmax (which starts fresh); so the same bits. There is
+// no second warpgroup to take turns with and no register room for S of the next step beside P and O
+// (v2_arith.cuh, "Head 256"): the tensor cores wait while the softmax runs, and the producer's loads
+// of step t + 1 run under step t's softmax (K) and PV (V) only.
+// Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing follow the
+// true lengths.
+template <bool BF16, int STAGES>
+__device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+                                                  const Barriers<STAGES>& bar, int kvh) {
+  using L = Layout<STAGES, kConsumersOff>;
+  constexpr int kStepsPerSplit = kSplitKV / kCols;
+  const int cw = threadIdx.x / 128 - 1;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
+  const int ctx0 = w.seq_len - w.q_len;
+  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
+  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
+  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const uint32_t q_base = smem + 64 * cw * 128;
+  // Window (feature libraries): as consume_v2.
+  const int t0 = v2::kWindow ? w.t0 : 0;
+  const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
+  const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
+  const int lo_tile = ctx0 + w.tok0 - p.window + 1;
+
+  float acc[kAcc], s[64];
+  uint32_t pa[32];
+  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * (kHead / 8) * 128 + tid;
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
+  float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
+  float a_lo = 1.f, a_hi = 1.f;
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
+    __syncwarp();
+    if (lane == 0) mbar_arrive(barrier);
+  };
+
+  mbar_wait(bar.q_full(), 0);
+  for (int t = t0; t < w.n_steps; ++t) {
+    const int st = (t - t0) % STAGES;
+    const uint32_t par = ((t - t0) / STAGES) & 1;
+    const int kv0 = t * kCols;
+    mbar_wait(bar.k_full(st), par);
+    wgmma_fence();
+    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(s);
+    release(bar.k_empty(st));
+    if constexpr (v2::kSoftCap) cap_scores(s, p);
+    if constexpr (v2::kWindow) {
+      if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+    } else {
+      if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+    }
+    v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    pack_p<BF16, 64>(s, pa);
+    scale_rows(acc, a_lo, a_hi);
+    mbar_wait(bar.v_full(st), par);
+    const int valid = w.seq_len - kv0;
+    if (valid < kCols)
+      zero_v_tail<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (v2::kWindow && t == t0 && lo_tile > kv0)
+      zero_v_head<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    release(bar.v_empty(st));
+    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: fold, then a fresh state
+      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
+      const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
+#pragma unroll
+      for (int i = 0; i < kHead / 8; ++i) {
+        const float4 r = run_smem[128 * i];
+        run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
+                                        fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
+        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
+      }
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+  }
+
+  float inv_lo, inv_hi;
+  running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
+  store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
+  store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
+}
+
 // The v2 consumer (FA3's exponent form, folds every 512) on the product's constant-time walk
 // (the constant-time walk above: work_ct, produce_ct, clean_v_ct, run_smem and
 // store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
@@ -805,7 +925,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                               const Barriers<STAGES>& bar, int kvh, int g) {
-  using L = Layout<STAGES>;
+  using L = Layout<STAGES, kConsumersCT>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -893,8 +1013,8 @@ template <bool BF16, int LMODE>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_v2_ct_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                          const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  constexpr int STAGES = 2;
-  using L = Layout<STAGES>;
+  constexpr int STAGES = kStages;
+  using L = Layout<STAGES, kConsumersCT>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -905,13 +1025,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
   const Work w = work_ct<LMODE>(p, locate_ct(p, g), g);  // every thread, no exit
   if (threadIdx.x == 0) {
-    bar.init(8);
+    bar.init(4 * kConsumersCT);  // one release per consumer warp
     for (int i = 0; i < STAGES; ++i) mbar_init(v_clean(bar, i), kCleanThreads / 32);
     mbar_fence_init();
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    regs_dealloc<40>();
+    if constexpr (kConsumersCT == 2) regs_dealloc<40>();  // (one consumer: every thread may hold 255)
     load_q_ct(p, w, smem_ptr, bar, kvh);
     if (threadIdx.x < 32) {
       produce_ct<STAGES>(p, w, &tm_k, &tm_v, smem, bar, kvh, threadIdx.x);
@@ -919,7 +1039,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       clean_v_ct<STAGES>(w, smem_ptr, bar, threadIdx.x - 32);
     }
   } else {
-    regs_alloc<232>();
+    if constexpr (kConsumersCT == 2) regs_alloc<232>();
     consume_v2_ct<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh, g);
   }
 }
@@ -928,7 +1048,7 @@ template <bool BF16, int LMODE>
 int launch_v2_ct(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
                  cudaStream_t stream) {
   constexpr auto kernel = prefill_v2_ct_kernel<BF16, LMODE>;
-  constexpr int bytes = Layout<2>::kBytes;
+  constexpr int bytes = Layout<kStages, kConsumersCT>::kBytes;
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreads, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
@@ -991,7 +1111,7 @@ template <bool BF16>
 __global__ void __launch_bounds__(kThreadsOff, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  constexpr int STAGES = 2;
+  constexpr int STAGES = kStages;
   using L = Layout<STAGES, kConsumersOff>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -1028,8 +1148,10 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    regs_dealloc<24>();
+    if constexpr (kConsumersOff > 1) regs_dealloc<24>();  // (one consumer: every thread may hold 255)
     if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
+  } else if constexpr (kConsumersOff == 1) {
+    consume_v2_serial<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   } else {
     regs_alloc<kConsumersOff == 3 ? 160 : 240>();
     consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
@@ -1040,7 +1162,7 @@ template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   constexpr auto kernel = prefill_v2_kernel<BF16>;
-  constexpr int bytes = Layout<2, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
+  constexpr int bytes = Layout<kStages, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());

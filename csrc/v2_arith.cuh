@@ -28,8 +28,8 @@
 #define DHP_SINKS 0
 #endif
 // The head size a library is compiled for (-DDHP_HEAD=64: cuda_build.feature_library's head): 128
-// (the plain libraries), 64 (gpt-oss), 80 (Phi-2) or 96 (Phi-3). Public model configuration, like the
-// features.
+// (the plain libraries), 64 (gpt-oss), 80 (Phi-2), 96 (Phi-3) or 256 (Gemma-2 9B, Gemma-3 <= 12B).
+// Public model configuration, like the features.
 #ifndef DHP_HEAD
 #define DHP_HEAD 128
 #endif
@@ -67,11 +67,16 @@ constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of
 // zero-padded tensors, and every invariance of the contract carries over unchanged. The cost: the
 // tensor work of 128 columns (a third more than head 96 needs, 60 % more than 80; FA3 runs hdim 96
 // on 96-column tiles, and 80 on those too); the bytes read are the row's.
+//
+// Head 256 runs on tiles of its own (four halves): the same contract, whose S = Q K^T sums 16 k16
+// slices instead of 8 (a row's operations are head 128's with twice the columns). What changes is
+// the prefill's tile: the output accumulator of a 64-row warpgroup is 128 registers, so the policy-off
+// and the constant-time prefill kernels run one consumer warpgroup of 64 rows (prefill_sm90.cu).
 constexpr int kModelHead = DHP_HEAD;
-constexpr int kHead = kModelHead == 64 ? 64 : 128;
+constexpr int kHead = kModelHead == 64 ? 64 : kModelHead == 256 ? 256 : 128;
 constexpr int kHalves = kHead / 64;
-static_assert(kModelHead == 64 || kModelHead == 80 || kModelHead == 96 || kModelHead == 128,
-              "head sizes 64, 80, 96 and 128");
+static_assert(kModelHead == 64 || kModelHead == 80 || kModelHead == 96 || kModelHead == 128 || kModelHead == 256,
+              "head sizes 64, 80, 96, 128 and 256");
 
 // The running max after a step: the max over the step's raw scores (masked ones -inf), times
 // the scale (softmax scale x log2 e). Rounding is monotonic: max-then-scale and

@@ -39,7 +39,7 @@ def _plain(c):
 
 def test_feature_cases_carry_their_models_features():
     full, quick = C.feature_cases(), C.feature_cases(quick=True)
-    assert len(full) == 15 and len(quick) == 8 and {c.name for c in quick} <= {c.name for c in full}
+    assert len(full) == 17 and len(quick) == 8 and {c.name for c in quick} <= {c.name for c in full}
     assert len({c.name for c in full}) == len(full)
     assert all(c.family == "features" and c.features for c in full)
     by = {c.name: c for c in full}

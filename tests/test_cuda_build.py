@@ -90,8 +90,8 @@ def test_cli_build_prebuilds_every_library(fake_nvcc, capsys, monkeypatch):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["library"], r["state"]) for r in rows] == [(f"{n}_h64", "built") for n, _ in cuda_build.LIBRARIES] + [
         (f"{n}_window_sinks_h64", "built") for n, _ in cuda_build.LIBRARIES]
-    assert cli.main(["build", "--head", "256"]) == 2
-    assert "--head 256; accepted: 64, 80, 96, 128" in capsys.readouterr().err
+    assert cli.main(["build", "--head", "112"]) == 2
+    assert "--head 112; accepted: 64, 80, 96, 128, 256" in capsys.readouterr().err
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     assert cli.main(["build"]) == 1
     assert "nvcc not found" in capsys.readouterr().err
@@ -168,11 +168,11 @@ def test_every_layer_shares_one_preparation(fake_nvcc, caplog):
     plan.clear_caches()
 
 
-def test_a_featured_layer_builds_its_feature_libraries_and_one_of_head_256_nothing(fake_nvcc):
+def test_a_featured_layer_builds_its_feature_libraries_and_one_of_another_head_size_nothing(fake_nvcc):
     import dataclasses
 
-    head256 = dataclasses.replace(_sm90_spec(), head_size=256, sinks=True)
-    assert plan.prepare_kernels(head256) == [] and fake_nvcc() == []  # its steps all run on Triton
+    head112 = dataclasses.replace(_sm90_spec(), head_size=112, sinks=True)
+    assert plan.prepare_kernels(head112) == [] and fake_nvcc() == []  # its steps all run on Triton
     capped = dataclasses.replace(_sm90_spec(), logits_soft_cap=50.0, sliding_window=4096, sinks=True)
     built = plan.prepare_kernels(capped)
     assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_softcap_sinks",
@@ -185,6 +185,14 @@ def test_a_featured_layer_builds_its_feature_libraries_and_one_of_head_256_nothi
     assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_sinks_h64", "dhp_prefill_sm90_window_sinks_h64"]
     assert len(fake_nvcc()) == 4 and all("_window_sinks_h64-" in out for out in fake_nvcc()[2:]), fake_nvcc()
     plan.clear_caches()
+    # Gemma-2's local layers: head 256 with a window and a soft cap, on the head-256 libraries (-DDHP_HEAD=256)
+    gemma = dataclasses.replace(_sm90_spec(), num_heads=16, num_kv_heads=8, head_size=256, sliding_window=4096,
+                                logits_soft_cap=50.0)
+    built = plan.prepare_kernels(gemma)
+    assert sorted(b.name for b in built) == ["dhp_decode_sm90_window_softcap_h256",
+                                             "dhp_prefill_sm90_window_softcap_h256"]
+    assert len(fake_nvcc()) == 6 and all("_window_softcap_h256-" in out for out in fake_nvcc()[4:]), fake_nvcc()
+    plan.clear_caches()
 
 
 def test_feature_library_names_and_flags_per_head_size():
@@ -196,8 +204,12 @@ def test_feature_library_names_and_flags_per_head_size():
     assert cuda_build.TILE_HEAD[96] == 128 and set(cuda_build.TILE_HEAD) == set(cuda_build.HEAD_SIZES)
     assert cuda_build.feature_library(cuda_build.DECODE_LIBRARY) == ("dhp_decode_sm90", "decode_sm90.cu",
                                                                      cuda_build.SM90A)
-    with pytest.raises(ValueError, match=r"head size 256; accepted: 64, 80, 96, 128"):
-        cuda_build.feature_library(cuda_build.DECODE_LIBRARY, head=256)
+    # head 256 (Gemma-2 9B, Gemma-3 <= 12B): tiles of its own, 256-column split states
+    name, _, flags = cuda_build.feature_library(cuda_build.PREFILL_LIBRARY, softcap=True, head=256)
+    assert name == "dhp_prefill_sm90_softcap_h256" and flags[-1] == "-DDHP_HEAD=256"
+    assert cuda_build.TILE_HEAD[256] == 256
+    with pytest.raises(ValueError, match=r"head size 112; accepted: 64, 80, 96, 128, 256"):
+        cuda_build.feature_library(cuda_build.DECODE_LIBRARY, head=112)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])

@@ -26,7 +26,7 @@ def test_cpu_tensors_refused_with_the_accepted_device():
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(D=256), r"query's shape is \(4, 32, 256\); accepted: \[num_tokens, num_heads, D\] with D in \{64, 80, 96, 128\}"),
+    (dict(D=112), r"query's shape is \(4, 32, 112\); accepted: \[num_tokens, num_heads, D\] with D in \{64, 80, 96, 128, 256\}"),
     (dict(bs=8), r"the block size is 8; accepted: 16, 32, 64, 128"),
     (dict(dtype=torch.float32), r"query's dtype is torch.float32; accepted: torch.bfloat16 or torch.float16"),
     (dict(Hkv=5), r"the number of KV heads is 5 for 32 query heads; accepted: a divisor"),
@@ -65,9 +65,9 @@ def test_step_kernel_routes_policy_off_decode_steps(with_nvcc):
         assert step_kernel(SPEC, policy, 64, 64) == plan.CUDA_DECODE_CT  # constant-time: the CT binaries
     import dataclasses
     assert step_kernel(dataclasses.replace(SPEC, head_size=64), "off", 64, 64) == plan.CUDA_DECODE  # gpt-oss
-    for head in (80, 96):  # Phi-2, Phi-3
+    for head in (80, 96, 256):  # Phi-2, Phi-3, Gemma-2 / Gemma-3
         assert step_kernel(dataclasses.replace(SPEC, head_size=head), "off", 64, 64) == plan.CUDA_DECODE
-    for other in (dict(head_size=112), dict(head_size=256), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
+    for other in (dict(head_size=112), dict(head_size=512), dict(dtype="float32"), dict(num_heads=128, num_kv_heads=1),
                   dict(device_capability=(8, 0))):
         assert step_kernel(dataclasses.replace(SPEC, **other), "off", 64, 64) == dispatch.TRITON, other
 

@@ -5,7 +5,9 @@
   tiles of one 64-column half;
 - head 96 (Phi-3-mini / Phi-3.5-mini: 32 query and 32 KV heads, Phi-3-mini-4k's window of 2047): head-128
   tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96;
-- head 80 (Phi-2: 32 query and 32 KV heads, no window): as 96, with 48 zero columns.
+- head 80 (Phi-2: 32 query and 32 KV heads, no window): as 96, with 48 zero columns;
+- head 256 (Gemma-2 9B, Gemma-3 12B: 16 query / 8 KV heads, a soft cap of 50, windows of 4096 / 1024): tiles
+  of four halves, the prefill kernels on one consumer warpgroup of 64 rows (consume_v2_serial, consume_v2_ct).
 
 The same contract as head 128 (docs/kernels.md section 7), each checked at every head size here:
 
@@ -45,7 +47,9 @@ pytestmark = [
 # Per head size: the model's (query heads, KV heads) and its windowed layer's features.
 MODELS = {64: dict(name="gpt-oss", H=64, Hkv=8, local=dict(sliding_window=128, sinks="model")),
           80: dict(name="phi2", H=32, Hkv=32, local=dict()),
-          96: dict(name="phi3", H=32, Hkv=32, local=dict(sliding_window=2047))}
+          96: dict(name="phi3", H=32, Hkv=32, local=dict(sliding_window=2047)),
+          # Gemma-2 9B / Gemma-3 12B: 16 / 8 heads; Gemma-2's cap of 50 with Gemma-3's window of 1024
+          256: dict(name="gemma", H=16, Hkv=8, local=dict(sliding_window=1024, logits_soft_cap=50.0))}
 HEADS = list(MODELS)
 SCALE = 0.125
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -166,7 +170,7 @@ def test_null_pages_below_the_window_change_no_bit(D):
 @pytest.mark.parametrize("D", HEADS)
 def test_paged_attention_runs_the_layers_on_the_csrc_kernels(monkeypatch, D):
     """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks), a Phi-2 layer
-    (head 80) or a Phi-3-mini-4k layer (head 96, window 2047) runs its prefill, mixed and decode steps on the
+    (head 80), a Phi-3-mini-4k layer (head 96, window 2047) or a Gemma layer (head 256, window 1024, cap 50) runs its prefill, mixed and decode steps on the
     csrc kernels under every policy, with policy off's bits."""
     from dhp_backend.ops import cuda_decode, cuda_prefill
 

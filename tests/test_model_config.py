@@ -74,16 +74,17 @@ def test_build_model_makes_exactly_the_libraries_its_layers_load(tmp_path, fake_
     assert out.count("in the cache") == 4
     gemma = write(tmp_path, "gemma2", model_type="gemma2", num_attention_heads=16, num_hidden_layers=2, head_dim=256,
                   sliding_window=4096, attn_logit_softcapping=50.0, max_position_embeddings=8192)
-    assert cli.main(["build", "--model", str(gemma)]) == 0
-    assert "every layer of this model runs on the Triton kernels" in capsys.readouterr().out
-    assert len(fake_nvcc()) == 4  # nothing built for head 256
+    assert cli.main(["build", "--json", "--model", str(gemma)]) == 0  # head 256: the head-256 libraries
+    assert sorted(r["library"] for r in json.loads(capsys.readouterr().out)) == [  # (no layer_types: every layer)
+        "dhp_decode_sm90_window_softcap_h256", "dhp_prefill_sm90_window_softcap_h256"]
+    assert len(fake_nvcc()) == 6
     # Phi-3-mini-4k (head 96, a window of 2047 on every layer): the head-96 window library, head-128 tiles
     phi3 = write(tmp_path, "phi3", model_type="phi3", num_attention_heads=32, num_hidden_layers=32, hidden_size=3072,
                  sliding_window=2047, max_position_embeddings=4096)
     assert cli.main(["build", "--json", "--model", str(phi3)]) == 0
     assert sorted(r["library"] for r in json.loads(capsys.readouterr().out)) == [
         "dhp_decode_sm90_window_h96", "dhp_prefill_sm90_window_h96"]
-    assert len(fake_nvcc()) == 6
+    assert len(fake_nvcc()) == 8
     assert cli.main(["build", "--model", str(oss), "--head", "64"]) == 2
     assert "accepted: --model alone" in capsys.readouterr().err
     assert cli.main(["build", "--model", str(tmp_path / "nowhere")]) == 2

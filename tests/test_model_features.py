@@ -136,9 +136,11 @@ CUDA_SPEC = dict(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=
 
 @pytest.mark.parametrize("features", [dict(sinks=True), dict(logits_soft_cap=30.0, sinks=True),
                                       dict(sliding_window=128, sinks=True), dict(logits_soft_cap=50.0)])
-def test_featured_layers_of_other_head_sizes_run_every_step_on_triton(with_nvcc, features):
+def test_featured_layers_the_csrc_kernels_refuse_run_every_step_on_triton(with_nvcc, features):
     plain = ProblemSpec(**CUDA_SPEC)
-    spec = ProblemSpec(**{**CUDA_SPEC, "head_size": 256}, **features)  # Gemma-2's head; gpt-oss's 64 alike
+    # 32 query heads per KV head: more than the csrc kernels take (every head size the Triton kernels take is
+    # also a csrc head size)
+    spec = ProblemSpec(**{**CUDA_SPEC, "num_heads": 64, "num_kv_heads": 2}, **features)
     steps = [("off", 64, 64), ("off", 4096, 1), ("strict", 16, 16), ("strict", 4096, 1), ("request", 48, 16)]
     # the plain layer goes to the csrc kernels on these steps (so the routing below is the features')
     assert any(step_kernel(plain, p, n, r) != plan.TRITON for p, n, r in steps)
@@ -147,7 +149,7 @@ def test_featured_layers_of_other_head_sizes_run_every_step_on_triton(with_nvcc,
         sp = plan_step(spec, p, num_tokens=n, num_reqs=r, max_blocks=512,
                        bucket_l=8192 if p == "strict" else None, num_sms=132)
         assert sp.kernel == plan.TRITON
-        assert "head size 256" in plan.step_route(spec, p, n, r)[1]
+        assert "32 query heads per KV head" in plan.step_route(spec, p, n, r)[1]
         for words in spec.features:
             assert words in sp.binary() and words in sp.describe()
 
@@ -234,14 +236,14 @@ def test_info_lists_the_features_and_plans_them_by_head_size(capsys, with_nvcc):
     for case in r["cases"].values():  # head 128 (info's default): the csrc feature library
         assert case["kernel"].startswith("cuda_"), case
         assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]
-    for head, family in ((64, "cuda_"), (256, "triton")):  # gpt-oss: the head-64 libraries; Gemma-2: Triton
+    for head, family in ((64, "cuda_"), (256, "cuda_")):  # gpt-oss, Gemma-2: the head-64 / head-256 libraries
         assert cli.main(["info", "--device", "cuda", "--json", "--logits-soft-cap", "50", "--sinks",
                          "--head-size", str(head)]) == 0
         r = json.loads(capsys.readouterr().out)
         assert set(r["features"]) == {"logits_soft_cap", "sinks", "sliding_window"}
         for name in ("logits_soft_cap", "sinks", "sliding_window"):
             assert "Triton kernels" in r["features"][name] and "csrc Hopper kernels" in r["features"][name]
-            assert "(head 128, 96, 80, 64)" in r["features"][name]  # cuda_build.HEAD_SIZES, formatted
+            assert "(head 256, 128, 96, 80, 64)" in r["features"][name]  # cuda_build.HEAD_SIZES, formatted
         for case in r["cases"].values():
             assert case["kernel"].startswith(family), (head, case)
             assert "logits soft-cap 50" in case["binary"] and "attention sinks" in case["binary"]

@@ -103,7 +103,7 @@ def test_off_block_with_nothing_built_and_another_process_reserving():
 
 
 def test_a_layer_with_features_says_them_and_runs_every_step_on_triton():
-    gemma = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=256, num_heads=32, num_kv_heads=8,
+    gemma = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=256, num_heads=64, num_kv_heads=2,
                         block_size=16, causal=True, device_capability=(9, 0), logits_soft_cap=50.0, sinks=True)
     lines = block("strict", spec=gemma, builds=())
     assert lines[4].endswith("; features: logits soft-cap 50, attention sinks")
@@ -112,7 +112,8 @@ def test_a_layer_with_features_says_them_and_runs_every_step_on_triton():
         assert kernel.strip() == "triton" and "Triton attention_kernel, CONST_TIME, logits soft-cap 50, attention " \
                                               "sinks" in rest
         assert rest.endswith("; Triton's JIT (compiled at its first launch, kept in Triton's cache); not a csrc "
-                             "kernel: head size 256 (the csrc kernels have 64, 80, 96, 128)")
+                             "kernel: 32 query heads per KV head (the csrc kernels take at most 16: the decode "
+                             "consumer's mma.sync tile)")
 
 
 def test_facts_of_other_processes_are_left_out():

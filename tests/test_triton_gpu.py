@@ -471,10 +471,10 @@ def test_features_prefill_row_equals_decode_row():
 
 
 def test_features_route_by_head_size_through_the_seam():
-    """Through ops.paged_attention on the GPU (path auto): a head-256 layer (Gemma-2) with a cap and sinks is
-    planned on the Triton kernels for every step kind and policy and gives the Triton kernels' bits; at head
-    128, 96 and 64 the same features go to the csrc kernels' feature libraries (tests/test_cuda_features_gpu.py
-    and tests/test_cuda_head_sizes_gpu.py check their bits)."""
+    """Through ops.paged_attention on the GPU with the setting path: triton, a head-256 layer (Gemma-2) with a
+    cap and sinks gives the Triton kernels' bits under every policy; with path auto the same features go to
+    the csrc kernels' feature libraries at every head size the Triton kernels take, 256, 128, 96 and 64
+    (tests/test_cuda_features_gpu.py and tests/test_cuda_head_sizes_gpu.py check their bits)."""
     from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
 
     g = _gen(35)
@@ -485,9 +485,9 @@ def test_features_route_by_head_size_through_the_seam():
     for policy in POLICIES:
         out = poisoned_out(step)
         paged_attention(*step.args(), out, scale=256 ** -0.5, causal=True, policy=policy,
-                        bucket=step.bucket(policy), num_tokens=step.num_tokens, **feats)
+                        bucket=step.bucket(policy), num_tokens=step.num_tokens, path="triton", **feats)
         assert torch.equal(bits(out), bits(_run(step, policy=policy, **feats))), policy
-    for head_size, family in ((256, "triton"), (64, "cuda_"), (96, "cuda_"), (128, "cuda_")):
+    for head_size, family in ((256, "cuda_"), (64, "cuda_"), (96, "cuda_"), (128, "cuda_")):
         spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=head_size, num_heads=32, num_kv_heads=8,
                            block_size=16, device_capability=torch.cuda.get_device_capability(),
                            logits_soft_cap=50.0, sinks=True)
@@ -703,8 +703,8 @@ def test_window_off_short_walk_gives_strict_bits_at_8k():
 
 def test_window_through_the_seam_on_the_triton_path():
     """A windowed layer through ops.paged_attention with the setting path: triton gives the Triton kernels'
-    bits under every policy; path auto plans a windowed head-256 layer on Triton and a head-128, 96 or 64
-    one on the csrc window library (tests/test_cuda_features_gpu.py, test_cuda_head_sizes_gpu.py: their bits)."""
+    bits under every policy; path auto plans a windowed head-256, 128, 96 or 64 layer on the csrc window
+    library (tests/test_cuda_features_gpu.py, test_cuda_head_sizes_gpu.py: their bits)."""
     import dataclasses
 
     from dhp_backend.ops import ProblemSpec, paged_attention, plan_step
@@ -718,7 +718,7 @@ def test_window_through_the_seam_on_the_triton_path():
         assert torch.equal(bits(out), bits(_run(step, policy=policy, sliding_window=1024))), policy
     spec = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=256, num_heads=32, num_kv_heads=8,
                        block_size=16, device_capability=torch.cuda.get_device_capability(), sliding_window=4096)
-    for head_size, family in ((256, "triton"), (128, "cuda_"), (96, "cuda_"), (64, "cuda_")):
+    for head_size, family in ((256, "cuda_"), (128, "cuda_"), (96, "cuda_"), (64, "cuda_")):
         for n, r in ((64, 64), (4096, 1), (300, 5)):
             for policy in POLICIES:
                 p = plan_step(dataclasses.replace(spec, head_size=head_size), policy, num_tokens=n, num_reqs=r,

@@ -127,19 +127,24 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
 
 
 def plan(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
-         variant: str, mode: str | None) -> dict:
+         variant: str, mode: str | None, head: int = 128) -> dict:
     """Split mode and chunks by the Triton launcher's `geometry.plan` (token tiles,
-    the variant's residency), from public values only; plus ``slots``, the CTAs one wave holds."""
+    the variant's residency), from public values only; plus ``slots``, the CTAs one wave holds.
+    ``head``: the layer's head size (its library's tiles: `TILE_HEAD`)."""
     cfg = kcfg.kernel_config(128, num_heads // num_kv_heads, dtype_name, kind="decode", const_time=False)
     code, resident = VARIANTS[variant]
     if num_heads // num_kv_heads > 8:
         resident = min(resident, 2)  # the csrc fallback for groups without the small Q tile
+    tile_head = TILE_HEAD[head]
+    if tile_head == 256:
+        resident = 1  # csrc launch_v2: head 256's stages hold twice the bytes, one CTA per SM
     cfg = dataclasses.replace(cfg, resident=resident)
     num_sms = geometry.num_sms_of(torch.device("cuda", torch.cuda.current_device()))
-    # head_size 128 for every library: the split-state workspace is sized for the largest head the
-    # kernels take (a head-64 launch stores half of it), so the grid does not depend on the head.
+    # The split states' rows are the library's tile head (128 for heads 64-128: a head-64 launch stores
+    # half of each; 256 for head 256), so the heads of the 128-column tiles share one grid.
     p = geometry.plan(num_tokens=num_tokens, num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_heads=num_heads,
-                    head_size=128, cfg=cfg, ext_grid=capacity, num_sms=num_sms, mode=mode, tiling="token")
+                    head_size=max(tile_head, 128), cfg=cfg, ext_grid=capacity, num_sms=num_sms, mode=mode,
+                    tiling="token")
     return dict(p, slots=cfg.programs_per_sm * num_sms)
 
 
@@ -237,7 +242,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         # The grid's extent: the table's capacity, or under one bucket the bucket
         # itself (the Triton launcher's ext_grid).
         ext_grid = l_scalar if ct and l_mode == 0 else block_table.shape[1] * bs
-        p = plan(num_tokens, num_reqs, H, Hkv, ext_grid, dtype_name, variant, mode)
+        p = plan(num_tokens, num_reqs, H, Hkv, ext_grid, dtype_name, variant, mode, head=D)
         null = ctypes.c_void_p(0)
         ws_acc = ws_m = ws_l = order_ws = null
         spp_arg = 0  # fold mode

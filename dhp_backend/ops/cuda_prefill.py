@@ -63,11 +63,13 @@ _CT_CODES = {V2_CT: 61}
 _ALL_CODES = {**_CODES, **_CT_CODES}
 
 
-def tile_tokens(group: int) -> int:
-    """Query tokens per 128-row tile of the constant-time walk: 128 / (``group`` rounded
-    up to a power of two), csrc ``Params::block_q`` (policy off packs more: 128 // group, and
-    192 // group at head 64; the fewer tokens bound the grid)."""
-    return 128 >> (max(1, group) - 1).bit_length()
+def tile_tokens(group: int, head: int = 128) -> int:
+    """Query tokens per tile of the constant-time walk: its rows (128; 64 at head 256, csrc
+    ``kRows``) / (``group`` rounded up to a power of two), csrc ``Params::block_q`` (policy off
+    packs more: 128 // group, 192 // group at head 64 and 64 // group at head 256; the fewer tokens
+    bound the grid)."""
+    rows = 64 if head == 256 else 128
+    return rows >> (max(1, group) - 1).bit_length()
 
 
 def routes_prefill(spec) -> tuple[bool, str]:
@@ -116,7 +118,7 @@ def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_le
               f"a divisor of the number of query heads with a ratio <= {CSRC_MAX_GROUP} (the csrc kernels' limit, "
               "cuda_common.CSRC_MAX_GROUP)")
     n = seq_lens.shape[0]
-    block_q = tile_tokens(H // Hkv)
+    block_q = tile_tokens(H // Hkv, query.shape[2])
     if num_tokens // block_q + n + 1 > 65535:
         _fail("the step", f"{num_tokens} tokens and {n} requests",
               f"num_tokens / {block_q} + num_seqs + 1 <= 65535 tiles")

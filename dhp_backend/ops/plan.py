@@ -201,7 +201,8 @@ def _decode_launch(plan: StepPlan, device_index: int | None) -> DecodeLaunch:
             variant = cuda_decode.pick_variant(n, reqs, spec.num_heads, spec.num_kv_heads, plan.capacity, spec.dtype,
                                                None)
         ext_grid = plan.l_scalar if ct and plan.bucket_mode == geometry.SCALAR_BUCKET else plan.capacity
-        p = cuda_decode.plan(n, reqs, spec.num_heads, spec.num_kv_heads, ext_grid, spec.dtype, variant, None)
+        p = cuda_decode.plan(n, reqs, spec.num_heads, spec.num_kv_heads, ext_grid, spec.dtype, variant, None,
+                             head=spec.head_size)
     longest = not ct and cuda_decode.longest_first(p, n, spec.num_kv_heads)
     return DecodeLaunch(variant=variant, split=p["split"], n_split_grid=p["n_split_grid"], spp=p["spp"],
                         longest_first=bool(longest))
