@@ -251,8 +251,9 @@ def test_routed_expert_names_rename_only_the_expert_tensors(models, tmp_path):
 
 
 GPU_ARCHS = ARCHS
-# also built with another head size for the GPU runs ("<arch>-h<head>"): 128 (the plain size), 96 (Phi-3-mini's)
-CSRC_BUILDS = {"mistral": 128, "gemma2": 128, "phi3": 96}
+# also built with another head size for the GPU runs ("<arch>-h<head>"): 128 (the plain size), 256 (Gemma-2 9B's
+# and Gemma-3 12B's), 96 (Phi-3-mini's)
+CSRC_BUILDS = {"mistral": 128, "gemma2": 256, "phi3": 96}
 CSRC_KERNELS = {"cuda_prefill", "cuda_decode", "cuda_prefill_ct", "cuda_decode_ct"}
 
 
@@ -265,9 +266,9 @@ def gpu_models(models, tmp_path_factory):
     from integration.tiny_windowed import build
 
     chosen = {arch: models[arch] for arch in GPU_ARCHS}
-    # heads 128 and 96: layers the csrc Hopper kernels take, windowed ones on their window library (Mistral,
-    # Phi-3 at head 96 on head-128 tiles) and
-    # window + soft-cap library (Gemma-2's local layers; its global layers on the soft-cap library)
+    # heads 128, 256 and 96: layers the csrc Hopper kernels take, windowed ones on their window library
+    # (Mistral, Phi-3 at head 96 on head-128 tiles) and window + soft-cap library (Gemma-2 at head 256: its
+    # local layers; its global layers on the soft-cap library)
     root = tmp_path_factory.mktemp("tiny-windowed-heads")
     for arch, head in CSRC_BUILDS.items():
         chosen[f"{arch}-h{head}"] = str(build(root / arch, arch, seed=0, head_size=head))
@@ -290,7 +291,7 @@ def gpu_runs(gpu_models):
 @pytest.mark.parametrize("policy", ["strict", "off"])
 def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs, policy):
     """bf16 on the GPU: DHP (the csrc Hopper kernels' feature libraries: the tiny models' head 64 on the head-64
-    libraries, the "-h128" / "-h96" builds on the head-128 / head-96 ones; under strict windows as selections over the whole bucket, under off a walk of the window
+    libraries, the "-h128" / "-h256" / "-h96" builds on the head-128 / head-256 / head-96 ones; under strict windows as selections over the whole bucket, under off a walk of the window
     only, with vLLM's sliding-window KV manager freeing the pages below it) gives the greedy tokens of
     vLLM's own backend for the platform (FLASH_ATTN on Hopper), logprobs within bf16's reach; the trace
     shows the kernel path, not the reference, with each model's windows and the kernels that ran."""
@@ -304,7 +305,7 @@ def test_dhp_matches_vllm_attention_on_the_gpu(gpu_models, gpu_runs, policy):
         forward = [t for t in d["dhp_trace"] if t["event"] == "forward"]
         assert {t["sliding_window"] for t in forward} == EXPECTED_WINDOWS[arch.split("-h")[0]], arch
         kernels = {t["kernel"] for t in d["dhp_trace"] if t["event"] == "kernel"}
-        assert kernels and kernels <= CSRC_KERNELS, (arch, kernels)  # heads 64, 96 and 128: the csrc kernels
+        assert kernels and kernels <= CSRC_KERNELS, (arch, kernels)  # heads 64, 96, 128, 256: the csrc kernels
         for a, b in zip(n["outputs"], d["outputs"]):
             got[(arch, a["prompt_len"])] = compare_greedy(a, b)
     # every model and prompt compared before judging (BF16_BOUND above says why the bound is loose)
