@@ -823,16 +823,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // of step t + 1 run under step t's softmax (K) and PV (V) only.
 // Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing follow the
 // true lengths.
-// The pair of CTAs that share K/V loads (prefill_v2_pair_kernel): the steps [t0, t0 + n_shared) of this
-// CTA's walk are its peer's too, loaded half by each and multicast to both.
-struct Pairing {
-  int n_shared;   // shared steps from the walk's first (0: none)
-  uint32_t peer;  // the peer's rank in the cluster
-};
-
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                                  const Barriers<STAGES>& bar, int kvh, Pairing pair) {
+                                                  const Barriers<STAGES>& bar, int kvh) {
   using L = Layout<STAGES, kConsumersOff>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
@@ -859,19 +852,9 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
-  // A stage's release: an empty barrier completes on 8 arrivals, this CTA's four warps' and, for a
-  // shared step, the peer's four (whose producer overwrites both CTAs' stage); an unshared step's
-  // release counts twice here.
-  auto release = [&](uint32_t barrier, int t) {
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
     __syncwarp();
-    if (lane == 0) {
-      if (t - t0 < pair.n_shared) {
-        mbar_arrive(barrier);
-        mbar_arrive_remote(barrier, pair.peer);
-      } else {
-        mbar_arrive_count(barrier, 2);
-      }
-    }
+    if (lane == 0) mbar_arrive(barrier);
   };
 
   mbar_wait(bar.q_full(), 0);
@@ -885,7 +868,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     wgmma_commit();
     wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty(st), t);
+    release(bar.k_empty(st));
     if constexpr (v2::kSoftCap) cap_scores(s, p);
     if constexpr (v2::kWindow) {
       if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
@@ -907,7 +890,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty(st), t);
+    release(bar.v_empty(st));
     if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: fold, then a fresh state
       const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
       const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
@@ -1165,168 +1148,23 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    regs_dealloc<24>();
+    if constexpr (kConsumersOff > 1) regs_dealloc<24>();  // (one consumer: every thread may hold 255)
     if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
+  } else if constexpr (kConsumersOff == 1) {
+    consume_v2_serial<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   } else {
     regs_alloc<kConsumersOff == 3 ? 160 : 240>();
     consume_v2<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   }
 }
 
-// ---- head 256, policy off: pairs of CTAs that share their K/V loads --------------------------------
-// A 64-row tile reads a 64 KB K stage and a 64 KB V stage per 128-position step for 4.2 MFLOP of each
-// GEMM: twice the bytes per FLOP of a 128-row tile, and at FA3's rate that is more than L2 delivers
-// (the single-CTA kernel measured 310-330 TFLOP/s useful at S 4K-8K, H200, about 5.5-6.5 TB/s from L2).
-// So the policy-off kernel runs in clusters of two CTAs, tiles g and g - 1 (the grid's neighbours):
-// where both walk the same request from the same first step, the steps both walk are loaded once, each
-// CTA's producer warps issuing half of every stage's page boxes, multicast into both CTAs' shared memory
-// (each CTA's full barrier is armed with the whole stage and counts both halves). A stage is refilled
-// once both CTAs' consumers released it: its empty barrier takes 8 arrivals, the four consumer warps of
-// each CTA for a shared step, this CTA's counted twice for one it walks alone (consume_v2_serial's
-// release). Only the ring and who issues which box change: each CTA's rows see the same operands in the
-// same order, so the same bits. Both CTAs meet at a cluster barrier after the barriers' initialisation
-// (no remote arrival or multicast before) and before exit (none after).
-constexpr int kPairCTAs = 2;
-
-// A CTA's tile (g < 0: the grid's rounding to whole clusters; padding tiles write their rows as 0).
-struct PairTile {
-  int req;
-  Work w;
-  bool walks;  // a request's tile with rows: it walks K/V
-};
-__device__ __forceinline__ PairTile pair_tile(const Params& p, int g) {
-  PairTile x{};
-  x.walks = false;
-  if (g < 0) return x;
-  x.req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
-  if (x.req == p.num_seqs) return x;
-  x.w = work_of(p, x.req, g);
-  x.walks = x.w.tok0 < x.w.q_len;
-  return x;
-}
-// Steps both tiles walk from their common first step: the same request and the same first step (a
-// window's t0 may differ between neighbours; those pairs load alone).
-__device__ __forceinline__ int shared_steps(const PairTile& a, const PairTile& b) {
-  if (!a.walks || !b.walks || a.req != b.req || a.w.t0 != b.w.t0) return 0;
-  return min(a.w.n_steps, b.w.n_steps) - a.w.t0;
-}
-
-// produce_spread with the pair's split of the shared steps: there warp pw issues its pages only in the
-// CTA of rank pw % 2, multicast to both; every warp still arms its CTA's barrier with its share.
-template <int STAGES>
-__device__ __forceinline__ void produce_pair(const Params& p, const Work& w, const CUtensorMap* tm_q,
-                                             const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                             const Barriers<STAGES>& bar, int kvh, int req, int pw, Pairing pair,
-                                             uint32_t rank) {
-  using L = Layout<STAGES, kConsumersOff>;
-  if (pw == 0) {
-    mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h)
-      tma_load_3d(smem + h * L::kQHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, w.q0 + w.tok0);
-  }
-  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
-  const int bs = p.block_size, pps = kCols / bs;
-  const int per = pps >= 4 ? pps / 4 : 1, first = pw * per, n = first < pps ? per : 0;
-  const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  const int t0 = v2::kWindow ? w.t0 : 0;
-  const bool issuer = static_cast<uint32_t>(pw % kPairCTAs) == rank;
-  auto load = [&](uint32_t dst, const CUtensorMap* tm, uint32_t full, const int (&blk)[2], bool multicast) {
-    mbar_arrive_expect_tx(full, n * bs * 2 * kHead);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (j < n) {  // block size: public
-#pragma unroll
-        for (int h = 0; h < kHalves; ++h) {
-          const uint32_t d = dst + h * kHalfBytes + (first + j) * bs * 128;
-          if (!multicast)
-            tma_load_4d(d, tm, full, 64 * h, 0, kvh, blk[j]);
-          else if (issuer)
-            tma_load_4d_multicast(d, tm, full, 64 * h, 0, kvh, blk[j], (1u << kPairCTAs) - 1);
-        }
-      }
-    }
-  };
-  for (int t = t0; t < w.n_steps; ++t) {
-    const int s = (t - t0) % STAGES;
-    const uint32_t parity = (((t - t0) / STAGES) - 1) & 1;
-    const bool shared = t - t0 < pair.n_shared;
-    int blk[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) blk[j] = j < n ? table[min(t * pps + first + j, last_page)] : 0;
-    if (t - t0 >= STAGES) mbar_wait(bar.k_empty(s), parity);
-    load(smem + L::kOffK + s * kTileBytes, tm_k, bar.k_full(s), blk, shared);
-    if (t - t0 >= STAGES) mbar_wait(bar.v_empty(s), parity);
-    load(smem + L::kOffV + s * kTileBytes, tm_v, bar.v_full(s), blk, shared);
-  }
-}
-
-template <bool BF16>
-__global__ void __cluster_dims__(1, kPairCTAs, 1) __launch_bounds__(kThreadsOff, 1)
-    prefill_v2_pair_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                           const __grid_constant__ CUtensorMap tm_v, const Params p) {
-  static_assert(kConsumersOff == 1, "the pair kernel is head 256's (one consumer warpgroup)");
-  constexpr int STAGES = kStages;
-  using L = Layout<STAGES, kConsumersOff>;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t pad = (1024 - (raw & 1023)) & 1023;
-  uint8_t* smem_ptr = smem_raw + pad;
-  const uint32_t smem = raw + pad;
-  const Barriers<STAGES> bar{smem + L::kOffBar};
-  const int kvh = blockIdx.x;
-  const uint32_t rank = cluster_rank();
-  const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
-  const int g_peer = p.num_tiles - 1 - static_cast<int>(blockIdx.y ^ 1);
-  const PairTile me = pair_tile(p, g), peer = pair_tile(p, g_peer);
-  const Pairing pair{shared_steps(me, peer), rank ^ 1};
-  if (threadIdx.x == 0) {
-    mbar_init(bar.q_full(), 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(bar.k_full(i), 4);
-      mbar_init(bar.v_full(i), 4);
-      mbar_init(bar.k_empty(i), 4 * kPairCTAs);  // see consume_v2_serial's release
-      mbar_init(bar.v_empty(i), 4 * kPairCTAs);
-    }
-    mbar_fence_init();
-  }
-  cluster_sync();  // the peer's barriers are initialised before any multicast or remote arrival
-  if (g >= 0 && me.req == p.num_seqs) {  // padding rows: zeros
-    const int req = me.req;
-    const int first = p.query_start_loc[req] + (g - (p.query_start_loc[req] / p.block_q + req)) * p.block_q;
-    const int toks = min(p.block_q, p.num_out_rows - first);
-    char* out = static_cast<char*>(p.out);
-    constexpr int kPieces = kModelHead / 8;  // 16-byte pieces of a row
-    for (int i = threadIdx.x; i < toks * p.group * kPieces; i += kThreadsOff) {
-      const int64_t tok = first + (i / kPieces) / p.group, head = kvh * p.group + (i / kPieces) % p.group;
-      reinterpret_cast<uint4*>(out + 2 * (tok * p.out_tok_stride + head * p.out_head_stride))[i % kPieces] =
-          make_uint4(0, 0, 0, 0);
-    }
-  } else if (me.walks) {
-    if (threadIdx.x < 128) {
-      if (threadIdx.x % 32 == 0)
-        produce_pair<STAGES>(p, me.w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, me.req, threadIdx.x / 32, pair, rank);
-    } else {
-      consume_v2_serial<BF16, STAGES>(p, me.w, smem_ptr, smem, bar, kvh, pair);
-    }
-  }
-  cluster_sync();  // no remote arrival or multicast reaches a CTA that has exited
-}
-
 template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
+  constexpr auto kernel = prefill_v2_kernel<BF16>;
   constexpr int bytes = Layout<kStages, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
-  if constexpr (kConsumersOff == 1) {  // head 256: pairs of CTAs, the grid's tiles rounded up to whole clusters
-    constexpr auto kernel = prefill_v2_pair_kernel<BF16>;
-    if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
-    grid.y = (grid.y + kPairCTAs - 1) / kPairCTAs * kPairCTAs;
-    kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
-  } else {
-    constexpr auto kernel = prefill_v2_kernel<BF16>;
-    if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
-    kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
-  }
+  if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
+  kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -1430,7 +1268,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if ((window >= 1) != v2::kWindow || (window < 0) || ((cap_post != 0.f) != v2::kSoftCap) ||
       ((sinks != nullptr) != v2::kSinks))
     return -10;
-  if (p.num_tiles > 65535 || (kConsumersOff == 1 && variant == 60 && p.num_tiles > 65534)) return -6;  // (pairs)
+  if (p.num_tiles > 65535) return -6;
   if (variant == 61 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
