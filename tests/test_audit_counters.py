@@ -245,6 +245,31 @@ def test_a_retry_loop_that_reloads_the_phase_is_a_wait_loop():
     assert counters_pc.wait_instructions(code("IMAD.U32 R24, RZ, RZ, UR18")) == {2, 3, 4}  # no offsets: the chain
 
 
+def test_a_retry_loop_that_recomputes_the_parity_is_a_wait_loop():
+    """The head-256 CT prefill binary's consumer wait (H200 G1, 2026-11-27): under register pressure ptxas
+    recomputes the parity operand inside the retry loop (``LOP3 R113, R211, 0x1``, ``SHF.L R24, R113,
+    0x1f``), so both run once per retry. An op that reads two registers, or writes a register the wait
+    does not read, or a loop with other work, still counts."""
+    from dhp_backend.audit import counters_pc
+
+    def code(*body):
+        return ["NOP", *body, "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R9+URZ+0x28008], R24",
+                f"@!P2 BRA .+0x{16:x}", "IMAD.SHL.U32 R118, R14, 0x40, RZ", "EXIT"]
+
+    parity = ("LOP3.LUT R113, R211, 0x1, RZ, 0xc0, !PT", "YIELD", "SHF.L.U32 R24, R113, 0x1f, RZ")
+    sass_ = code(*parity)
+    offsets = [16 * i for i in range(len(sass_))]
+    assert counters_pc.wait_instructions(sass_, offsets) == {1, 2, 3, 4, 5}
+    two = code("LOP3.LUT R113, R211, R5, RZ, 0xc0, !PT", "YIELD", "SHF.L.U32 R24, R113, 0x1f, RZ")
+    assert 1 not in counters_pc.wait_instructions(two, offsets)  # two sources: the loop counts
+    other = code("LOP3.LUT R7, R211, 0x1, RZ, 0xc0, !PT", "YIELD", "SHF.L.U32 R24, R113, 0x1f, RZ")
+    assert 1 not in counters_pc.wait_instructions(other, offsets)  # R7 feeds no wait
+    work = code("LOP3.LUT R113, R211, 0x1, RZ, 0xc0, !PT", "FFMA R2, R3, R4, R5", "SHF.L.U32 R24, R113, 0x1f, RZ")
+    assert not {1, 2, 3} & counters_pc.wait_instructions(work, offsets)
+    loopy = code("LOP3.LUT R24, R24, 0x1, RZ, 0xc0, !PT", "YIELD", "NOP")
+    assert 1 not in counters_pc.wait_instructions(loopy, offsets)  # reads what it writes: not a recomputation
+
+
 def test_per_instruction_rule_spins_differ_work_does_not():
     from dhp_backend.audit import counters_pc
 

@@ -20,7 +20,10 @@ Which instructions are wait loops is read from the SASS text ncu prints
 predicate, a branch on that predicate, and the unconditional branch right after a
 retry branch (the jump back out of the out-of-line retry block); with the branch
 targets, every loop that holds a wait and nothing else but such instructions
-and moves into the wait's own operand registers. Nothing else is excluded; the
+and the wait's operands recomputed in the loop (`_phase_chain`: moves into them, or
+an integer op of one register the loop does not write and constants, such as the
+parity's ``LOP3 R113, R211, 0x1`` and ``SHF.L R24, R113, 0x1f`` that ptxas put inside
+the head-256 CT prefill's retry loop). Nothing else is excluded; the
 G2 gate for CUDA (`cuda_gate`, rule ``wait``) checks the same loops at compile
 time.
 """
@@ -122,8 +125,8 @@ def wait_instructions(sass: list[str], offsets: list[int] | None = None) -> set[
             ops_in = [_parts(sass[k])[1] for k in body]
             if not any(o.startswith(_WAIT_OPS) for o in ops_in):
                 continue
-            operands = _wait_operand_registers([sass[k] for k in body])
-            if all(o.startswith(_WAIT_BODY_OPS) or _is_move_into(sass[k], operands) for o, k in zip(ops_in, body)):
+            chain = _phase_chain([sass[k] for k in body])
+            if all(o.startswith(_WAIT_BODY_OPS) or (k - j) in chain for o, k in zip(ops_in, body)):
                 waits.update(body)
     return waits
 
@@ -140,6 +143,42 @@ def _wait_operand_registers(body: list[str]) -> set[str]:
             for o in ops[1:]:
                 regs.update(_REGISTER.findall(o))
     return regs
+
+
+# Integer ops ptxas uses to recompute a wait's phase operand inside its retry loop (`_phase_chain`).
+_PHASE_OPS = ("LOP3", "SHF")
+
+
+def _phase_chain(body: list[str]) -> set[int]:
+    """Indices (in ``body``, one loop) of the instructions that only recompute the loop's waits' operands:
+    moves into an operand register (`_is_move_into`), and, feeding those operands back to front, an
+    unguarded LOP3 / SHF with one register source besides RZ whose destination the chain needs and
+    which does not read its own destination. Run once per retry, they depend only on registers the
+    loop does not change, as the wait's own operands."""
+    needed = _wait_operand_registers(body)
+    chain: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for k, text in enumerate(body):
+            if k in chain:
+                continue
+            if _is_move_into(text, needed):
+                chain.add(k)
+                changed = True
+                continue
+            guard, op, ops = _parts(text)
+            if guard is not None or not op.startswith(_PHASE_OPS) or not ops or ops[0] not in needed:
+                continue
+            sources = {r for o in ops[1:] for r in _REGISTER.findall(o)} - {"RZ", "URZ"}
+            if len(sources) == 1 and ops[0] not in sources:
+                chain.add(k)
+                needed |= sources
+                changed = True
+    written = [_parts(body[k])[2][0] for k in chain]
+    if len(written) != len(set(written)):  # a register written twice in the loop: not a plain recomputation
+        return set()
+    return chain
 
 
 def _is_move_into(text: str, registers: set[str]) -> bool:
