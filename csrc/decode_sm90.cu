@@ -21,9 +21,9 @@
 // consumer warpgroup never issues a load.
 //
 // Layouts (those of ops.paged_attention): query/out [num_tokens, num_heads, D];
-// key/value [num_blocks, num_kv_heads, block_size, D] (D = 128, 64, 80 or 96: one library per head
-// size, -DDHP_HEAD; every tile is kHead / 64 halves of 64 columns, heads 80 and 96 on head-128 tiles
-// whose columns D-127 the TMA fills with zeros, v2_arith.cuh); block_table
+// key/value [num_blocks, num_kv_heads, block_size, D] (D = 128, 64, 80, 96 or 256: one library per
+// head size, -DDHP_HEAD; every tile is kHead / 64 halves of 64 columns, heads 80 and 96 on head-128 tiles
+// whose columns D-127 the TMA fills with zeros, v2_arith.cuh; head 256 at one CTA per SM); block_table
 // [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs].
 //
 // One CTA = one query token x the GROUP query heads of one KV head (the Triton

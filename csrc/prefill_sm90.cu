@@ -14,15 +14,16 @@
 // Layouts (those of ops.paged_attention):
 //   query, out   [num_tokens, num_heads, D], last dim contiguous
 //   key/value    [num_blocks, num_kv_heads, block_size, D] (pages of one head contiguous)
-// D = 128, 64, 80 or 96 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every tile
-// is kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; heads 80 and 96 on head-128
-// tiles whose columns D-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head 128's).
+// D = 128, 64, 80, 96 or 256 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every
+// tile is kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; heads 80 and 96 on
+// head-128 tiles whose columns D-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head
+// 128's); head 256 on one consumer warpgroup of 64 rows and one stage (kConsumersOff, kStages below).
 //   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
 //
 // One CTA = 128 query rows of one request and one KV head (GQA packing: every K/V tile
-// is read once for the group), 3 warpgroups:
+// is read once for the group; 192 rows at head 64, 64 at head 256), 3 warpgroups (4 at head 64, 2 at 256):
 //   warpgroup 0  producer: TMA loads (Q once; per 128-position KV step the pages of K and
 //                of V, bs rows x 64 columns per box, D / 64 boxes per page, 128-byte swizzle) into a ring of two
 //                stages. K and V have their own full/empty mbarriers: K of a stage is
@@ -376,7 +377,7 @@ constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 // (a dead step's rows stay as read: consume_v2_ct drops its product) by rewriting
 // every stage's whole tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
 // and stores each back to the same address, ANDed with a mask that is all ones for
-// a real row and zero for padding. Every address and the count of loads and stores
+// a real row and zero for padding (64 pieces of a 64 KB stage at head 256). Every address and the count of loads and stores
 // are the tile's, whatever the true length (the address rule reaches shared memory:
 // the earlier form redirected the stores of real rows to a 1 KB scratch, and the
 // store addresses, tile or scratch, moved the step's time with the true length:

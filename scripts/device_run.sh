@@ -117,7 +117,7 @@ for step in "$@"; do
                    "$OUT/startup-$cfg-$run.json" $cfg $run 2>&1 | tail -1
                done
              done ;;
-    windowed) timeout ${WINDOWED_TEST_S:-400} python3 -m pytest -q -m gpu tests/test_e2e_windowed.py -x -p no:cacheprovider 2>&1 \
+    windowed) timeout ${WINDOWED_TEST_S:-540} python3 -m pytest -q -m gpu tests/test_e2e_windowed.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/windowed.log" | grep -v "^\s*$" | tail -25 ;;
     golden)  timeout ${GOLDEN_TEST_S:-480} python3 -m pytest -q -m gpu tests/test_golden.py -x -p no:cacheprovider 2>&1 \
                | tee "$OUT/golden.log" | grep -v "^\s*$" | tail -25 ;;

@@ -29,8 +29,8 @@ Arguments:
                  `classes.default_num_blocks` (at least 25,000 blocks).
     --features   attention features of every shape (issue 31; `audit.features`):
                  ``window=W``, ``softcap=C``, ``sinks``, comma-separated (default none). A
-                 layer of head 128, 96, 80 or 64 with any of them runs the csrc kernels'
-                 feature library, other head sizes the Triton kernels (`plan.step_kernel`); either's
+                 layer of head 256, 128, 96, 80 or 64 with any of them runs the csrc kernels'
+                 feature library, other layers the Triton kernels (`plan.step_kernel`); either's
                  constant-time walk of a windowed layer is the whole bucket (docs/kernels.md
                  sections 6 and 7): the classes are the plain ones. Each pair's row carries
                  ``features`` ("" for plain attention); the ncu runs table names the path and

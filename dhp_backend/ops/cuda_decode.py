@@ -27,8 +27,8 @@ request's rows do not depend on which kernel, batch or policy computed them.
   kConstTime, consume_v2; GROUP <= 16). Same bits as policy ``off``
   (GPU test). `ops.paged_attention` runs decode steps of
   those policies on it (`routes_decode_ct`).
-- Head size 128, 96, 80 or 64 (one library per head size: cuda_build.feature_library; 80 and 96 on 128-column
-  tiles), fp16/bf16,
+- Head size 256, 128, 96, 80 or 64 (one library per head size: cuda_build.feature_library; 80 and 96 on
+  128-column tiles; 256 at one CTA per SM), fp16/bf16,
   block size 16/32/64/128, sm_90 only; anything else is
   refused with a message saying what is accepted.
 

@@ -19,7 +19,8 @@ docs/kernels.md.
   128 rows (GQA 7: 18 tokens, 126 rows); `V2_CT` walks each request to its public
   bucket (policies strict / request) with the slotted tile (128 >> ceil(log2
   GROUP) tokens). A row's bits do not depend on its tile.
-- Head size 128, 96, 80 or 64 (one library per head size; 80 and 96 on 128-column tiles), fp16/bf16, block size
+- Head size 256, 128, 96, 80 or 64 (one library per head size; 80 and 96 on 128-column tiles; 256 on one
+  consumer warpgroup of 64 rows), fp16/bf16, block size
   16/32/64/128, up to 16 query heads per KV
   head (`cuda_common.CSRC_MAX_GROUP`: the decode kernel's limit, the family's),
   sm_90 only. Anything else is refused with a message saying what is accepted.

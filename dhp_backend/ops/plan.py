@@ -106,8 +106,8 @@ class StepPlan:
         return f"csrc/decode_sm90.cu{self._library(cuda_build.DECODE_LIBRARY)}, {variant}{ct}{features}"
 
     def _library(self, library: tuple[str, str]) -> str:
-        """" (library <name>)" where the layer's csrc library is not the plain one (a feature or head-64, 80 or 96
-        library, cuda_build.feature_library), else ""."""
+        """" (library <name>)" where the layer's csrc library is not the plain one (a feature library or one of
+        another head size, cuda_build.feature_library), else ""."""
         from dhp_backend.ops import cuda_common
 
         name = cuda_build.feature_library(library, **cuda_common.spec_features(self.spec))[0]
@@ -286,7 +286,7 @@ def step_kernel(spec: ProblemSpec, policy: Policy | str, num_tokens: int, num_re
     step geometry. A layer runs **every** step on one family of kernels:
 
     - the csrc Hopper kernels, where both take the layer (`cuda_prefill.routes_prefill`,
-      `cuda_decode.routes_decode`: sm_90, head size 128, 96, 80 or 64, at most
+      `cuda_decode.routes_decode`: sm_90, head size 256, 128, 96, 80 or 64, at most
       `cuda_common.CSRC_MAX_GROUP` query heads per KV head, nvcc; sliding windows,
       soft-caps and sinks on their feature libraries): decode steps (the launcher's
       token tiles, `geometry.decode_step`) on
