@@ -375,9 +375,9 @@ constexpr int kCleanThreads = 64;  // producer warps 1 and 2
 
 // Zero the V rows at positions >= seq_len of the step holding the true length's end
 // (a dead step's rows stay as read: consume_v2_ct drops its product) by rewriting
-// every stage's whole tile in place: each thread loads its 32 16-byte pieces of the 32 KB tile per step
-// and stores each back to the same address, ANDed with a mask that is all ones for
-// a real row and zero for padding (64 pieces of a 64 KB stage at head 256). Every address and the count of loads and stores
+// every stage's whole tile in place: each thread loads its kPieces 16-byte pieces of the tile per step
+// (32 of a 32 KB stage; 64 of head 256's 64 KB stage) and stores each back to the same address, ANDed
+// with a mask that is all ones for a real row and zero for padding. Every address and the count of loads and stores
 // are the tile's, whatever the true length (the address rule reaches shared memory:
 // the earlier form redirected the stores of real rows to a 1 KB scratch, and the
 // store addresses, tile or scratch, moved the step's time with the true length:
