@@ -38,6 +38,24 @@ def test_shapes_refused(monkeypatch, kw, pattern):
         validate(*cpu_step(**kw), num_tokens=10)
 
 
+def test_tile_tokens_follow_the_constant_time_tile_of_the_head_size(monkeypatch):
+    """The constant-time tile is 128 rows (64 at head 256: one consumer warpgroup, csrc kRows) of GROUP
+    rounded up to a power of two; the tile count that bounds the grid follows it."""
+    from dhp_backend.ops.cuda_prefill import tile_tokens
+
+    assert [tile_tokens(g) for g in (1, 2, 4, 7, 8, 16)] == [128, 64, 32, 16, 16, 8]
+    assert [tile_tokens(g, 256) for g in (1, 2, 4, 7, 8, 16)] == [64, 32, 16, 8, 8, 4]
+    assert tile_tokens(4, 64) == tile_tokens(4, 96) == tile_tokens(4, 128) == 32
+    # 2,097,152 tokens at GQA 2: 65,536 tiles of 32 tokens at head 256 (of 64, 32,768, at head 128): past the limit
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    q = torch.empty(1, 16, 256, dtype=torch.bfloat16).expand(2_097_152, 16, 256)  # (no 2 M rows allocated)
+    kc = torch.zeros(4, 8, 16, 256, dtype=torch.bfloat16)
+    step = (q, kc, kc.clone(), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32),
+            torch.tensor([10], dtype=torch.int32), q)
+    with pytest.raises(ValueError, match=r"num_tokens / 32 \+ num_seqs \+ 1 <= 65535 tiles"):
+        validate(*step, num_tokens=2_097_152)
+
+
 def test_num_tokens_must_fit_the_query(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match=r"num_tokens is 11; accepted: an int in \[0, query.shape\[0\] = 10\]"):
