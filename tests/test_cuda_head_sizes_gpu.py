@@ -20,7 +20,7 @@ The same contract as head 128 (docs/kernels.md section 7), each checked at every
 - the constant-time walks (v2_ct, the decode CT binaries; one bucket and per-request buckets, on tables that
   obey the address rule) give policy off's bits;
 - under policy off a window's dropped pages may be vLLM's null block (NaN/inf): the same bits;
-- ops.paged_attention runs a head-64 / 80 / 96 layer on the csrc kernels under every policy, with off's bits.
+- ops.paged_attention runs a head-64 / 80 / 96 / 256 layer on the csrc kernels under every policy, with off's bits.
 
 Needs nvcc (the libraries are built on first use). Run: ``pytest -m gpu tests/test_cuda_head_sizes_gpu.py``.
 """
@@ -170,8 +170,8 @@ def test_null_pages_below_the_window_change_no_bit(D):
 @pytest.mark.parametrize("D", HEADS)
 def test_paged_attention_runs_the_layers_on_the_csrc_kernels(monkeypatch, D):
     """ops.paged_attention (path auto): a gpt-oss local layer (head 64, window 128, sinks), a Phi-2 layer
-    (head 80), a Phi-3-mini-4k layer (head 96, window 2047) or a Gemma layer (head 256, window 1024, cap 50) runs its prefill, mixed and decode steps on the
-    csrc kernels under every policy, with policy off's bits."""
+    (head 80), a Phi-3-mini-4k layer (head 96, window 2047) or a Gemma layer (head 256, window 1024, cap 50)
+    runs its prefill, mixed and decode steps on the csrc kernels under every policy, with policy off's bits."""
     from dhp_backend.ops import cuda_decode, cuda_prefill
 
     calls = []

@@ -285,11 +285,12 @@ def audit_cubin(cubin: bytes, source: str) -> list[dict]:
 
 # The feature libraries audited with the plain ones (`--features`): a model's window, soft-cap and
 # sinks (cuda_build.feature_library); all three at once compile every feature path of the kernels. The
-# head-64, head-80, head-96 and head-256 libraries (gpt-oss, Phi-2, Phi-3, Gemma; csrc/v2_arith.cuh DHP_HEAD) are other
-# binaries of the same sources: "h64" / "h80" / "h96" / "h256" sets audit them.
+# head-64, head-80, head-96 and head-256 libraries (gpt-oss, Phi-2, Phi-3, Gemma; csrc/v2_arith.cuh DHP_HEAD)
+# are other binaries of the same sources: "h64" / "h80" / "h96" / "h256" sets audit them.
 FEATURE_SETS = {"plain": {}, "window+softcap+sinks": dict(window=True, softcap=True, sinks=True),
                 "h64": dict(head=64), "h64+window+softcap+sinks": dict(window=True, softcap=True, sinks=True, head=64),
-                "h80": dict(head=80), "h96": dict(head=96), "h96+window+softcap+sinks": dict(window=True, softcap=True, sinks=True, head=96),
+                "h80": dict(head=80), "h96": dict(head=96),
+                "h96+window+softcap+sinks": dict(window=True, softcap=True, sinks=True, head=96),
                 "h256": dict(head=256),
                 "h256+window+softcap+sinks": dict(window=True, softcap=True, sinks=True, head=256)}
 DEFAULT_FEATURE_SETS = ",".join(FEATURE_SETS)
