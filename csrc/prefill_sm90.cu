@@ -64,13 +64,16 @@ constexpr int kAcc = kHead / 2;                  // O accumulator values per con
 constexpr int kCols = 128;                       // KV positions per step
 constexpr int kHalfBytes = kCols * 128;          // one 64-column half of a K or V stage (16 KB)
 constexpr int kTileBytes = kHalves * kHalfBytes; // a 128-position x D 16-bit stage (32 KB at D = 128)
-// Head 256: one consumer warpgroup of 64 rows in both kernels, one stage of K and of V. Its output
-// accumulator is 128 registers a thread, so S of a 128-position step (64), its P and O fill a
-// warpgroup's registers and the overlap of consume_v2 (S of the next step live beside P and O) does
-// not fit; the running state, Q, a 64 KB K stage and a 64 KB V stage fill shared memory (225 KB),
-// so a second warpgroup's rows (64 KB more running state, 32 KB more Q) do not fit either. The
-// kernels then run consume_v2_serial (policy off) and consume_v2_ct on 64-row tiles: the same row
-// operations in the same order, so the same bits as any other tile of the contract.
+// Head 256: its output accumulator is 128 registers a thread, so S of a 128-position step (64), its P
+// and O fill a warpgroup's registers and the overlap of consume_v2 (S of the next step live beside P
+// and O) does not fit: both kernels run one stage of K and of V (64 KB each) and consume_v2_serial's
+// order (S, softmax, PV; the same row operations in the same order, so the same bits as any other
+// tile of the contract). The constant-time binary runs one consumer warpgroup of 64 rows with its
+// running state in shared memory (Q 32 KB + K + V + the state 64 KB: 225 KB). The policy-off binary
+// runs two consumer warpgroups (128-row tiles, the K / V bytes of a step shared by twice the rows,
+// the warpgroups taking turns at issuing S) and keeps its running state in global memory
+// (kRunGlobal: Q 64 KB + K + V = 192 KB leave no room for 128 KB of state): one slot per SM in the
+// split area of the workspace, read and written once per split (ops/cuda_prefill.py).
 constexpr int kConsumersCT = kHead == 256 ? 1 : 2;  // the constant-time binaries' consumer warpgroups
 constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-time CTA
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
@@ -78,11 +81,12 @@ constexpr int kThreads = 128 * (kConsumersCT + 1);
 constexpr int kStages = kHead == 256 ? 1 : 2;       // K and V stages of both kernels
 // The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
 // FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
-// softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs; 1 at head
-// 256 (above).
-constexpr int kConsumersOff = kHead == 64 ? 3 : kHead == 256 ? 1 : 2;
+// softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs.
+constexpr int kConsumersOff = kHead == 64 ? 3 : 2;
 constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
+constexpr bool kSerialOff = kHead == 256;  // the policy-off consumer: consume_v2_serial (else consume_v2)
+constexpr bool kRunGlobal = kHead == 256;  // the policy-off running state in global memory (else shared)
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
 constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
@@ -93,19 +97,25 @@ constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
 // (policy off: with the overlap, s of the next step, P, O and a register-resident running
 // state would all be live; CT: the walk's extra live values spilled it).
 // CONSUMERS: the consumer warpgroups, 64 Q rows each (the Q tile: kHalves halves of 64 * CONSUMERS rows).
-template <int STAGES, int CONSUMERS = 2>
+// RUN_SMEM: the running state in shared memory (all but the policy-off binary at head 256: kRunGlobal).
+template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true>
 struct Layout {
   static constexpr int kQHalfBytes = 64 * CONSUMERS * 128;
   static constexpr int kOffK = kHalves * kQHalfBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffRun = kOffBar + 128;
-  static constexpr int kRunBytes = CONSUMERS * 128 * kAcc * 4;
+  static constexpr int kRunBytes = RUN_SMEM ? CONSUMERS * 128 * kAcc * 4 : 0;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<kStages, kConsumersCT>::kBytes <= 227 * 1024, "the stages and the running state fit");
-static_assert(Layout<kStages, kConsumersOff>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
+// The policy-off kernel's layout.
+template <int STAGES>
+using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal>;
+static_assert(LayoutOff<kStages>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
+// kRunGlobal's slots are per SM: no two CTAs of any binary of this file may share an SM (shared memory).
+static_assert(!kRunGlobal || 2 * LayoutOff<kStages>::kBytes > 228 * 1024, "one policy-off CTA per SM");
 
 struct Params {
   void* out;
@@ -136,6 +146,10 @@ struct Params {
   int window;
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
+  // The policy-off binary at head 256 (kRunGlobal): the running states, [run_slots][kConsumersOff]
+  // [kHead / 8][128 threads] float4, slot = the SM's id (%smid < run_slots = %nsmid).
+  float4* run;
+  int run_slots;
 };
 
 template <int STAGES>
@@ -668,6 +682,27 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
   }
 }
 
+// running_state_out for a running state already folded into the accumulator registers
+// (consume_v2_serial): the sink's state folded in (sink libraries) and the rows' 1 / l.
+[[maybe_unused]] __device__ __forceinline__ void state_out_regs(const Params& p, const Rows& rw, float mr_lo, float lr_lo,
+                                               float mr_hi, float lr_hi, float (&acc)[kAcc], float& inv_lo,
+                                               float& inv_hi) {
+  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};
+  if constexpr (v2::kSinks) {
+    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
+    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
+  }
+  inv_lo = finalize_inv(lr_lo);
+  inv_hi = finalize_inv(lr_hi);
+  if constexpr (v2::kSinks) {
+#pragma unroll
+    for (int i = 0; i < kHead / 8; ++i) {
+      acc[4 * i] = fold_value(acc[4 * i], 0.f, sk_lo), acc[4 * i + 1] = fold_value(acc[4 * i + 1], 0.f, sk_lo);
+      acc[4 * i + 2] = fold_value(acc[4 * i + 2], 0.f, sk_hi), acc[4 * i + 3] = fold_value(acc[4 * i + 3], 0.f, sk_hi);
+    }
+  }
+}
+
 // ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumers ---------------
 // Policy off: the contract's row arithmetic (v2_step: 128-position steps, FA3's exponent form,
 // per-lane row sums in step_tree order, the quad's lanes once per split; splits of 512 folded
@@ -686,7 +721,7 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                            const Barriers<STAGES>& bar, int kvh) {
-  using L = Layout<STAGES, kConsumersOff>;
+  using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -813,21 +848,62 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
 }
 
-// Policy off at head 256 (one consumer warpgroup, one stage of K and of V: kConsumersOff): the
-// operations of consume_v2 on its rows in the same order, without its schedules. Per step: S = Q K_t^T,
-// K released; the step's row arithmetic (v2_step); O = O * a(t) + P(t) V(t), V released; at a split's
-// end the split's state folded into the running state (shared memory) and a fresh state. consume_v2
-// computes the same: a(t) applied right before PV(t), the fold after the split's last PV with the
-// state saved before the next split's first softmax (which starts fresh); so the same bits. There is
-// no second warpgroup to take turns with and no register room for S of the next step beside P and O
-// (v2_arith.cuh, "Head 256"): the tensor cores wait while the softmax runs, and the producer's loads
-// of step t + 1 run under step t's softmax (K) and PV (V) only.
+// The SM's id: the policy-off binary's running-state slot at head 256 (kRunGlobal). One CTA of
+// this file's kernels per SM (shared memory), so a slot has one user at a time.
+[[maybe_unused]] __device__ __forceinline__ int sm_id() {
+  int id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// A split's end with the running state in global memory (kRunGlobal; run: this thread's first
+// float4, kHead / 8 of them 128 float4 apart, coalesced per warp): r = fold_value(r, acc, coef),
+// the operations of the shared-memory fold. FIRST (the tile's first fold: the state is zeros, as
+// shared memory's after its clearing) reads nothing; LAST keeps the folded values in acc for the
+// epilogue instead of storing them; otherwise acc is zeroed for the next split. Loads in batches
+// of eight float4 (32 registers beside acc's 128), through L2 (ld.global.cg).
+template <bool LAST>
+__device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc], FoldCoef lo, FoldCoef hi,
+                                                bool first) {
+  constexpr int kBatch = 8;
+#pragma unroll
+  for (int c = 0; c < kHead / 8; c += kBatch) {
+    float4 r[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) r[j] = first ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(run + 128 * (c + j));
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = c + j;
+      const float x = fold_value(r[j].x, acc[4 * i], lo), y = fold_value(r[j].y, acc[4 * i + 1], lo);
+      const float z = fold_value(r[j].z, acc[4 * i + 2], hi), u = fold_value(r[j].w, acc[4 * i + 3], hi);
+      if constexpr (LAST) {
+        acc[4 * i] = x, acc[4 * i + 1] = y, acc[4 * i + 2] = z, acc[4 * i + 3] = u;
+      } else {
+        __stcg(run + 128 * i, make_float4(x, y, z, u));
+        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
+      }
+    }
+  }
+}
+
+// Policy off at head 256 (two consumer warpgroups, one stage of K and of V; running state in global
+// memory: kRunGlobal): the operations of consume_v2 on its rows in the same order, without its
+// overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's softmax and PV
+// run while the other's S does), K released; the step's row arithmetic (v2_step); O = O * a(t) +
+// P(t) V(t), V released; at a split's end the split's state folded into the running state
+// (fold_run_global) and a fresh state. consume_v2 computes the same: a(t) applied right before
+// PV(t), the fold after the split's last PV with the state saved before the next split's first
+// softmax (which starts fresh); so the same bits. There is no register room for S of the next step
+// beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
+// other warpgroup's fills the gap, and the producer's loads of step t + 1 run under step t's
+// softmax (K) and PV (V).
 // Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing follow the
 // true lengths.
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                                   const Barriers<STAGES>& bar, int kvh) {
-  using L = Layout<STAGES, kConsumersOff>;
+  static_assert(kRunGlobal || STAGES < 0, "the serial consumer keeps its running state in global memory");
+  using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -837,6 +913,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
   const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
   const uint32_t q_base = smem + 64 * cw * 128;
+  const Turns<true, kConsumersOff> turns{cw};
   // Window (feature libraries): as consume_v2.
   const int t0 = v2::kWindow ? w.t0 : 0;
   const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
@@ -845,28 +922,30 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
 
   float acc[kAcc], s[64];
   uint32_t pa[32];
-  float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * (kHead / 8) * 128 + tid;
+  float4* const run = p.run + (static_cast<int64_t>(sm_id()) * kConsumersOff + cw) * (kHead / 8) * 128 + tid;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
+  bool first_fold = true;
   auto release = [&](uint32_t barrier) {  // one arrival per warp
     __syncwarp();
     if (lane == 0) mbar_arrive(barrier);
   };
 
   mbar_wait(bar.q_full(), 0);
+  turns.start();
   for (int t = t0; t < w.n_steps; ++t) {
     const int st = (t - t0) % STAGES;
     const uint32_t par = ((t - t0) / STAGES) & 1;
     const int kv0 = t * kCols;
     mbar_wait(bar.k_full(st), par);
+    turns.wait();
     wgmma_fence();
     issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     pin(s);
     release(bar.k_empty(st));
@@ -880,11 +959,11 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     pack_p<BF16, 64>(s, pa);
     scale_rows(acc, a_lo, a_hi);
     mbar_wait(bar.v_full(st), par);
+    uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
     const int valid = w.seq_len - kv0;
-    if (valid < kCols)
-      zero_v_tail<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, valid, tid, kBarVTail + cw);
+    if (valid < kCols) zero_v_tail<kCols, 128, kHalves>(v_tile, valid, tid, kBarVTail + cw);
     if (v2::kWindow && t == t0 && lo_tile > kv0)
-      zero_v_head<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
+      zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
     wgmma_fence();
     issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
@@ -892,23 +971,24 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     pin(acc);
     pin(pa);
     release(bar.v_empty(st));
-    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: fold, then a fresh state
+    if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: fold, then a fresh state
       const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
       const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
-#pragma unroll
-      for (int i = 0; i < kHead / 8; ++i) {
-        const float4 r = run_smem[128 * i];
-        run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
-                                        fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
-        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
-      }
+      fold_run_global<false>(run, acc, lo, hi, first_fold);
+      first_fold = false;
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
   }
+  turns.finish();
+  {  // the last split's fold, kept in acc
+    const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
+    const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
+    fold_run_global<true>(run, acc, lo, hi, first_fold);
+  }
 
   float inv_lo, inv_hi;
-  running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
+  state_out_regs(p, rw, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
   store_row<BF16, 0>(p, w, rw.qi_lo, rw.head_lo, rw.ok_lo, lane, acc, inv_lo);
   store_row<BF16, 2>(p, w, rw.qi_hi, rw.head_hi, rw.ok_hi, lane, acc, inv_hi);
 }
@@ -1080,7 +1160,7 @@ template <int STAGES>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
                                                const Barriers<STAGES>& bar, int kvh, int req, int pw) {
-  using L = Layout<STAGES, kConsumersOff>;
+  using L = LayoutOff<STAGES>;
   if (pw == 0) {
     mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
 #pragma unroll
@@ -1113,7 +1193,7 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
     prefill_v2_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
   constexpr int STAGES = kStages;
-  using L = Layout<STAGES, kConsumersOff>;
+  using L = LayoutOff<STAGES>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
@@ -1149,9 +1229,10 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    if constexpr (kConsumersOff > 1) regs_dealloc<24>();  // (one consumer: every thread may hold 255)
+    regs_dealloc<24>();
     if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
-  } else if constexpr (kConsumersOff == 1) {
+  } else if constexpr (kSerialOff) {
+    regs_alloc<240>();
     consume_v2_serial<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
   } else {
     regs_alloc<kConsumersOff == 3 ? 160 : 240>();
@@ -1163,7 +1244,7 @@ template <bool BF16>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   constexpr auto kernel = prefill_v2_kernel<BF16>;
-  constexpr int bytes = Layout<kStages, kConsumersOff>::kBytes;  // the running state in shared memory (kOffRun)
+  constexpr int bytes = LayoutOff<kStages>::kBytes;  // the running state in shared memory (kOffRun) but at head 256
   if (const cudaError_t e = allow_dynamic_smem<kernel>(bytes); e != cudaSuccess) return static_cast<int>(e);
   kernel<<<grid, kThreadsOff, bytes, stream>>>(tq, tk, tv, p);
   return static_cast<int>(cudaGetLastError());
@@ -1198,6 +1279,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // -DDHP_SOFTCAP, -DDHP_SINKS): W >= 1 in a window library, else 0; the soft cap's constants
 // (cuda_common.feature_args) in a soft-cap library, else 0; float32 [num_heads] sinks in a sink
 // library, else null. -10 when they do not match the library.
+// run, run_slots: the policy-off running states at head 256 (Params::run; run_slots = %nsmid, from
+// dhp_prefill_sm90_nsmid; run_slots x 2 x 64 KB, 16-byte aligned); -11 when missing there.
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -1207,7 +1290,7 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
                                 int causal, int is_bf16, int variant, unsigned v_lbo, unsigned v_sbo,
                                 int l_mode, int l_scalar, const int* bucket, int max_blocks, int q_rows,
                                 unsigned q_magic, void* sink, int window, float cap_pre, float cap_post,
-                                const float* sinks, void* stream) {
+                                const float* sinks, void* run, int run_slots, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1263,6 +1346,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   p.cap_pre = cap_pre;
   p.cap_post = cap_post;
   p.sinks = sinks;
+  p.run = static_cast<float4*>(run);
+  p.run_slots = run_slots;
   // The feature arguments must be this library's (cuda_build.feature_library): a window >= 1
   // exactly in a window library, cap constants exactly in a soft-cap library, sinks exactly in a
   // sink library.
@@ -1270,6 +1355,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
       ((sinks != nullptr) != v2::kSinks))
     return -10;
   if (p.num_tiles > 65535) return -6;
+  if (kRunGlobal && variant == 60 && (run == nullptr || run_slots < 1 || reinterpret_cast<uintptr_t>(run) % 16 != 0))
+    return -11;
   if (variant == 61 && (num_seqs < 1 || q_rows < 1 || max_blocks < 1 || sink == nullptr ||
                         (l_mode != 0 && l_mode != 1) || (l_mode == 1 && bucket == nullptr)))
     return -8;
@@ -1278,6 +1365,24 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (variant < 0) return -5;
   return is_bf16 ? launch_variant<true>(variant, tq, tk, tv, p, grid, st)
                  : launch_variant<false>(variant, tq, tk, tv, p, grid, st);
+}
+
+namespace dhp {
+namespace {
+__global__ void nsmid_kernel(int* out) {
+  int n;
+  asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n));
+  *out = n;
+}
+}  // namespace
+}  // namespace dhp
+
+// %nsmid (the SM ids' bound; the numbering may have gaps, so it may exceed the SM count) into
+// out[0] (device memory) on stream: the slots of the policy-off running state at head 256 (run,
+// run_slots). Returns a cudaError_t.
+extern "C" int dhp_prefill_sm90_nsmid(int* out, void* stream) {
+  dhp::nsmid_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(out);
+  return static_cast<int>(cudaGetLastError());
 }
 
 // The head size this library's binaries take (128; 64, 80 or 96 in the libraries built with -DDHP_HEAD):

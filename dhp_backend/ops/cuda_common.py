@@ -31,6 +31,7 @@ _LAUNCH_ERRORS = {
     -8: "the constant-time walk's arguments are out of range (requests, rows, table, bucket mode, sink)",
     -9: "the split-state workspace is not 16-byte aligned",
     -10: "the window / soft-cap / sinks arguments do not match the library's features (cuda_build.feature_library)",
+    -11: "the running-state workspace (head 256, policy off) is missing, empty or not 16-byte aligned",
 }
 
 

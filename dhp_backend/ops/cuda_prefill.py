@@ -19,8 +19,8 @@ docs/kernels.md.
   128 rows (GQA 7: 18 tokens, 126 rows); `V2_CT` walks each request to its public
   bucket (policies strict / request) with the slotted tile (128 >> ceil(log2
   GROUP) tokens). A row's bits do not depend on its tile.
-- Head size 256, 128, 96, 80 or 64 (one library per head size; 80 and 96 on 128-column tiles; 256 on one
-  consumer warpgroup of 64 rows), fp16/bf16, block size
+- Head size 256, 128, 96, 80 or 64 (one library per head size; 80 and 96 on 128-column tiles; 256 with
+  one stage of K and V, its policy-off running states in the workspace's split area: `run_state`), fp16/bf16, block size
   16/32/64/128, up to 16 query heads per KV
   head (`cuda_common.CSRC_MAX_GROUP`: the decode kernel's limit, the family's),
   sm_90 only. Anything else is refused with a message saying what is accepted.
@@ -67,8 +67,7 @@ _ALL_CODES = {**_CODES, **_CT_CODES}
 def tile_tokens(group: int, head: int = 128) -> int:
     """Query tokens per tile of the constant-time walk: its rows (128; 64 at head 256, csrc
     ``kRows``) / (``group`` rounded up to a power of two), csrc ``Params::block_q`` (policy off
-    packs more: 128 // group, 192 // group at head 64 and 64 // group at head 256; the fewer tokens
-    bound the grid)."""
+    packs more: 128 // group, 192 // group at head 64; the fewer tokens bound the grid)."""
     rows = 64 if head == 256 else 128
     return rows >> (max(1, group) - 1).bit_length()
 
@@ -92,21 +91,67 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
     return True, "constant-time prefill and mixed steps: csrc/prefill_sm90.cu (v2_ct binary)"
 
 
+# Head 256, policy off: two consumer warpgroups whose running (folded) states do not fit in shared
+# memory beside Q and the K / V stages; each SM's CTA keeps them in its slot of the workspace's split
+# area (csrc kRunGlobal): 2 warpgroups x 128 threads x 256 fp32, one slot per SM id (%nsmid of them).
+RUN_HEAD = 256
+RUN_SLOT_BYTES = 2 * 128 * 256 * 4
+
+
 @functools.lru_cache(maxsize=None)
-def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
-    # Loaded, checked and typed once per library (features, head size), not per launch.
+def _library(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
+    # Loaded and checked once per library (features, head size), not per launch.
     lib = load(*feature_library(PREFILL_LIBRARY, window=window, softcap=softcap, sinks=sinks, head=head))
     check_head_size("cuda_prefill", lib.dhp_prefill_sm90_head_size(), head)
-    fn = lib.dhp_prefill_sm90
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
+    # Typed once per library.
+    fn = _library(window=window, softcap=softcap, sinks=sinks, head=head).dhp_prefill_sm90
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     u32 = ctypes.c_uint
     fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, i32, p, i64, i64, p, i64, p, p, i32, i32, i32, i32, i32, i32,
                    ctypes.c_float, i32, i32, i32, u32, u32,
                    i32, i32, p, i32, i32, u32, p,  # CT: l_mode, l_scalar, bucket, max_blocks, q_rows, q_magic, sink
                    i32, ctypes.c_float, ctypes.c_float, p,  # features: window, cap_pre, cap_post, sinks
+                   p, i32,  # run, run_slots (head 256, policy off)
                    p]
     fn.restype = i32
     return fn
+
+
+_run_slots_by_device: dict[int, int] = {}
+
+
+def run_state(device: torch.device, library: dict) -> tuple[int | None, int]:
+    """The policy-off running-state area of a launch on ``library`` (`_library`'s arguments) and its
+    slots: (pointer, %nsmid) at head 256 (`RUN_HEAD`), (None, 0) otherwise. The slot count is read
+    from the device once (a sync); vLLM's warm-up runs it before any CUDA-graph capture."""
+    if library.get("head", 128) != RUN_HEAD:
+        return None, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    slots = _run_slots_by_device.get(index)
+    if slots is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cuda_prefill: the head-256 running-state slots are read on the first eager launch; "
+                               "accepted: one eager prefill launch on this device before CUDA-graph capture")
+        with torch.cuda.device(index):
+            out = torch.zeros(1, dtype=torch.int32, device=device)
+            fn = _library(**library).dhp_prefill_sm90_nsmid
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+            rc = fn(out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+            if rc != 0:
+                raise RuntimeError(f"cuda_prefill: reading %nsmid failed: {launch_error(rc)}")
+            slots = int(out.item())
+        _run_slots_by_device[index] = slots
+    area = wsp.reserve_workspace(device)[0]
+    if slots < 1 or slots * RUN_SLOT_BYTES > area.numel() * area.element_size():
+        raise RuntimeError(f"cuda_prefill: the device reports {slots} SM ids; accepted: at most "
+                           f"{area.numel() * area.element_size() // RUN_SLOT_BYTES} (the workspace's split area, "
+                           f"{RUN_SLOT_BYTES // 1024} KB a slot)")
+    return area.data_ptr(), slots
 
 
 def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
@@ -167,6 +212,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
     T, H, D = query.shape
     nb, Hkv, bs, _ = key_cache.shape
     ct_args = (0, 0, None, 0, 0, 0, None)
+    run_args = (None, 0) if ct else run_state(query.device, library)
     if ct:
         if num_tokens == 0:
             return out
@@ -185,7 +231,7 @@ def prefill_sm90(query, key_cache, value_cache, block_table, query_start_loc, se
                     query_start_loc.data_ptr(), seq_lens.shape[0], T, num_tokens, H, Hkv, bs,
                     float(scale) * math.log2(math.e),  # qk_scale: the decode launcher's value, for equal bits
                     int(bool(causal)), int(query.dtype == torch.bfloat16), _ALL_CODES[variant], V_DESC[0], V_DESC[1],
-                    *ct_args, *feature_pointers(feature_tail), stream)
+                    *ct_args, *feature_pointers(feature_tail), *run_args, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_prefill: launch failed: {launch_error(rc)}")
     return out
