@@ -98,31 +98,21 @@ constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
 // state would all be live; CT: the walk's extra live values spilled it).
 // CONSUMERS: the consumer warpgroups, 64 Q rows each (the Q tile: kHalves halves of 64 * CONSUMERS rows).
 // RUN_SMEM: the running state in shared memory (all but the policy-off binary at head 256: kRunGlobal).
-// K_SLOTS, K_SLOT_BYTES: the K ring (STAGES stages of kTileBytes, but at head 256's policy-off
-// binary three slots of 64 positions: kKSlots).
-template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true, int K_SLOTS = STAGES, int K_SLOT_BYTES = kTileBytes>
+template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true>
 struct Layout {
   static constexpr int kQHalfBytes = 64 * CONSUMERS * 128;
   static constexpr int kOffK = kHalves * kQHalfBytes;
-  static constexpr int kOffV = kOffK + K_SLOTS * K_SLOT_BYTES;
+  static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffRun = kOffBar + 128;
   static constexpr int kRunBytes = RUN_SMEM ? CONSUMERS * 128 * kAcc * 4 : 0;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
-  static_assert(8 * RingBarriers<K_SLOTS>::kCount <= 128, "the barriers fit their 128 bytes");
+  static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<kStages, kConsumersCT>::kBytes <= 227 * 1024, "the stages and the running state fit");
-// The policy-off kernel's K ring at head 256 (kSerialOff): three slots of 64 positions (32 KB each;
-// kSubBytes, its 64-column halves kSubHalfBytes apart) instead of one 128-position stage, so the
-// first half of step t + 1's K arrives while step t runs and its second half lands under the first
-// half's QK^T (consume_v2_serial); V keeps its one stage. Q 64 KB + K 96 KB + V 64 KB: 224 KB.
-constexpr int kKSlots = kSerialOff ? 3 : kStages;
-constexpr int kSubCols = 64;                         // KV positions per K slot (head 256, policy off)
-constexpr int kSubHalfBytes = kSubCols * 128;
-constexpr int kSubBytes = kHalves * kSubHalfBytes;
 // The policy-off kernel's layout.
 template <int STAGES>
-using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal, kKSlots, kSerialOff ? kSubBytes : kTileBytes>;
+using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal>;
 static_assert(LayoutOff<kStages>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
 // kRunGlobal's slots are per SM: no two CTAs of any binary of this file may share an SM (shared memory).
 static_assert(!kRunGlobal || 2 * LayoutOff<kStages>::kBytes > 228 * 1024, "one policy-off CTA per SM");
@@ -452,18 +442,6 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32
   for (int kk = 0; kk < kHead / 16; ++kk) {
     const uint32_t q_off = (kk / 4) * Q_HALF + (kk % 4) * 32, k_off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
     wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + q_off, 16, 1024), desc_sw128(k_base + k_off, 16, 1024), kk > 0);
-  }
-}
-
-// Half of a step's S (64 positions of one K slot, kSubHalfBytes between its column halves) into the
-// 32 accumulator values of columns 64 * half .. + 63 (the m64n128 layout's groups 8 * half .. + 7):
-// each score is the chain of the same 16 k16 slices in the same order as issue_qk's, so the same bits.
-template <bool BF16, int Q_HALF>
-__device__ __forceinline__ void issue_qk_sub(float (&s)[32], uint32_t q_base, uint32_t k_base) {
-#pragma unroll
-  for (int kk = 0; kk < kHead / 16; ++kk) {
-    const uint32_t q_off = (kk / 4) * Q_HALF + (kk % 4) * 32, k_off = (kk / 4) * kSubHalfBytes + (kk % 4) * 32;
-    wgmma_m64n64k16_ss<BF16>(s, desc_sw128(q_base + q_off, 16, 1024), desc_sw128(k_base + k_off, 16, 1024), kk > 0);
   }
 }
 
@@ -923,7 +901,7 @@ __device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc],
 // true lengths.
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
-                                                  const Barriers<kKSlots>& bar, int kvh) {
+                                                  const Barriers<STAGES>& bar, int kvh) {
   static_assert(kRunGlobal || STAGES < 0, "the serial consumer keeps its running state in global memory");
   using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
@@ -962,24 +940,15 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     const int st = (t - t0) % STAGES;
     const uint32_t par = ((t - t0) / STAGES) & 1;
     const int kv0 = t * kCols;
-    // K of step t: slots j, j + 1 of the ring (j = 2 (t - t0)), each 64 positions
-    const int j = 2 * (t - t0), ka = j % kKSlots, kb = (j + 1) % kKSlots;
-    float(&s_a)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
-    float(&s_b)[32] = *reinterpret_cast<float(*)[32]>(&s[32]);
-    mbar_wait(bar.k_full(ka), (j / kKSlots) & 1);
+    mbar_wait(bar.k_full(st), par);
     turns.wait();
     wgmma_fence();
-    issue_qk_sub<BF16, L::kQHalfBytes>(s_a, q_base, smem + L::kOffK + ka * kSubBytes);
-    wgmma_commit();
-    mbar_wait(bar.k_full(kb), ((j + 1) / kKSlots) & 1);
-    wgmma_fence();
-    issue_qk_sub<BF16, L::kQHalfBytes>(s_b, q_base, smem + L::kOffK + kb * kSubBytes);
+    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
     turns.pass();
     wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty(ka));
-    release(bar.k_empty(kb));
+    release(bar.k_empty(st));
     if constexpr (v2::kSoftCap) cap_scores(s, p);
     if constexpr (v2::kWindow) {
       if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
@@ -1190,7 +1159,7 @@ __device__ __forceinline__ void load_share(uint32_t dst, const CUtensorMap* tm, 
 template <int STAGES>
 __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                               const Barriers<kKSlots>& bar, int kvh, int req, int pw) {
+                                               const Barriers<STAGES>& bar, int kvh, int req, int pw) {
   using L = LayoutOff<STAGES>;
   if (pw == 0) {
     mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
@@ -1217,54 +1186,6 @@ __device__ __forceinline__ void produce_spread(const Params& p, const Work& w, c
   }
 }
 
-// produce_spread at head 256 (kSerialOff): K into the ring of kKSlots slots of 64 positions, V
-// into its one 128-position stage as produce_spread. A K slot is 64 / rows boxes of rows = min(bs,
-// 64) positions (the K map's box: half a page at block size 128, the row inside the page its
-// coordinate), dealt over the four warps as produce_spread's pages; per step: K slot j = 2 (t -
-// t0), slot j + 1, then V. Pages past the request's last one repeat it (masked, V zeroed).
-template <int STAGES>
-__device__ __forceinline__ void produce_spread_sub(const Params& p, const Work& w, const CUtensorMap* tm_q,
-                                                   const CUtensorMap* tm_k, const CUtensorMap* tm_v, uint32_t smem,
-                                                   const Barriers<kKSlots>& bar, int kvh, int req, int pw) {
-  using L = LayoutOff<STAGES>;
-  if (pw == 0) {
-    mbar_arrive_expect_tx(bar.q_full(), p.group * p.block_q * 2 * kHead);
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h)
-      tma_load_3d(smem + h * L::kQHalfBytes, tm_q, bar.q_full(), 64 * h, kvh * p.group, w.q0 + w.tok0);
-  }
-  const int* table = p.block_table + static_cast<int64_t>(req) * p.bt_stride;
-  const int bs = p.block_size, pps = kCols / bs;
-  const int per = pps >= 4 ? pps / 4 : 1, first = pw * per, n = first < pps ? per : 0;
-  // A K slot: boxes of rows = min(bs, 64) positions; this warp's share: box kb (one box, or none).
-  // Block sizes 16, 32: four / two boxes (one per warp); 64, 128: one box (warp 0).
-  const int rows = min(bs, kSubCols), kb = pw, kn = kb * rows < kSubCols ? 1 : 0;
-  const int last_page = (w.seq_len + bs - 1) / bs - 1;
-  const int t0 = v2::kWindow ? w.t0 : 0;  // a window's first step (work_of)
-  int j = 0, slot = 0;                     // K slots in ring order: j = 2 (t - t0) + h
-  for (int t = t0; t < w.n_steps; ++t) {
-#pragma unroll 1
-    for (int h = 0; h < 2; ++h, ++j, slot = slot + 1 == kKSlots ? 0 : slot + 1) {  // K: slots j, j + 1
-      if (j >= kKSlots) mbar_wait(bar.k_empty(slot), ((j / kKSlots) - 1) & 1);
-      const uint32_t full = bar.k_full(slot);
-      mbar_arrive_expect_tx(full, kn * rows * 2 * kHead);
-      if (kn) {  // block size: public
-        const int pos = t * kCols + h * kSubCols + kb * rows;
-        const int page = table[min(pos / bs, last_page)];
-        const uint32_t dst = smem + L::kOffK + slot * kSubBytes + kb * rows * 128;
-#pragma unroll
-        for (int c = 0; c < kHalves; ++c) tma_load_4d(dst + c * kSubHalfBytes, tm_k, full, 64 * c, pos % bs, kvh, page);
-      }
-    }
-    const int s = (t - t0) % STAGES;
-    int blk[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) blk[i] = i < n ? table[min(t * pps + first + i, last_page)] : 0;
-    if (t - t0 >= STAGES) mbar_wait(bar.v_empty(s), (((t - t0) / STAGES) - 1) & 1);
-    load_share(smem + L::kOffV + s * kTileBytes, tm_v, bar.v_full(s), first, n, blk, bs, kvh);
-  }
-}
-
 // The policy-off kernel: prefill_kernel's tiling and padding rows, the spread producer, the v2
 // consumer; FA3's register split (producer warpgroup 24, two consumers 240, three 160).
 template <bool BF16>
@@ -1278,7 +1199,7 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   const uint32_t pad = (1024 - (raw & 1023)) & 1023;
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
-  const Barriers<kKSlots> bar{smem + L::kOffBar};
+  const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x;
   const int g = p.num_tiles - 1 - static_cast<int>(blockIdx.y);
   const int req = locate(p.query_start_loc, p.num_seqs, p.block_q, g);
@@ -1298,12 +1219,10 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   if (w.tok0 >= w.q_len) return;
   if (threadIdx.x == 0) {  // full barriers complete on the four producer warps' arrivals
     mbar_init(bar.q_full(), 1);
-    for (int i = 0; i < kKSlots; ++i) {
-      mbar_init(bar.k_full(i), 4);
-      mbar_init(bar.k_empty(i), 4 * kConsumersOff);  // one arrival per consumer warp
-    }
     for (int i = 0; i < STAGES; ++i) {
+      mbar_init(bar.k_full(i), 4);
       mbar_init(bar.v_full(i), 4);
+      mbar_init(bar.k_empty(i), 4 * kConsumersOff);  // one arrival per consumer warp
       mbar_init(bar.v_empty(i), 4 * kConsumersOff);
     }
     mbar_fence_init();
@@ -1311,12 +1230,7 @@ __global__ void __launch_bounds__(kThreadsOff, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     regs_dealloc<24>();
-    if (threadIdx.x % 32 == 0) {
-      if constexpr (kSerialOff)
-        produce_spread_sub<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
-      else
-        produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
-    }
+    if (threadIdx.x % 32 == 0) produce_spread<STAGES>(p, w, &tm_q, &tm_k, &tm_v, smem, bar, kvh, req, threadIdx.x / 32);
   } else if constexpr (kSerialOff) {
     regs_alloc<240>();
     consume_v2_serial<BF16, STAGES>(p, w, smem_ptr, smem, bar, kvh);
@@ -1392,10 +1306,8 @@ extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_h
   if (!tma::encode_q(encode, &tq, is_bf16, q, kModelHead, num_heads, num_tokens, q_head_stride, q_tok_stride,
                      packed ? group : 1 << group_shift, block_q))
     return -2;
-  // (K boxes: a page, but 64 rows at most in head 256's policy-off binary: its K slots of 64 positions)
-  const int k_box = kSerialOff && packed ? (block_size < kSubCols ? block_size : kSubCols) : block_size;
   if (!tma::encode_kv(encode, &tk, is_bf16, k, kModelHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
-                      kv_head_stride, kv_tok_stride, k_box))
+                      kv_head_stride, kv_tok_stride, block_size))
     return -3;
   if (!tma::encode_kv(encode, &tv, is_bf16, v, kModelHead, block_size, num_kv_heads, num_blocks, kv_block_stride,
                       kv_head_stride, kv_tok_stride, block_size))
