@@ -994,10 +994,29 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
 
-  // Per step t: P(t) into the warpgroup's P tile and O scaled by a(t); then, in the warpgroup's turn,
-  // PV(t) issued and S(t + 1) right behind it (S's registers are free once P is in shared memory);
-  // PV(t) waited for (V released, the split's fold when t ends one) while S(t + 1) runs, then
-  // S(t + 1) and step t + 1's softmax. The other warpgroup's turn comes between two of this one's.
+  // FA3's intra-warpgroup overlap with P in shared memory: in the warpgroup's turn S(t + 1) is
+  // issued, then PV(t) (P(t) in the P tile, O scaled by a(t)); step t + 1's softmax runs while
+  // PV(t) does (S's 64 registers and O's 128 live, P's 32 not); then V released, the split's fold
+  // when t ends one, P(t + 1) stored and O scaled by a(t + 1). The other warpgroup's turn comes
+  // between two of this one's.
+  auto stage_p = [&]() {  // P of the step just computed into the P tile, O scaled by its alphas
+    store_p<BF16>(p_tile, s, warp, lane);  // the PV that read the tile last is done
+    scale_rows(acc, a_lo, a_hi);
+    fence_proxy_async();                   // P's generic stores, then the wgmma's async reads
+    named_barrier(kBarVTail + cw, 128);    // the warpgroup's four warps' rows of P
+  };
+  auto values = [&](int t) {  // issue O += P(t) V_t (the caller has zeroed nothing yet)
+    const int st = (t - t0) % STAGES;
+    mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
+    uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
+    const int kv0 = t * kCols, valid = w.seq_len - kv0;
+    if (valid < kCols) zero_v_tail<kCols, 128, kHalves>(v_tile, valid, tid, kBarVTail + cw);
+    if (v2::kWindow && t == t0 && lo_tile > kv0)
+      zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
+    wgmma_fence();
+    issue_pv_ss<BF16>(acc, p_base, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+  };
   mbar_wait(bar.q_full(), 0);
   turns.start();
   turns.wait();
@@ -1005,39 +1024,37 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   turns.pass();
   wgmma_wait<0>();
   softmax(t0);
-  for (int t = t0; t < w.n_steps; ++t) {
-    const int st = (t - t0) % STAGES;
-    const int kv0 = t * kCols;
-    const bool next = t + 1 < w.n_steps;
-    store_p<BF16>(p_tile, s, warp, lane);  // PV(t - 1), its last reader, is done
-    scale_rows(acc, a_lo, a_hi);
-    fence_proxy_async();                   // P's generic stores, then the wgmma's async reads
-    named_barrier(kBarVTail + cw, 128);    // the warpgroup's four warps' rows of P
-    mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
-    uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
-    const int valid = w.seq_len - kv0;
-    if (valid < kCols) zero_v_tail<kCols, 128, kHalves>(v_tile, valid, tid, kBarVTail + cw);
-    if (v2::kWindow && t == t0 && lo_tile > kv0)
-      zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
+  stage_p();
+  for (int t = t0; t + 1 < w.n_steps; ++t) {
     turns.wait();
-    wgmma_fence();
-    issue_pv_ss<BF16>(acc, p_base, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
-    wgmma_commit();
-    if (next) scores(t + 1);
+    scores(t + 1);  // S of step t + 1 runs while ...
+    values(t);      // ... PV of step t is queued behind it
     turns.pass();
-    wgmma_wait<0>();
-    pin(acc);
-    release(bar.v_empty(st));
-    if ((t + 1) % kStepsPerSplit == 0 && next) {  // a split's end: fold, then a fresh state
-      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
-      const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
-      fold_run_global<false>(run, acc, lo, hi, first_fold);
-      first_fold = false;
+    const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
+    const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;
+    if (boundary) {
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
-    if (next) softmax(t + 1);
+    wgmma_wait<1>();  // S(t + 1) done, PV(t) may still run
+    softmax(t + 1);
+    wgmma_wait<0>();
+    pin(acc);
+    release(bar.v_empty((t - t0) % STAGES));
+    if (boundary) {  // a split's end: fold (acc done)
+      const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
+      const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
+      fold_run_global<false>(run, acc, lo, hi, first_fold);
+      first_fold = false;
+    }
+    stage_p();
   }
+  turns.wait();
+  values(w.n_steps - 1);
+  turns.pass();
+  wgmma_wait<0>();
+  pin(acc);
+  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES));
   turns.finish();
   {  // the last split's fold, kept in acc
     const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
