@@ -98,30 +98,21 @@ constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
 // state would all be live; CT: the walk's extra live values spilled it).
 // CONSUMERS: the consumer warpgroups, 64 Q rows each (the Q tile: kHalves halves of 64 * CONSUMERS rows).
 // RUN_SMEM: the running state in shared memory (all but the policy-off binary at head 256: kRunGlobal).
-// P_BYTES: the consumers' P tiles in shared memory (head 256's policy-off binary: kPSmem).
-template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true, int P_BYTES = 0>
+template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true>
 struct Layout {
   static constexpr int kQHalfBytes = 64 * CONSUMERS * 128;
   static constexpr int kOffK = kHalves * kQHalfBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
-  static constexpr int kOffP = kOffV + STAGES * kTileBytes;
-  static constexpr int kOffBar = kOffP + P_BYTES;
+  static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffRun = kOffBar + 128;
   static constexpr int kRunBytes = RUN_SMEM ? CONSUMERS * 128 * kAcc * 4 : 0;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<kStages, kConsumersCT>::kBytes <= 227 * 1024, "the stages and the running state fit");
-// Head 256's policy-off consumers pass P to the PV wgmma through shared memory (kPSmem: a warpgroup's
-// 64 rows x 128 positions, two 64-column halves of 64 rows x 128 B, 128-byte swizzle, 16 KB): so
-// the QK^T of step t + 1 can be issued right behind the PV of step t (consume_v2_serial) without P's
-// 32 registers beside S's 64 and O's 128. Q 64 KB + K 64 KB + V 64 KB + P 32 KB: 225 KB.
-constexpr bool kPSmem = kSerialOff;
-constexpr int kPHalfBytes = 64 * 128;
-constexpr int kPBytes = 2 * kPHalfBytes;  // per consumer warpgroup
 // The policy-off kernel's layout.
 template <int STAGES>
-using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal, kPSmem ? kConsumersOff * kPBytes : 0>;
+using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal>;
 static_assert(LayoutOff<kStages>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
 // kRunGlobal's slots are per SM: no two CTAs of any binary of this file may share an SM (shared memory).
 static_assert(!kRunGlobal || 2 * LayoutOff<kStages>::kBytes > 228 * 1024, "one policy-off CTA per SM");
@@ -470,37 +461,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
     } else {
       wgmma_m64n64k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
     }
-  }
-}
-
-// issue_pv with P from shared memory (kPSmem; p_base: the warpgroup's P tile, k16 slice j at
-// half j / 4, bytes 32 (j % 4)): the same products in the same order as from registers.
-template <bool BF16>
-__device__ __forceinline__ void issue_pv_ss(float (&o)[kAcc], uint32_t p_base, uint32_t v_base, uint32_t lbo,
-                                            uint32_t sbo) {
-  static_assert(kHead == 256 || BF16 != BF16, "P from shared memory: head 256's policy-off binary");
-#pragma unroll
-  for (int j = 0; j < kCols / 16; ++j) {
-    const uint64_t da = desc_sw128(p_base + (j / 4) * kPHalfBytes + (j % 4) * 32, 16, 1024);
-    float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
-    float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
-    wgmma_m64n128k16_ss_tb<BF16>(o_lo, da, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
-    wgmma_m64n128k16_ss_tb<BF16>(o_hi, da, desc_sw128(v_base + 2 * kHalfBytes + j * 16 * 128, lbo, sbo));
-  }
-}
-
-// P (a step's probabilities, s in the m64n128 accumulator layout) into the warpgroup's P tile as
-// 16-bit values (pack_p's rounding): row r, columns 8 i + 2 q, + 1 at half i / 8, byte r * 128 +
-// 16 ((i % 8) ^ (r % 8)) + 4 q (the 128-byte swizzle); the eight rows of a warp's store hit
-// distinct bank quads.
-template <bool BF16>
-__device__ __forceinline__ void store_p(uint8_t* p_tile, const float (&s)[64], int warp, int lane) {
-  const int r_lo = 16 * warp + lane / 4, q = lane % 4;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int off = (i / 8) * kPHalfBytes + (((i % 8) ^ (r_lo & 7)) << 4) + 4 * q;
-    *reinterpret_cast<uint32_t*>(p_tile + off + r_lo * 128) = pack2<BF16>(s[4 * i], s[4 * i + 1]);
-    *reinterpret_cast<uint32_t*>(p_tile + off + (r_lo + 8) * 128) = pack2<BF16>(s[4 * i + 2], s[4 * i + 3]);
   }
 }
 
@@ -901,11 +861,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // the operations of the shared-memory fold. FIRST (the tile's first fold: the state is zeros, as
 // shared memory's after its clearing) reads nothing; LAST keeps the folded values in acc for the
 // epilogue instead of storing them; otherwise acc is zeroed for the next split. Loads in batches
-// of four float4 (16 registers beside acc's 128 and the in-flight S's 64), through L2 (ld.global.cg).
+// of eight float4 (32 registers beside acc's 128), through L2 (ld.global.cg).
 template <bool LAST>
 __device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc], FoldCoef lo, FoldCoef hi,
                                                 bool first) {
-  constexpr int kBatch = 4;
+  constexpr int kBatch = 8;
 #pragma unroll
   for (int c = 0; c < kHead / 8; c += kBatch) {
     float4 r[kBatch];
@@ -961,9 +921,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   const int lo_tile = ctx0 + w.tok0 - p.window + 1;
 
   float acc[kAcc], s[64];
+  uint32_t pa[32];
   float4* const run = p.run + (static_cast<int64_t>(sm_id()) * kConsumersOff + cw) * (kHead / 8) * 128 + tid;
-  uint8_t* const p_tile = smem_ptr + L::kOffP + cw * kPBytes;
-  const uint32_t p_base = smem + L::kOffP + cw * kPBytes;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
@@ -974,17 +933,22 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     __syncwarp();
     if (lane == 0) mbar_arrive(barrier);
   };
-  auto scores = [&](int t) {  // issue S = Q K_t^T
+
+  mbar_wait(bar.q_full(), 0);
+  turns.start();
+  for (int t = t0; t < w.n_steps; ++t) {
     const int st = (t - t0) % STAGES;
-    mbar_wait(bar.k_full(st), ((t - t0) / STAGES) & 1);
+    const uint32_t par = ((t - t0) / STAGES) & 1;
+    const int kv0 = t * kCols;
+    mbar_wait(bar.k_full(st), par);
+    turns.wait();
     wgmma_fence();
     issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
-  };
-  auto softmax = [&](int t) {  // step t's row arithmetic on s (done), K released first
-    const int kv0 = t * kCols;
+    turns.pass();
+    wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty((t - t0) % STAGES));
+    release(bar.k_empty(st));
     if constexpr (v2::kSoftCap) cap_scores(s, p);
     if constexpr (v2::kWindow) {
       if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
@@ -992,69 +956,30 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
       if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
-  };
-
-  // FA3's intra-warpgroup overlap with P in shared memory: in the warpgroup's turn S(t + 1) is
-  // issued, then PV(t) (P(t) in the P tile, O scaled by a(t)); step t + 1's softmax runs while
-  // PV(t) does (S's 64 registers and O's 128 live, P's 32 not); then V released, the split's fold
-  // when t ends one, P(t + 1) stored and O scaled by a(t + 1). The other warpgroup's turn comes
-  // between two of this one's.
-  auto stage_p = [&]() {  // P of the step just computed into the P tile, O scaled by its alphas
-    store_p<BF16>(p_tile, s, warp, lane);  // the PV that read the tile last is done
+    pack_p<BF16, 64>(s, pa);
     scale_rows(acc, a_lo, a_hi);
-    fence_proxy_async();                   // P's generic stores, then the wgmma's async reads
-    named_barrier(kBarVTail + cw, 128);    // the warpgroup's four warps' rows of P
-  };
-  auto values = [&](int t) {  // issue O += P(t) V_t (the caller has zeroed nothing yet)
-    const int st = (t - t0) % STAGES;
-    mbar_wait(bar.v_full(st), ((t - t0) / STAGES) & 1);
+    mbar_wait(bar.v_full(st), par);
     uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
-    const int kv0 = t * kCols, valid = w.seq_len - kv0;
+    const int valid = w.seq_len - kv0;
     if (valid < kCols) zero_v_tail<kCols, 128, kHalves>(v_tile, valid, tid, kBarVTail + cw);
     if (v2::kWindow && t == t0 && lo_tile > kv0)
       zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv_ss<BF16>(acc, p_base, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
-  };
-  mbar_wait(bar.q_full(), 0);
-  turns.start();
-  turns.wait();
-  scores(t0);
-  turns.pass();
-  wgmma_wait<0>();
-  softmax(t0);
-  stage_p();
-  for (int t = t0; t + 1 < w.n_steps; ++t) {
-    turns.wait();
-    scores(t + 1);  // S of step t + 1 runs while ...
-    values(t);      // ... PV of step t is queued behind it
-    turns.pass();
-    const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
-    const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;
-    if (boundary) {
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    release(bar.v_empty(st));
+    if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: fold, then a fresh state
+      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
+      const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
+      fold_run_global<false>(run, acc, lo, hi, first_fold);
+      first_fold = false;
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
-    wgmma_wait<1>();  // S(t + 1) done, PV(t) may still run
-    softmax(t + 1);
-    wgmma_wait<0>();
-    pin(acc);
-    release(bar.v_empty((t - t0) % STAGES));
-    if (boundary) {  // a split's end: fold (acc done)
-      const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
-      const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
-      fold_run_global<false>(run, acc, lo, hi, first_fold);
-      first_fold = false;
-    }
-    stage_p();
   }
-  turns.wait();
-  values(w.n_steps - 1);
-  turns.pass();
-  wgmma_wait<0>();
-  pin(acc);
-  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES));
   turns.finish();
   {  // the last split's fold, kept in acc
     const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));

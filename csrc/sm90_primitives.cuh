@@ -249,25 +249,6 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t da,
   }
 }
 
-// D[64x128] += A[64x16] * B[16x128]; A from shared memory (K-major), B from shared memory
-// MN-major (transposed, as the rs forms below take V): O += P V with P in shared memory.
-template <bool BF16>
-__device__ __forceinline__ void wgmma_m64n128k16_ss_tb(float (&d)[64], uint64_t da, uint64_t db) {
-  if constexpr (BF16) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DHP_ACC64_REGS ", %64, %65, p, 1, 1, 0, 1;\n}\n"
-        : DHP_ACC64_OPS(d)
-        : "l"(da), "l"(db));
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.eq.u32 p, 1, 1;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DHP_ACC64_REGS ", %64, %65, p, 1, 1, 0, 1;\n}\n"
-        : DHP_ACC64_OPS(d)
-        : "l"(da), "l"(db));
-  }
-}
-
 // D[64x128] += A[64x16] * B[16x128]; A from registers (the accumulator layout of
 // a previous wgmma, packed to 16 bits), B from shared memory MN-major (transposed).
 template <bool BF16>
