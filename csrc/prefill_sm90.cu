@@ -147,7 +147,7 @@ struct Params {
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
   // The policy-off binary at head 256 (kRunGlobal): the running states, [run_slots][kConsumersOff]
-  // [kHead / 8][128 threads] float4, slot = the SM's id (%smid < run_slots = %nsmid).
+  // [kHead / 8][128 threads] float4, slot = the SM's id (%smid < %nsmid <= run_slots).
   float4* run;
   int run_slots;
 };
@@ -922,7 +922,11 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
 
   float acc[kAcc], s[64];
   uint32_t pa[32];
-  float4* const run = p.run + (static_cast<int64_t>(sm_id()) * kConsumersOff + cw) * (kHead / 8) * 128 + tid;
+  const int slot = sm_id();
+  // sm_90 has at most 144 SM ids and the host passes 495 slots (ops/cuda_prefill.py run_state; a
+  // GPU test checks %nsmid against them): a trap, never two SMs on one slot, if a device had more.
+  if (slot >= p.run_slots) __trap();
+  float4* const run = p.run + (static_cast<int64_t>(slot) * kConsumersOff + cw) * (kHead / 8) * 128 + tid;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
@@ -1279,8 +1283,8 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // -DDHP_SOFTCAP, -DDHP_SINKS): W >= 1 in a window library, else 0; the soft cap's constants
 // (cuda_common.feature_args) in a soft-cap library, else 0; float32 [num_heads] sinks in a sink
 // library, else null. -10 when they do not match the library.
-// run, run_slots: the policy-off running states at head 256 (Params::run; run_slots = %nsmid, from
-// dhp_prefill_sm90_nsmid; run_slots x 2 x 64 KB, 16-byte aligned); -11 when missing there.
+// run, run_slots: the policy-off running states at head 256 (Params::run: run_slots x 2 x 64 KB,
+// 16-byte aligned, run_slots >= %nsmid, which dhp_prefill_sm90_nsmid reads); -11 when missing there.
 extern "C" int dhp_prefill_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                 const void* v, int64_t kv_block_stride, int64_t kv_head_stride,
                                 int64_t kv_tok_stride, int num_blocks, void* out, int64_t out_tok_stride,
@@ -1378,8 +1382,8 @@ __global__ void nsmid_kernel(int* out) {
 }  // namespace dhp
 
 // %nsmid (the SM ids' bound; the numbering may have gaps, so it may exceed the SM count) into
-// out[0] (device memory) on stream: the slots of the policy-off running state at head 256 (run,
-// run_slots). Returns a cudaError_t.
+// out[0] (device memory) on stream: the slots the policy-off running state at head 256 needs (run,
+// run_slots; ops.cuda_prefill.sm_id_bound, checked by a GPU test). Returns a cudaError_t.
 extern "C" int dhp_prefill_sm90_nsmid(int* out, void* stream) {
   dhp::nsmid_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(out);
   return static_cast<int>(cudaGetLastError());

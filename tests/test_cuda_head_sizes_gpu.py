@@ -7,7 +7,8 @@
   tiles whose columns 96-127 the TMA fills with zeros, stores that stop at column 96;
 - head 80 (Phi-2: 32 query and 32 KV heads, no window): as 96, with 48 zero columns;
 - head 256 (Gemma-2 9B, Gemma-3 12B: 16 query / 8 KV heads, a soft cap of 50, windows of 4096 / 1024): tiles
-  of four halves, the prefill kernels on one consumer warpgroup of 64 rows (consume_v2_serial, consume_v2_ct).
+  of four halves; the policy-off prefill on two consumer warpgroups with their running states in the
+  workspace, one slot per SM (consume_v2_serial), the constant-time prefill on one of 64 rows (consume_v2_ct).
 
 The same contract as head 128 (docs/kernels.md section 7), each checked at every head size here:
 
@@ -202,3 +203,15 @@ def test_paged_attention_runs_the_layers_on_the_csrc_kernels(monkeypatch, D):
             got = bits(out[: step.num_tokens])
             off = got if off is None else off
             assert torch.equal(got, off), f"{policy} differs from off"
+
+
+def test_the_head_256_running_states_have_a_slot_per_sm_id():
+    """The head-256 policy-off prefill keeps each SM's running states in slot %smid of the workspace's
+    split area (csrc kRunGlobal; the kernel traps on an id past the slots): this device's %nsmid fits."""
+    from dhp_backend.ops import cuda_prefill
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ptr, slots = cuda_prefill.run_state(dev, dict(head=256))
+    bound = cuda_prefill.sm_id_bound(dev)
+    assert ptr is not None and ptr % 16 == 0
+    assert torch.cuda.get_device_properties(dev).multi_processor_count <= bound <= slots, (bound, slots)

@@ -56,6 +56,20 @@ def test_tile_tokens_follow_the_constant_time_tile_of_the_head_size(monkeypatch)
         validate(*step, num_tokens=2_097_152)
 
 
+def test_head_256_running_states_have_a_slot_for_every_sm90_sm_id():
+    """Head 256's policy-off prefill keeps each SM's running states (2 warpgroups x 64 rows x 256 fp32)
+    in slot %smid of the workspace's split area: enough slots for sm_90's 144 SM ids; no other head
+    size takes any."""
+    from dhp_backend.ops.cuda_prefill import RUN_SLOT_BYTES, run_state
+
+    cpu = torch.device("cpu")
+    ptr, slots = run_state(cpu, dict(head=256))
+    assert ptr is not None and RUN_SLOT_BYTES == 2 * 64 * 256 * 4
+    assert slots >= 144
+    for head in (64, 80, 96, 128):
+        assert run_state(cpu, dict(head=head)) == (None, 0)
+
+
 def test_num_tokens_must_fit_the_query(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
     with pytest.raises(ValueError, match=r"num_tokens is 11; accepted: an int in \[0, query.shape\[0\] = 10\]"):

@@ -93,9 +93,9 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
 
 # Head 256, policy off: two consumer warpgroups whose running (folded) states do not fit in shared
 # memory beside Q and the K / V stages; each SM's CTA keeps them in its slot of the workspace's split
-# area (csrc kRunGlobal): 2 warpgroups x 128 threads x 256 fp32, one slot per SM id (%nsmid of them).
+# area (csrc kRunGlobal): 2 warpgroups x 64 rows x 256 fp32, one slot per SM id (sm_90: at most 144).
 RUN_HEAD = 256
-RUN_SLOT_BYTES = 2 * 128 * 256 * 4
+RUN_SLOT_BYTES = 2 * 64 * 256 * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,36 +122,27 @@ def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, hea
     return fn
 
 
-_run_slots_by_device: dict[int, int] = {}
-
-
 def run_state(device: torch.device, library: dict) -> tuple[int | None, int]:
     """The policy-off running-state area of a launch on ``library`` (`_library`'s arguments) and its
-    slots: (pointer, %nsmid) at head 256 (`RUN_HEAD`), (None, 0) otherwise. The slot count is read
-    from the device once (a sync); vLLM's warm-up runs it before any CUDA-graph capture."""
+    slots: (pointer, slots) at head 256 (`RUN_HEAD`: the workspace's split area, 495 slots of
+    `RUN_SLOT_BYTES`), (None, 0) otherwise. No device read (CUDA-graph capture safe): sm_90 has at most
+    144 SM ids (`sm_id_bound`, checked by a GPU test); the kernel traps on an id past the slots."""
     if library.get("head", 128) != RUN_HEAD:
         return None, 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    slots = _run_slots_by_device.get(index)
-    if slots is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cuda_prefill: the head-256 running-state slots are read on the first eager launch; "
-                               "accepted: one eager prefill launch on this device before CUDA-graph capture")
-        with torch.cuda.device(index):
-            out = torch.zeros(1, dtype=torch.int32, device=device)
-            fn = _library(**library).dhp_prefill_sm90_nsmid
-            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-            rc = fn(out.data_ptr(), torch.cuda.current_stream().cuda_stream)
-            if rc != 0:
-                raise RuntimeError(f"cuda_prefill: reading %nsmid failed: {launch_error(rc)}")
-            slots = int(out.item())
-        _run_slots_by_device[index] = slots
     area = wsp.reserve_workspace(device)[0]
-    if slots < 1 or slots * RUN_SLOT_BYTES > area.numel() * area.element_size():
-        raise RuntimeError(f"cuda_prefill: the device reports {slots} SM ids; accepted: at most "
-                           f"{area.numel() * area.element_size() // RUN_SLOT_BYTES} (the workspace's split area, "
-                           f"{RUN_SLOT_BYTES // 1024} KB a slot)")
-    return area.data_ptr(), slots
+    return area.data_ptr(), area.numel() * area.element_size() // RUN_SLOT_BYTES
+
+
+def sm_id_bound(device: torch.device) -> int:
+    """%nsmid of ``device`` (the SM ids' bound, gaps included), read by a one-thread kernel (a sync)."""
+    with torch.cuda.device(device):
+        out = torch.zeros(1, dtype=torch.int32, device=device)
+        fn = _library(head=RUN_HEAD).dhp_prefill_sm90_nsmid
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        rc = fn(out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cuda_prefill: reading %nsmid failed: {launch_error(rc)}")
+        return int(out.item())
 
 
 def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
