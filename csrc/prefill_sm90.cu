@@ -17,13 +17,15 @@
 // D = 128, 64, 80, 96 or 256 (one library per head size, -DDHP_HEAD, v2_arith.cuh kModelHead): every
 // tile is kHead / 64 halves of 64 columns, the output accumulator m64n<kHead>; heads 80 and 96 on
 // head-128 tiles whose columns D-127 the TMA fills with zeros (v2_arith.cuh says why the bits are head
-// 128's); head 256 on one consumer warpgroup of 64 rows and one stage (kConsumersOff, kStages below).
+// 128's); head 256 with one K and one V stage, the policy-off running state in global memory and the
+// constant-time binary on one consumer warpgroup of 64 rows (kRunGlobal, kConsumersCT, kStages below).
 //   block_table  [num_seqs, >= pages] int32; query_start_loc [num_seqs + 1]; seq_lens [num_seqs]
 // Causal with cached context: query row i of a request of q_len rows and
 // seq_len keys sits at position seq_len - q_len + i and sees keys 0..that.
 //
 // One CTA = 128 query rows of one request and one KV head (GQA packing: every K/V tile
-// is read once for the group; 192 rows at head 64, 64 at head 256), 3 warpgroups (4 at head 64, 2 at 256):
+// is read once for the group; 192 rows at head 64, 64 in head 256's constant-time binary), 3 warpgroups
+// (4 at head 64, 2 in head 256's constant-time binary):
 //   warpgroup 0  producer: TMA loads (Q once; per 128-position KV step the pages of K and
 //                of V, bs rows x 64 columns per box, D / 64 boxes per page, 128-byte swizzle) into a ring of two
 //                stages. K and V have their own full/empty mbarriers: K of a stage is

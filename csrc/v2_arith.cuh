@@ -70,8 +70,9 @@ constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of
 //
 // Head 256 runs on tiles of its own (four halves): the same contract, whose S = Q K^T sums 16 k16
 // slices instead of 8 (a row's operations are head 128's with twice the columns). What changes is
-// the prefill's tile: the output accumulator of a 64-row warpgroup is 128 registers, so the policy-off
-// and the constant-time prefill kernels run one consumer warpgroup of 64 rows (prefill_sm90.cu).
+// the prefill's tile: the output accumulator of a 64-row warpgroup is 128 registers, so the prefill
+// kernels run without the overlap, with one K and one V stage; policy off on two consumer warpgroups
+// whose running states live in global memory, the constant-time walk on one (prefill_sm90.cu).
 constexpr int kModelHead = DHP_HEAD;
 constexpr int kHead = kModelHead == 64 ? 64 : kModelHead == 256 ? 256 : 128;
 constexpr int kHalves = kHead / 64;

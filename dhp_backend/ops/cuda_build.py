@@ -56,7 +56,7 @@ _FEATURE_MACROS = (("window", "-DDHP_WINDOW=1"), ("softcap", "-DDHP_SOFTCAP=1"),
 # The head sizes the csrc kernels are compiled for (csrc/v2_arith.cuh DHP_HEAD): 128 is the plain
 # libraries' size; another size is a library of its own (suffix _h<size>, -DDHP_HEAD=<size>), like a feature.
 # 80 (Phi-2) and 96 (Phi-3) run on head-128 tiles whose columns D-127 the TMA fills with zeros (`TILE_HEAD`);
-# 256 (Gemma-2 9B, Gemma-3 <= 12B) on tiles of its own, one consumer warpgroup in the prefill kernels.
+# 256 (Gemma-2 9B, Gemma-3 <= 12B) on tiles of its own (csrc/prefill_sm90.cu kRunGlobal, kConsumersCT).
 HEAD_SIZES = (64, 80, 96, 128, 256)
 # The head size of a library's tiles (csrc/v2_arith.cuh kHead): its split states' rows in the workspace.
 TILE_HEAD = {64: 64, 80: 128, 96: 128, 128: 128, 256: 256}
