@@ -663,16 +663,24 @@ __device__ __forceinline__ Rows rows_of_packed(const Params& p, const Work& w, i
 // registers and the rows' 1 / l, the sink's state (m = sinks[h] log2 e, l = 1, acc = 0) folded in
 // first in the sink libraries (v2::kSinks). Shared by both consumers: the same operations as the
 // decode kernel's fold mode and merge, so a row keeps its bits.
-__device__ __forceinline__ void running_state_out(const Params& p, const Rows& rw, const float4* run_smem,
-                                                  float mr_lo, float lr_lo, float mr_hi, float lr_hi,
-                                                  float (&acc)[kAcc], float& inv_lo, float& inv_hi) {
-  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};
+// The rows' end statistics: the sink's fold coefficients (sink libraries; else the identity) and 1 / l.
+__device__ __forceinline__ void end_stats(const Params& p, const Rows& rw, float mr_lo, float lr_lo, float mr_hi,
+                                          float lr_hi, FoldCoef& sk_lo, FoldCoef& sk_hi, float& inv_lo,
+                                          float& inv_hi) {
+  sk_lo = sk_hi = FoldCoef{1.f, 0.f};
   if constexpr (v2::kSinks) {
     sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
     sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
   }
   inv_lo = finalize_inv(lr_lo);
   inv_hi = finalize_inv(lr_hi);
+}
+
+__device__ __forceinline__ void running_state_out(const Params& p, const Rows& rw, const float4* run_smem,
+                                                  float mr_lo, float lr_lo, float mr_hi, float lr_hi,
+                                                  float (&acc)[kAcc], float& inv_lo, float& inv_hi) {
+  FoldCoef sk_lo, sk_hi;
+  end_stats(p, rw, mr_lo, lr_lo, mr_hi, lr_hi, sk_lo, sk_hi, inv_lo, inv_hi);
 #pragma unroll
   for (int i = 0; i < kHead / 8; ++i) {
     const float4 r = run_smem[128 * i];
@@ -689,13 +697,8 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
 [[maybe_unused]] __device__ __forceinline__ void state_out_regs(const Params& p, const Rows& rw, float mr_lo, float lr_lo,
                                                float mr_hi, float lr_hi, float (&acc)[kAcc], float& inv_lo,
                                                float& inv_hi) {
-  FoldCoef sk_lo{1.f, 0.f}, sk_hi{1.f, 0.f};
-  if constexpr (v2::kSinks) {
-    sk_lo = fold_stats(mr_lo, lr_lo, v2::sink_m(p.sinks, rw.head_lo, p.num_heads), 1.f);
-    sk_hi = fold_stats(mr_hi, lr_hi, v2::sink_m(p.sinks, rw.head_hi, p.num_heads), 1.f);
-  }
-  inv_lo = finalize_inv(lr_lo);
-  inv_hi = finalize_inv(lr_hi);
+  FoldCoef sk_lo, sk_hi;
+  end_stats(p, rw, mr_lo, lr_lo, mr_hi, lr_hi, sk_lo, sk_hi, inv_lo, inv_hi);
   if constexpr (v2::kSinks) {
 #pragma unroll
     for (int i = 0; i < kHead / 8; ++i) {
