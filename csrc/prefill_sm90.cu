@@ -88,7 +88,7 @@ constexpr int kConsumersOff = kHead == 64 ? 3 : 2;
 constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 constexpr bool kSerialOff = kHead == 256;  // the policy-off consumer: consume_v2_serial (else consume_v2)
-constexpr bool kRunGlobal = kHead == 256;  // the policy-off running state in global memory (else shared)
+constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in global memory (else shared)
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
 constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
@@ -907,7 +907,6 @@ __device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc],
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                                   const Barriers<STAGES>& bar, int kvh) {
-  static_assert(kRunGlobal || STAGES < 0, "the serial consumer keeps its running state in global memory");
   using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   const int cw = threadIdx.x / 128 - 1;
