@@ -81,6 +81,10 @@ constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-t
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
 constexpr int kThreads = 128 * (kConsumersCT + 1);
 constexpr int kStages = kHead == 256 ? 1 : 2;       // K and V stages of both kernels
+// The constant-time consumer keeps the split's state at its last live step in registers (a selection
+// per step) and folds it into the running state once per split (consume_v2_ct); head 256's 128
+// accumulator registers leave no room for the copy, so its binary folds after every step.
+constexpr bool kSnapCT = kHead != 256;
 // The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
 // FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
 // softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs.
@@ -92,6 +96,8 @@ constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in g
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
 constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
+// The constant-time binary's: its producer warpgroup's Q loads (kBarQ), its consumers' turns (two ids).
+constexpr uint32_t kBarQ = 5, kBarTurnCT = kBarQ + 1;
 
 // Shared memory: Q | K stages | V stages | mbarriers | running state, 1 KB aligned
 // (swizzle atoms). The consumers' running (folded) state, 64 fp32 per thread, lives in
@@ -257,7 +263,6 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 // over its 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length;
 // at heads 80 and 96 the zero columns D-127 are the TMA's fill of a public box (no address follows a
 // length).
-constexpr uint32_t kBarQ = 5;  // named barrier of the producer warpgroup's Q loads
 
 using namespace ct;
 
@@ -560,56 +565,34 @@ __device__ __forceinline__ void store_row_ct(const Params& p, const Work& w, int
 // its turn before issuing wgmmas and hands the turn to the next right after issuing.
 // bar.sync/bar.arrive on a 256-thread barrier: 128 waiting + 128 arriving. Every
 // warpgroup of a CTA takes the same number of turns (one walk per tile).
-template <bool PINGPONG, int N = 2>
+// BASE: the first of the N barrier ids (kBarTurn, or kBarTurnCT in the constant-time kernel).
+template <bool PINGPONG, int N = 2, uint32_t BASE = kBarTurn>
 struct Turns {
   int cw;
   __device__ void start() const {  // warpgroup 0 goes first
-    if (PINGPONG && cw == N - 1) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn) : "memory");
+    if (PINGPONG && cw == N - 1) asm volatile("bar.arrive %0, 256;" ::"r"(BASE) : "memory");
   }
   __device__ void wait() const {
-    if (PINGPONG) named_barrier(kBarTurn + cw, 256);
+    if (PINGPONG) named_barrier(BASE + cw, 256);
   }
   __device__ void pass() const {
     const int next = N == 2 ? cw ^ 1 : (cw + 1) % N;
-    if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(kBarTurn + next) : "memory");
+    if (PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(BASE + next) : "memory");
   }
   __device__ void finish() const {  // consume the last warpgroup's last hand-over (no barrier left half-arrived)
-    if (PINGPONG && cw == 0) named_barrier(kBarTurn, 256);
+    if constexpr (BASE == kBarTurnCT) {
+      // The constant-time binaries (G2 gates their SASS): the barrier predicated in PTX, so that the
+      // guard ptxas makes of it carries its PTX predicate (warpgroup 0: a thread index), where the
+      // branch form below left a guard whose operand the SASS slice could not follow in every binary.
+      if constexpr (PINGPONG) asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p bar.sync %0, 256;\n\t}" ::"r"(BASE), "r"(cw) : "memory");
+    } else {
+      if (PINGPONG && cw == 0) named_barrier(BASE, 256);
+    }
   }
 };
 
 using v2::quad_lanes;
 using v2::step_tree;
-
-// A stage's S = Q K^T (one m64n128 wgmma batch), then the K stage released by the warp.
-template <bool BF16, int STAGES>
-__device__ __forceinline__ void scores_of_stage(float (&s)[64], uint32_t q_base, uint32_t k_base,
-                                                const Barriers<STAGES>& bar, int st, uint32_t par, int lane) {
-  mbar_wait(bar.k_full(st), par);
-  wgmma_fence();
-  issue_qk<BF16, Layout<STAGES, kConsumersCT>::kQHalfBytes>(s, q_base, k_base);
-  wgmma_commit();
-  wgmma_wait<0>();
-  pin(s);
-  __syncwarp();
-  if (lane == 0) mbar_arrive(bar.k_empty(st));
-}
-
-// O = O * alpha + P V over a stage (the caller has waited for its V rows), then the V stage released.
-template <bool BF16, int STAGES>
-__device__ __forceinline__ void accumulate_stage(float (&acc)[kAcc], uint32_t (&pa)[32], float a_lo, float a_hi,
-                                                 uint32_t v_base, const Params& p, const Barriers<STAGES>& bar,
-                                                 int st, int lane) {
-  scale_rows(acc, a_lo, a_hi);
-  wgmma_fence();
-  issue_pv<BF16>(acc, pa, v_base, p.v_lbo, p.v_sbo);
-  wgmma_commit();
-  wgmma_wait<0>();
-  pin(acc);
-  pin(pa);
-  __syncwarp();
-  if (lane == 0) mbar_arrive(bar.v_empty(st));
-}
 
 // One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
 // scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
@@ -1006,11 +989,16 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
 // store_row_ct unchanged, and its remedies kept): every tile walks its request's public bucket;
 // every score is masked by select; V rows past the true length are zeroed by the cleaners
 // (the consumers wait on v_clean); a dead step (all positions past the true length) runs
-// unmasked for the rows of the request and is dropped by the commit; the split's state is
-// folded into the running state (shared memory) after every step and kept, by selection, at
-// the split's last live step. The commit's fold takes the quad's l (v2::quad_lanes) every
-// step: four shuffles a step that the off binary spends once per split. No branch, trip count
-// or address follows the true length.
+// unmasked for the rows of the request and its product is never kept. The commit (kSnapCT: all
+// heads but 256): after every step the split's state (acc, m, l) is copied into registers
+// (snap) by selection when the step is live, so after the split's last step snap holds its state
+// at its last live step, which is folded into the running state (shared memory) at the split's
+// end, kept by selection when the split held a live step; the same fold with the same operands as
+// the off binary's at that split's end or last step, so the same bits. Head 256 (no registers for
+// the copy) folds after every step, kept by selection at the split's last live step. The two
+// consumer warpgroups take turns at issuing S (Turns; named barriers, the same count whatever the
+// lengths). No branch, trip count or address follows the true length: the selections are on bits
+// (ct::select_f32), the split ends and the turns are step indices.
 template <bool BF16, int STAGES>
 __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
                                               const Barriers<STAGES>& bar, int kvh, int g) {
@@ -1024,6 +1012,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   const int lim_lo = select_int(rw.qi_lo < w.q_len, p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1, -1);
   const int lim_hi = select_int(rw.qi_hi < w.q_len, p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1, -1);
   const uint32_t q_base = smem + 64 * cw * 128;
+  // The two warpgroups take turns at issuing S (one warpgroup at head 256: no turns).
+  const Turns<kConsumersCT == 2, 2, kBarTurnCT> turns{cw};
   // Window (feature libraries): the lower bound only selects, in every step; the walk is the
   // bucket's whatever the window is (its position follows the true length: design.md section 2).
   const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
@@ -1037,14 +1027,59 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
-
-  mbar_wait(bar.q_full(), 0);
-  for (int t = 0; t < w.n_steps; ++t) {
-    const int st = t % STAGES;
-    const uint32_t par = (t / STAGES) & 1;
-    const uint32_t k_base = smem + L::kOffK + st * kTileBytes, v_base = smem + L::kOffV + st * kTileBytes;
-    scores_of_stage<BF16>(s, q_base, k_base, bar, st, par, lane);
-
+  // The running state folded with a split's state (m, per-lane l, o), kept by selection.
+  auto commit_fold = [&](bool commit, float fm_lo, float fl_lo, float fm_hi, float fl_hi, const float(&o)[kAcc]) {
+    float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
+    const FoldCoef lo = fold_stats(mf_lo, lf_lo, fm_lo, quad_lanes(fl_lo));
+    const FoldCoef hi = fold_stats(mf_hi, lf_hi, fm_hi, quad_lanes(fl_hi));
+#pragma unroll
+    for (int i = 0; i < kHead / 8; ++i) {
+      const float4 r = run_smem[128 * i];
+      const float x = fold_value(r.x, o[4 * i], lo), y = fold_value(r.y, o[4 * i + 1], lo);
+      const float z = fold_value(r.z, o[4 * i + 2], hi), u = fold_value(r.w, o[4 * i + 3], hi);
+      run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
+                                      select_f32(commit, z, r.z), select_f32(commit, u, r.w));
+    }
+    mr_lo = select_f32(commit, mf_lo, mr_lo);
+    lr_lo = select_f32(commit, lf_lo, lr_lo);
+    mr_hi = select_f32(commit, mf_hi, mr_hi);
+    lr_hi = select_f32(commit, lf_hi, lr_hi);
+  };
+  // kSnapCT: the split's state after its last live step so far, kept by selection (read only when
+  // the split held a live step).
+  float snap[kAcc], sm_lo = kMInit, sm_hi = kMInit, sl_lo = 0.f, sl_hi = 0.f;
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) snap[i] = 0.f;
+  // Step t's state is complete (PV(t) done): its commit, and a fresh state at a split's end.
+  auto step_end = [&](int t) {
+    const int kv0 = t * kCols;
+    const bool dead = kv0 >= w.seq_len;
+    if constexpr (kSnapCT) {
+      // a dead step's product goes on into acc and is never read
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) snap[i] = select_f32(!dead, acc[i], snap[i]);
+      sm_lo = select_f32(!dead, m_lo, sm_lo);
+      sl_lo = select_f32(!dead, l_lo, sl_lo);
+      sm_hi = select_f32(!dead, m_hi, sm_hi);
+      sl_hi = select_f32(!dead, l_hi, sl_hi);
+    } else {
+      // a fold after every step, kept at a split's last live step
+      const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);  // public
+      commit_fold(!dead & (split_end | (kv0 + kCols >= w.seq_len)), m_lo, l_lo, m_hi, l_hi, acc);
+    }
+    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
+      // the snapshot's fold, kept when the split held a live step
+      if constexpr (kSnapCT)
+        commit_fold((t / kStepsPerSplit) * kSplitKV < w.seq_len, sm_lo, sl_lo, sm_hi, sl_hi, snap);
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+      m_lo = m_hi = kMInit;
+      l_lo = l_hi = 0.f;
+    }
+  };
+  // Step t's row arithmetic on its scores s: every score masked by select; a dead step (every
+  // position past the true length) unmasked for the request's rows.
+  auto softmax = [&](int t, float& a_lo, float& a_hi) {
     const int kv0 = t * kCols;
     const bool dead = kv0 >= w.seq_len;
     if constexpr (v2::kSoftCap) cap_scores(s, p);
@@ -1056,38 +1091,50 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
       mask_scores(s, kv0, select_int(dead & (rw.qi_lo < w.q_len), INT_MAX, lim_lo),
                   select_int(dead & (rw.qi_hi < w.q_len), INT_MAX, lim_hi), lane);  // every step, by select
     }
-    float a_lo, a_hi;
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+  };
+  auto release = [&](uint32_t barrier) {  // one arrival per warp
+    __syncwarp();
+    if (lane == 0) mbar_arrive(barrier);
+  };
+  auto scores = [&](int t) {  // issue S = Q K_t^T
+    const int st = t % STAGES;
+    mbar_wait(bar.k_full(st), (t / STAGES) & 1);
+    wgmma_fence();
+    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    wgmma_commit();
+  };
+  auto values = [&](int t, float a_lo, float a_hi) {  // O = O * a(t) + P V_t, on V rows the cleaners zeroed
+    const int st = t % STAGES;
+    mbar_wait(v_clean(bar, st), (t / STAGES) & 1);
+    scale_rows(acc, a_lo, a_hi);
+    wgmma_fence();
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    wgmma_commit();
+  };
+
+  mbar_wait(bar.q_full(), 0);
+  turns.start();
+  // S, softmax, PV and the step's end in series (with the overlap of consume_v2, or PV(t) and
+  // S(t + 1) issued together and the step's end under S(t + 1), measured slower: perf-notes, lever 53).
+  for (int t = 0; t < w.n_steps; ++t) {
+    float a_lo, a_hi;
+    turns.wait();
+    scores(t);
+    turns.pass();
+    wgmma_wait<0>();
+    pin(s);
+    release(bar.k_empty(t % STAGES));
+    softmax(t, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
-
-    mbar_wait(v_clean(bar, st), par);  // rows past the true length already zeroed (clean_v_ct)
-    accumulate_stage<BF16>(acc, pa, a_lo, a_hi, v_base, p, bar, st, lane);
-
-    // the commit: a fold after every step, kept at a split's last live step
-    const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);
-    const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
-    float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
-    const FoldCoef lo = fold_stats(mf_lo, lf_lo, m_lo, quad_lanes(l_lo));
-    const FoldCoef hi = fold_stats(mf_hi, lf_hi, m_hi, quad_lanes(l_hi));
-#pragma unroll
-    for (int i = 0; i < kHead / 8; ++i) {
-      const float4 r = run_smem[128 * i];
-      const float x = fold_value(r.x, acc[4 * i], lo), y = fold_value(r.y, acc[4 * i + 1], lo);
-      const float z = fold_value(r.z, acc[4 * i + 2], hi), u = fold_value(r.w, acc[4 * i + 3], hi);
-      run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
-                                      select_f32(commit, z, r.z), select_f32(commit, u, r.w));
-    }
-    mr_lo = select_f32(commit, mf_lo, mr_lo);
-    lr_lo = select_f32(commit, lf_lo, lr_lo);
-    mr_hi = select_f32(commit, mf_hi, mr_hi);
-    lr_hi = select_f32(commit, lf_hi, lr_hi);
-    if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-      m_lo = m_hi = kMInit;
-      l_lo = l_hi = 0.f;
-    }
+    values(t, a_lo, a_hi);
+    wgmma_wait<0>();
+    pin(acc);
+    pin(pa);
+    release(bar.v_empty(t % STAGES));
+    step_end(t);
   }
+  turns.finish();
   float inv_lo, inv_hi;
   running_state_out(p, rw, run_smem, mr_lo, lr_lo, mr_hi, lr_hi, acc, inv_lo, inv_hi);
   const int r = 64 * cw + 16 * warp + lane / 4;

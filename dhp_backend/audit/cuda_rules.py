@@ -69,6 +69,10 @@ RULES = (
                      "num_seqs is the step's public number of requests"),
     CudaRule("role", "prefill_sm90.cu", r"^(\} else )?if \(threadIdx\.x (==|<|>=) [^)]*\) \{$", PUBLIC,
              "warp-specialised roles by thread index: producer thread, V cleaners, consumers"),
+    CudaRule("turn-finish", "prefill_sm90.cu",
+             r'^if constexpr \(PINGPONG\) asm volatile\("\{\\n\\t\.reg \.pred p;\\n\\tsetp\.eq\.s32 p, %1, 0;\\n\\t@p bar\.sync %0, 256;',
+             PUBLIC, "Turns::finish: consumer warpgroup 0 (a thread index) takes the last hand-over of the turns "
+                     "the two consumer warpgroups alternate on, once per tile"),
     CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$", PUBLIC,
              "ceil(L / 128) KV steps of the public bucket L (l_scalar), for the producer, the V cleaners "
              "and the consumers alike"),
