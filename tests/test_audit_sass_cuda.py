@@ -278,7 +278,8 @@ def test_prefill_constant_time_binaries_pass_the_gate():
     reported = [r for r in s["results"] if not r["gating"] and r.get("audited", True)]
     assert len(gating) == 2 and s["passed"], [f for r in gating for f in r["failures"]][:5]
     for r in gating:  # every kind of branch the CT walk has, each explained
-        assert {"locate-loop", "step-loop", "role", "wait", "elect-loop", "producer-issue"} <= set(r["by_rule"])
+        assert {"locate-loop", "step-loop", "role", "wait", "elect-loop", "producer-issue", "v2p-split-end",
+                "turn-finish"} <= set(r["by_rule"])
         assert not r["documented"]
     # Per-request buckets: the one documented dependence (the request's bucket, from memory).
     assert len(reported) == 2 and all(r["passed"] and r["documented"] == ["mem"] for r in reported)
