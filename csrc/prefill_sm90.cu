@@ -35,8 +35,8 @@
 //   warpgroups 1, 2  consumers, 64 query rows each: S = Q K^T (wgmma, both operands in
 //                shared memory), the row arithmetic of the contract (v2_arith.cuh,
 //                docs/kernels.md section 7) in registers, O += P V (wgmma, P from
-//                registers, V read transposed). Policy off adds FA3's schedules
-//                (consume_v2: intra-warpgroup overlap, pingpong of the two warpgroups).
+//                registers, V read transposed). Policy off adds FA3's schedules (consume_v2:
+//                intra-warpgroup overlap, pingpong); CT takes turns at issuing S (consume_v2_ct).
 // A row's bits equal those of csrc/decode_sm90.cu's rows for the same position, under
 // every policy (tests/test_cuda_prefill_gpu.py). The Triton-contract consumers measured
 // before (compat, and the FA3-like `plain` with its schedule and diagnostic flags) are in
