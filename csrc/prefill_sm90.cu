@@ -594,6 +594,12 @@ struct Turns {
 using v2::quad_lanes;
 using v2::step_tree;
 
+// A consumer warp's arrival on a stage's empty barrier (one arrival per warp: the barriers count warps).
+__device__ __forceinline__ void release(uint32_t barrier, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(barrier);
+}
+
 // One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
 // scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
 // the running max, the rows' alphas, p in place and the per-lane l (v2_arith.cuh).
@@ -769,10 +775,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
-  auto release = [&](uint32_t barrier) {  // one arrival per warp
-    __syncwarp();
-    if (lane == 0) mbar_arrive(barrier);
-  };
   auto fold = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi) {  // acc (done) into run_smem; acc = 0
     const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
     const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
@@ -792,7 +794,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   turns.pass();
   wgmma_wait<0>();
   pin(s);
-  release(bar.k_empty(0));
+  release(bar.k_empty(0), lane);
   softmax(t0);
   scale_rows(acc, a_lo, a_hi);
   pack_p<BF16, 64>(s, pa);
@@ -810,12 +812,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
     pin(s);
-    release(bar.k_empty((t + 1 - t0) % STAGES));
+    release(bar.k_empty((t + 1 - t0) % STAGES), lane);
     softmax(t + 1);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty((t - t0) % STAGES));
+    release(bar.v_empty((t - t0) % STAGES), lane);
     if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
     scale_rows(acc, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
@@ -826,7 +828,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   wgmma_wait<0>();
   pin(acc);
   pin(pa);
-  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES));
+  release(bar.v_empty((w.n_steps - 1 - t0) % STAGES), lane);
   fold(m_lo, m_hi, l_lo, l_hi);
   turns.finish();
 
@@ -920,10 +922,6 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
   bool first_fold = true;
-  auto release = [&](uint32_t barrier) {  // one arrival per warp
-    __syncwarp();
-    if (lane == 0) mbar_arrive(barrier);
-  };
 
   mbar_wait(bar.q_full(), 0);
   turns.start();
@@ -939,7 +937,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     turns.pass();
     wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty(st));
+    release(bar.k_empty(st), lane);
     if constexpr (v2::kSoftCap) cap_scores(s, p);
     if constexpr (v2::kWindow) {
       if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
@@ -961,7 +959,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty(st));
+    release(bar.v_empty(st), lane);
     if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: fold, then a fresh state
       const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
       const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
@@ -1093,10 +1091,6 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
-  auto release = [&](uint32_t barrier) {  // one arrival per warp
-    __syncwarp();
-    if (lane == 0) mbar_arrive(barrier);
-  };
   auto scores = [&](int t) {  // issue S = Q K_t^T
     const int st = t % STAGES;
     mbar_wait(bar.k_full(st), (t / STAGES) & 1);
@@ -1124,14 +1118,14 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     turns.pass();
     wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty(t % STAGES));
+    release(bar.k_empty(t % STAGES), lane);
     softmax(t, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
     values(t, a_lo, a_hi);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty(t % STAGES));
+    release(bar.v_empty(t % STAGES), lane);
     step_end(t);
   }
   turns.finish();
