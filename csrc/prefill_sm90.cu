@@ -73,9 +73,10 @@ constexpr int kTileBytes = kHalves * kHalfBytes; // a 128-position x D 16-bit st
 // tile of the contract). The constant-time binary runs one consumer warpgroup of 64 rows with its
 // running state in shared memory (Q 32 KB + K + V + the state 64 KB: 225 KB). The policy-off binary
 // runs two consumer warpgroups (128-row tiles, the K / V bytes of a step shared by twice the rows,
-// the warpgroups taking turns at issuing S) and keeps its running state in global memory
-// (kRunGlobal: Q 64 KB + K + V = 192 KB leave no room for 128 KB of state): one slot per SM in the
-// split area of the workspace, read and written once per split (ops/cuda_prefill.py).
+// the warpgroups taking turns at issuing S) and keeps three quarters of its running state in global
+// memory (kRunGlobal: Q 64 KB + K + V = 192 KB leave room for 32 of the state's 128 KB, kRunSmemF4):
+// one slot per SM in the split area of the workspace, read and written once per split, under the next
+// step's S (ops/cuda_prefill.py).
 constexpr int kConsumersCT = kHead == 256 ? 1 : 2;  // the constant-time binaries' consumer warpgroups
 constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-time CTA
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
@@ -93,6 +94,13 @@ constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 constexpr bool kSerialOff = kHead == 256;  // the policy-off consumer: consume_v2_serial (else consume_v2)
 constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in global memory (else shared)
+// consume_v2_serial's fold under the next S, whose 64 score registers are then live: float4 loads in
+// flight per batch (8 left no registers: spill).
+constexpr int kFoldBatchUnderS = 4;
+// The float4 of a policy-off consumer thread's running state kept in shared memory: all of them, or with
+// kRunGlobal the first 8 of head 256's 32 (the 32 KB left beside Q, K and V; a quarter less L2 traffic
+// per fold), the rest in global memory.
+constexpr int kRunSmemF4 = kRunGlobal ? 8 : kHead / 8;
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
 constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
@@ -105,22 +113,23 @@ constexpr uint32_t kBarQ = 5, kBarTurnCT = kBarQ + 1;
 // (policy off: with the overlap, s of the next step, P, O and a register-resident running
 // state would all be live; CT: the walk's extra live values spilled it).
 // CONSUMERS: the consumer warpgroups, 64 Q rows each (the Q tile: kHalves halves of 64 * CONSUMERS rows).
-// RUN_SMEM: the running state in shared memory (all but the policy-off binary at head 256: kRunGlobal).
-template <int STAGES, int CONSUMERS = 2, bool RUN_SMEM = true>
+// RUN_F4: the float4 of a consumer thread's running state held in shared memory (all kHead / 8 but in the
+// policy-off binary at head 256: kRunSmemF4).
+template <int STAGES, int CONSUMERS = 2, int RUN_F4 = kHead / 8>
 struct Layout {
   static constexpr int kQHalfBytes = 64 * CONSUMERS * 128;
   static constexpr int kOffK = kHalves * kQHalfBytes;
   static constexpr int kOffV = kOffK + STAGES * kTileBytes;
   static constexpr int kOffBar = kOffV + STAGES * kTileBytes;
   static constexpr int kOffRun = kOffBar + 128;
-  static constexpr int kRunBytes = RUN_SMEM ? CONSUMERS * 128 * kAcc * 4 : 0;
+  static constexpr int kRunBytes = CONSUMERS * 128 * RUN_F4 * 16;
   static constexpr int kBytes = kOffRun + kRunBytes + 1024;  // + alignment slack
   static_assert(8 * RingBarriers<STAGES>::kCount <= 128, "the barriers fit their 128 bytes");
 };
 static_assert(Layout<kStages, kConsumersCT>::kBytes <= 227 * 1024, "the stages and the running state fit");
 // The policy-off kernel's layout.
 template <int STAGES>
-using LayoutOff = Layout<STAGES, kConsumersOff, !kRunGlobal>;
+using LayoutOff = Layout<STAGES, kConsumersOff, kRunSmemF4>;
 static_assert(LayoutOff<kStages>::kBytes <= 227 * 1024, "the policy-off kernel's tile fits");
 // kRunGlobal's slots are per SM: no two CTAs of any binary of this file may share an SM (shared memory).
 static_assert(!kRunGlobal || 2 * LayoutOff<kStages>::kBytes > 228 * 1024, "one policy-off CTA per SM");
@@ -155,7 +164,8 @@ struct Params {
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
   // The policy-off binary at head 256 (kRunGlobal): the running states, [run_slots][kConsumersOff]
-  // [kHead / 8][128 threads] float4, slot = the SM's id (%smid < %nsmid <= run_slots).
+  // [kHead / 8][128 threads] float4, slot = the SM's id (%smid < %nsmid <= run_slots); the first
+  // kRunSmemF4 float4 of a thread's are kept in shared memory instead (their slot space unused).
   float4* run;
   int run_slots;
 };
@@ -847,20 +857,23 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 }
 
 // A split's end with the running state in global memory (kRunGlobal; run: this thread's first
-// float4, kHead / 8 of them 128 float4 apart, coalesced per warp): r = fold_value(r, acc, coef),
-// the operations of the shared-memory fold. FIRST (the tile's first fold: the state is zeros, as
-// shared memory's after its clearing) reads nothing; LAST keeps the folded values in acc for the
-// epilogue instead of storing them; otherwise acc is zeroed for the next split. Loads in batches
-// of eight float4 (32 registers beside acc's 128), through L2 (ld.global.cg).
-template <bool LAST>
-__device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc], FoldCoef lo, FoldCoef hi,
-                                                bool first) {
-  constexpr int kBatch = 8;
+// float4, kHead / 8 of them 128 float4 apart, coalesced per warp; the first kRunSmemF4 of them at
+// run_s in shared memory instead): r = fold_value(r, acc, coef), the operations of the shared-memory
+// fold. FIRST (the tile's first fold: the state is zeros, as shared memory's after its clearing)
+// reads nothing; LAST keeps the folded values in acc for the epilogue instead of storing them;
+// otherwise acc is zeroed for the next split. Loads in batches of kBatch float4 (4 * kBatch registers
+// beside acc's 128), the global ones through L2 (ld.global.cg).
+template <bool LAST, int kBatch = 8>
+__device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, float (&acc)[kAcc], FoldCoef lo,
+                                                FoldCoef hi, bool first) {
 #pragma unroll
   for (int c = 0; c < kHead / 8; c += kBatch) {
     float4 r[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) r[j] = first ? make_float4(0.f, 0.f, 0.f, 0.f) : __ldcg(run + 128 * (c + j));
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = c + j;
+      r[j] = first ? make_float4(0.f, 0.f, 0.f, 0.f) : i < kRunSmemF4 ? run_s[128 * i] : __ldcg(run + 128 * i);
+    }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = c + j;
@@ -868,6 +881,9 @@ __device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc],
       const float z = fold_value(r[j].z, acc[4 * i + 2], hi), u = fold_value(r[j].w, acc[4 * i + 3], hi);
       if constexpr (LAST) {
         acc[4 * i] = x, acc[4 * i + 1] = y, acc[4 * i + 2] = z, acc[4 * i + 3] = u;
+      } else if (i < kRunSmemF4) {
+        run_s[128 * i] = make_float4(x, y, z, u);
+        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
       } else {
         __stcg(run + 128 * i, make_float4(x, y, z, u));
         acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
@@ -877,13 +893,14 @@ __device__ __forceinline__ void fold_run_global(float4* run, float (&acc)[kAcc],
 }
 
 // Policy off at head 256 (two consumer warpgroups, one stage of K and of V; running state in global
-// memory: kRunGlobal): the operations of consume_v2 on its rows in the same order, without its
-// overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's softmax and PV
+// and shared memory: kRunGlobal, kRunSmemF4): the operations of consume_v2 on its rows in the same
+// order, without its overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's softmax and PV
 // run while the other's S does), K released; the step's row arithmetic (v2_step); O = O * a(t) +
 // P(t) V(t), V released; at a split's end the split's state folded into the running state
-// (fold_run_global) and a fresh state. consume_v2 computes the same: a(t) applied right before
-// PV(t), the fold after the split's last PV with the state saved before the next split's first
-// softmax (which starts fresh); so the same bits. There is no register room for S of the next step
+// (fold_run_global, run under the next step's S: the fold's L2 round trips overlap that product) and
+// a fresh state. consume_v2 computes the same: a(t) applied right before PV(t), the fold after the
+// split's last PV and before the next split's first PV, with the state saved before the next
+// split's first softmax (which starts fresh); so the same bits. There is no register room for S of the next step
 // beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
 // other warpgroup's fills the gap, and the producer's loads of step t + 1 run under step t's
 // softmax (K) and PV (V).
@@ -916,12 +933,18 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   // GPU test checks %nsmid against them): a trap, never two SMs on one slot, if a device had more.
   if (slot >= p.run_slots) __trap();
   float4* const run = p.run + (static_cast<int64_t>(slot) * kConsumersOff + cw) * (kHead / 8) * 128 + tid;
+  float4* const run_s = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * kRunSmemF4 * 128 + tid;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
   bool first_fold = true;
+  // A split's fold (its L2 round trip) waits for the next step's S: it runs under that product's
+  // tensor time, before the step's softmax and PV (acc = 0 * a(t), the same operations as folding
+  // right after the split's last PV). Its coefficients are computed at the split's end.
+  bool fold_due = false;
+  FoldCoef due_lo{1.f, 0.f}, due_hi{1.f, 0.f};
 
   mbar_wait(bar.q_full(), 0);
   turns.start();
@@ -935,6 +958,11 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
     turns.pass();
+    if (fold_due) {  // (the split that ended at step t - 1)
+      fold_run_global<false, kFoldBatchUnderS>(run, run_s, acc, due_lo, due_hi, first_fold);
+      first_fold = false;
+      fold_due = false;
+    }
     wgmma_wait<0>();
     pin(s);
     release(bar.k_empty(st), lane);
@@ -960,11 +988,10 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     pin(acc);
     pin(pa);
     release(bar.v_empty(st), lane);
-    if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: fold, then a fresh state
-      const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
-      const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
-      fold_run_global<false>(run, acc, lo, hi, first_fold);
-      first_fold = false;
+    if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: its fold due, a fresh state
+      due_lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
+      due_hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
+      fold_due = true;
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
@@ -973,7 +1000,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   {  // the last split's fold, kept in acc
     const FoldCoef lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
     const FoldCoef hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
-    fold_run_global<true>(run, acc, lo, hi, first_fold);
+    fold_run_global<true>(run, run_s, acc, lo, hi, first_fold);
   }
 
   float inv_lo, inv_hi;

@@ -72,7 +72,8 @@ constexpr int kStepKV = 128;  // positions per KV step, at absolute multiples of
 // slices instead of 8 (a row's operations are head 128's with twice the columns). What changes is
 // the prefill's tile: the output accumulator of a 64-row warpgroup is 128 registers, so the prefill
 // kernels run without the overlap, with one K and one V stage; policy off on two consumer warpgroups
-// whose running states live in global memory, the constant-time walk on one (prefill_sm90.cu).
+// whose running states live in global memory (a quarter in shared memory), the constant-time walk on
+// one (prefill_sm90.cu).
 constexpr int kModelHead = DHP_HEAD;
 constexpr int kHead = kModelHead == 64 ? 64 : kModelHead == 256 ? 256 : 128;
 constexpr int kHalves = kHead / 64;
