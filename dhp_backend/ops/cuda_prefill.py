@@ -94,6 +94,8 @@ def routes_prefill_ct(spec) -> tuple[bool, str]:
 # Head 256, policy off: two consumer warpgroups whose running (folded) states do not fit in shared
 # memory beside Q and the K / V stages; each SM's CTA keeps them in its slot of the workspace's split
 # area (csrc kRunGlobal): 2 warpgroups x 64 rows x 256 fp32, one slot per SM id (sm_90: at most 144).
+# (The kernel keeps the first quarter of each thread's state in shared memory, kRunSmemF4: that part of
+# a slot stays unused; the slot's layout is the whole state's.)
 RUN_HEAD = 256
 RUN_SLOT_BYTES = 2 * 64 * 256 * 4
 
