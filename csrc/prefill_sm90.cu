@@ -101,6 +101,9 @@ constexpr int kFoldBatchUnderS = 4;
 // kRunGlobal the first 8 of head 256's 32 (the 32 KB left beside Q, K and V; a quarter less L2 traffic
 // per fold), the rest in global memory.
 constexpr int kRunSmemF4 = kRunGlobal ? 8 : kHead / 8;
+// ... of which the float4 [kRunSmemF4, kFoldEarlyEnd) are folded right after the split's last PV (one batch
+// of 16 loads: S and P hold no registers then), the rest under the next step's S.
+constexpr int kFoldEarlyEnd = kRunSmemF4 + 16;
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
 constexpr uint32_t kBarVTail = 1, kBarTurn = 1 + kConsumersOff;
@@ -862,12 +865,14 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // fold. FIRST (the tile's first fold: the state is zeros, as shared memory's after its clearing)
 // reads nothing; LAST keeps the folded values in acc for the epilogue instead of storing them;
 // otherwise acc is zeroed for the next split. Loads in batches of kBatch float4 (4 * kBatch registers
-// beside acc's 128), the global ones through L2 (ld.global.cg).
-template <bool LAST, int kBatch = 8>
+// beside acc's 128), the global ones through L2 (ld.global.cg). [C0, C1): the float4 this call folds
+// (a fold may come in parts: consume_v2_serial).
+template <bool LAST, int kBatch = 8, int C0 = 0, int C1 = kHead / 8>
 __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, float (&acc)[kAcc], FoldCoef lo,
                                                 FoldCoef hi, bool first) {
+  static_assert((C1 - C0) % kBatch == 0, "whole batches");
 #pragma unroll
-  for (int c = 0; c < kHead / 8; c += kBatch) {
+  for (int c = C0; c < C1; c += kBatch) {
     float4 r[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -897,8 +902,8 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
 // order, without its overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's softmax and PV
 // run while the other's S does), K released; the step's row arithmetic (v2_step); O = O * a(t) +
 // P(t) V(t), V released; at a split's end the split's state folded into the running state
-// (fold_run_global, run under the next step's S: the fold's L2 round trips overlap that product) and
-// a fresh state. consume_v2 computes the same: a(t) applied right before PV(t), the fold after the
+// (fold_run_global, partly at the split's end and the rest under the next step's S, so that most of
+// the fold's L2 round trips overlap that product) and a fresh state. consume_v2 computes the same: a(t) applied right before PV(t), the fold after the
 // split's last PV and before the next split's first PV, with the state saved before the next
 // split's first softmax (which starts fresh); so the same bits. There is no register room for S of the next step
 // beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
@@ -940,9 +945,11 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
   bool first_fold = true;
-  // A split's fold (its L2 round trip) waits for the next step's S: it runs under that product's
-  // tensor time, before the step's softmax and PV (acc = 0 * a(t), the same operations as folding
-  // right after the split's last PV). Its coefficients are computed at the split's end.
+  // A split's fold in two parts, both before the next split's first PV, so the same operations on the
+  // same values as one fold right after the split's last PV (acc = 0 * a(t) after it): at the split's
+  // end (its coefficients, and 16 of the 24 global float4 in one batch of L2 loads while S and P hold
+  // no registers), then the rest (the shared-memory quarter and the last 8 global float4) right after
+  // the next step's S is issued, under that product's tensor time. Each float4 is folded once.
   bool fold_due = false;
   FoldCoef due_lo{1.f, 0.f}, due_hi{1.f, 0.f};
 
@@ -958,8 +965,9 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
     turns.pass();
-    if (fold_due) {  // (the split that ended at step t - 1)
-      fold_run_global<false, kFoldBatchUnderS>(run, run_s, acc, due_lo, due_hi, first_fold);
+    if (fold_due) {  // the rest of the fold of the split that ended at step t - 1
+      fold_run_global<false, kFoldBatchUnderS, 0, kRunSmemF4>(run, run_s, acc, due_lo, due_hi, first_fold);
+      fold_run_global<false, kFoldBatchUnderS, kFoldEarlyEnd, kHead / 8>(run, run_s, acc, due_lo, due_hi, first_fold);
       first_fold = false;
       fold_due = false;
     }
@@ -991,6 +999,9 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     if ((t + 1) % kStepsPerSplit == 0 && t + 1 < w.n_steps) {  // a split's end: its fold due, a fresh state
       due_lo = fold_stats(mr_lo, lr_lo, m_lo, quad_lanes(l_lo));
       due_hi = fold_stats(mr_hi, lr_hi, m_hi, quad_lanes(l_hi));
+      // the first global part now, while S and P hold no registers: one batch of 16 L2 loads
+      fold_run_global<false, kFoldEarlyEnd - kRunSmemF4, kRunSmemF4, kFoldEarlyEnd>(run, run_s, acc, due_lo, due_hi,
+                                                                                  first_fold);
       fold_due = true;
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
