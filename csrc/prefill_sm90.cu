@@ -75,8 +75,8 @@ constexpr int kTileBytes = kHalves * kHalfBytes; // a 128-position x D 16-bit st
 // runs two consumer warpgroups (128-row tiles, the K / V bytes of a step shared by twice the rows,
 // the warpgroups taking turns at issuing S) and keeps three quarters of its running state in global
 // memory (kRunGlobal: Q 64 KB + K + V = 192 KB leave room for 32 of the state's 128 KB, kRunSmemF4):
-// one slot per SM in the split area of the workspace, read and written once per split, under the next
-// step's S (ops/cuda_prefill.py).
+// one slot per SM in the split area of the workspace, read and written once per split, mostly off the
+// softmax's chain (consume_v2_serial; ops/cuda_prefill.py).
 constexpr int kConsumersCT = kHead == 256 ? 1 : 2;  // the constant-time binaries' consumer warpgroups
 constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-time CTA
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
@@ -899,14 +899,14 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
 
 // Policy off at head 256 (two consumer warpgroups, one stage of K and of V; running state in global
 // and shared memory: kRunGlobal, kRunSmemF4): the operations of consume_v2 on its rows in the same
-// order, without its overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's softmax and PV
-// run while the other's S does), K released; the step's row arithmetic (v2_step); O = O * a(t) +
-// P(t) V(t), V released; at a split's end the split's state folded into the running state
-// (fold_run_global, partly at the split's end and the rest under the next step's S, so that most of
-// the fold's L2 round trips overlap that product) and a fresh state. consume_v2 computes the same: a(t) applied right before PV(t), the fold after the
-// split's last PV and before the next split's first PV, with the state saved before the next
-// split's first softmax (which starts fresh); so the same bits. There is no register room for S of the next step
-// beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
+// order, without its overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's
+// softmax and PV run while the other's S does), K released; the step's row arithmetic (v2_step);
+// O = O * a(t) + P(t) V(t), V released; at a split's end the split's state folded into the running
+// state (fold_run_global, partly at the split's end and the rest under the next step's S, so that
+// most of the fold's L2 round trips overlap that product) and a fresh state. consume_v2 computes the
+// same: a(t) applied right before PV(t), the fold after the split's last PV and before the next
+// split's first PV, with the state saved before the next split's first softmax (which starts fresh);
+// so the same bits. There is no register room for S of the next step beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
 // other warpgroup's fills the gap, and the producer's loads of step t + 1 run under step t's
 // softmax (K) and PV (V).
 // Not constant-time (policy off): the trip count, the mask branch and the V-tail zeroing follow the
