@@ -75,8 +75,8 @@ constexpr int kTileBytes = kHalves * kHalfBytes; // a 128-position x D 16-bit st
 // runs two consumer warpgroups (128-row tiles, the K / V bytes of a step shared by twice the rows,
 // the warpgroups taking turns at issuing S) and keeps three quarters of its running state in global
 // memory (kRunGlobal: Q 64 KB + K + V = 192 KB leave room for 32 of the state's 128 KB, kRunSmemF4):
-// one slot per SM in the split area of the workspace, read and written once per split, mostly off the
-// softmax's chain (consume_v2_serial; ops/cuda_prefill.py).
+// one slot per SM in the split area of the workspace, read and written once per split
+// (consume_v2_serial; ops/cuda_prefill.py).
 constexpr int kConsumersCT = kHead == 256 ? 1 : 2;  // the constant-time binaries' consumer warpgroups
 constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-time CTA
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
@@ -94,7 +94,7 @@ constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 constexpr bool kSerialOff = kHead == 256;  // the policy-off consumer: consume_v2_serial (else consume_v2)
 constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in global memory (else shared)
-// consume_v2_serial's fold under the next S, whose 64 score registers are then live: float4 loads in
+// consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;
 // The float4 of a policy-off consumer thread's running state kept in shared memory: all of them, or with
@@ -102,7 +102,7 @@ constexpr int kFoldBatchUnderS = 4;
 // per fold), the rest in global memory.
 constexpr int kRunSmemF4 = kRunGlobal ? 8 : kHead / 8;
 // ... of which the float4 [kRunSmemF4, kFoldEarlyEnd) are folded right after the split's last PV (one batch
-// of 16 loads: S and P hold no registers then), the rest under the next step's S.
+// of 16 loads: S and P hold no registers then), the rest right after the next step's S is issued.
 constexpr int kFoldEarlyEnd = kRunSmemF4 + 16;
 // Named barrier ids (0 is __syncthreads): per consumer warpgroup for the V
 // tail, and the turn barriers of the pingpong schedule (one per consumer warpgroup).
@@ -902,8 +902,8 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
 // order, without its overlap. Per step: S = Q K_t^T (the warpgroups take turns at issuing it, so one's
 // softmax and PV run while the other's S does), K released; the step's row arithmetic (v2_step);
 // O = O * a(t) + P(t) V(t), V released; at a split's end the split's state folded into the running
-// state (fold_run_global, partly at the split's end and the rest under the next step's S, so that
-// most of the fold's L2 round trips overlap that product) and a fresh state. consume_v2 computes the
+// state (fold_run_global, partly at the split's end and the rest right after the next step's S is
+// issued) and a fresh state. consume_v2 computes the
 // same: a(t) applied right before PV(t), the fold after the split's last PV and before the next
 // split's first PV, with the state saved before the next split's first softmax (which starts fresh);
 // so the same bits. There is no register room for S of the next step beside P and O (v2_arith.cuh, "Head 256"): a warpgroup's tensor work waits for its softmax, the
@@ -949,7 +949,9 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   // same values as one fold right after the split's last PV (acc = 0 * a(t) after it): at the split's
   // end (its coefficients, and 16 of the 24 global float4 in one batch of L2 loads while S and P hold
   // no registers), then the rest (the shared-memory quarter and the last 8 global float4) right after
-  // the next step's S is issued, under that product's tensor time. Each float4 is folded once.
+  // the next step's S is issued, so that S does not wait for it. ptxas makes that part wait for S
+  // (C7517: it writes registers a wgmma defined), so its loads follow S rather than overlap it.
+  // Each float4 is folded once.
   bool fold_due = false;
   FoldCoef due_lo{1.f, 0.f}, due_hi{1.f, 0.f};
 
