@@ -886,11 +886,11 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
       const float z = fold_value(r[j].z, acc[4 * i + 2], hi), u = fold_value(r[j].w, acc[4 * i + 3], hi);
       if constexpr (LAST) {
         acc[4 * i] = x, acc[4 * i + 1] = y, acc[4 * i + 2] = z, acc[4 * i + 3] = u;
-      } else if (i < kRunSmemF4) {
-        run_s[128 * i] = make_float4(x, y, z, u);
-        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
       } else {
-        __stcg(run + 128 * i, make_float4(x, y, z, u));
+        if (i < kRunSmemF4)  // compile-time: i unrolls
+          run_s[128 * i] = make_float4(x, y, z, u);
+        else
+          __stcg(run + 128 * i, make_float4(x, y, z, u));
         acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
       }
     }
