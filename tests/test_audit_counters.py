@@ -316,6 +316,13 @@ def test_shapes_with_features():
         assert (s.sliding_window, s.logits_soft_cap, s.sinks, s.policy) == (1024, 50.0, True, p)
         assert s.features == "window=1024,softcap=50,sinks" and s.key.endswith("-win1024-softcap50-sinks")
         assert C.parse_shape(C.shape_spec(s)) == s  # the child reads the features back from its spec
+    # a spec's own geometry is no conflict with --features' attention features; heads= sets a default one
+    (g,) = C.parse_shapes("B4-L4096-q64-h16x8-d256", "window=1024")
+    assert g.features == "heads=16x8x256,window=1024" and C.parse_shape(C.shape_spec(g)) == g
+    (g,) = C.parse_shapes("B4-L4096-q64", "heads=16x8x256")
+    assert (g.num_heads, g.num_kv_heads, g.head_size) == (16, 8, 256)
+    with pytest.raises(ValueError, match="one of the two"):
+        C.parse_shapes("B4-L4096-q64-h16x8-d256", "heads=16x8x256")
     own = C.parse_shape("B2-L512-win128-softcap30.5")
     assert (own.sliding_window, own.logits_soft_cap, own.sinks) == (128, 30.5, False)
     for spec, features, why in (("B4-L4096-win1024", "sinks", "one of the two"), ("B4-win0", "", "unknown part"),

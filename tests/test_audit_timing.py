@@ -787,6 +787,36 @@ def test_features_option_parses_strictly():
         features.Features(logits_soft_cap=float("inf"))
 
 
+def test_features_option_names_a_layer_geometry():
+    """heads=QxKVxD audits a layer of another geometry (Gemma-2's 16x8x256: the head-256 libraries); the
+    default 32x8x128 has one spelling, none, so plain rows keep their labels and grid cells."""
+    from dhp_backend.audit import classes, features
+
+    f = features.parse("window=1024, heads=16x8x256,softcap=50")
+    assert f.geometry == (16, 8, 256) and f.label == "heads=16x8x256,window=1024,softcap=50"
+    assert features.parse(f.label) == f and f.key == "-win1024-softcap50"  # the shape key names h and d itself
+    assert features.parse("heads=32x8x128") == features.Features() and not features.parse("HEADS=32X8X128")
+    sh = classes.Shape(**f.shape_fields())
+    assert (sh.num_heads, sh.num_kv_heads, sh.head_size) == (16, 8, 256) and features.of(sh) == f
+    assert sh.key == "B16-L4096-q1-h16x8-d256-bs16-bfloat16-strict-random-win1024-softcap50"
+    assert sh.features == f.label
+    geo = features.parse("heads=16x8x256")
+    assert geo and geo.label == "heads=16x8x256"
+    st = dataclasses.replace(_settings(), features=geo)
+    assert timing.step_shape(st, "prefill", 4096, "request", "churned").features == "heads=16x8x256"
+    # a row of another geometry fills no cell of the full grid (that grid is the default layer's)
+    row = {"step": "decode", "bucket": 4096, "policy": "strict", "layout": "churned", "mode": "graph",
+           "a": "short", "b": "long", "role": "gating", "features": "heads=16x8x256", "passed": True}
+    assert timing.row_key(row) != timing.row_key({**row, "features": ""})
+    for text in ("heads=16x3x256", "heads=16x8", "heads=0x8x128", "heads=16x8x256x1", "heads=ax8x128",
+                 "heads=16x8x128,heads=16x8x256"):
+        with pytest.raises(ValueError, match="heads|given twice") as e:
+            features.parse(text)
+        assert "accepted: " in str(e.value), text
+    with pytest.raises(ValueError, match="geometry"):
+        features.Features(geometry=(16, 8))
+
+
 def test_shape_keys_unchanged_for_plain_shapes():
     from dhp_backend.audit import classes
 

@@ -3,15 +3,21 @@
 A layer's sliding window, logits soft-cap and attention sinks are public model
 configuration (design.md section 2): each selects the binary a layer runs, never
 a trip count or an address that follows a secret (docs/kernels.md section 6).
-`classes.Shape` carries them (``sliding_window``, ``logits_soft_cap``, ``sinks``);
-this module declares the option both gates share, parses it, and names the
-features in report rows (`Features.label`) and in shape keys (`Features.key`).
+So is its head geometry (query heads, KV heads, head size), which selects the
+library (one per head size) and the GQA packing of the tiles.
+`classes.Shape` carries them (``sliding_window``, ``logits_soft_cap``, ``sinks``,
+``num_heads``, ``num_kv_heads``, ``head_size``); this module declares the option
+both gates share, parses it, and names the features in report rows
+(`Features.label`) and in shape keys (`Features.key`).
 
 Syntax of ``--features``: comma-separated items, each at most once, in any order:
 ``window=W`` (an int >= 1: the row at position q sees keys q - W < p <= q),
 ``softcap=C`` (a finite number > 0: scores become C tanh(s / C)), ``sinks`` (a
 per-head sink logit; the audit's is seeded, the same for every class: a model
-weight). ``""`` or ``none``: plain attention. Example: ``window=4096,softcap=50,sinks``.
+weight), ``heads=QxKVxD`` (query heads x KV heads x head size, e.g. 16x8x256 for
+Gemma-2 9B's layers; default the audit's Llama-3-8B layer, 32x8x128, which the
+label leaves out). ``""`` or ``none``: plain attention on the default geometry.
+Example: ``heads=16x8x256,window=4096,softcap=50``.
 
 Torch-free, so that declaring the option costs the command line nothing.
 """
@@ -22,7 +28,10 @@ import dataclasses
 import math
 
 ACCEPTED = ("comma-separated items, each at most once: window=W (an int >= 1), softcap=C (a finite number > 0), "
-            "sinks; or 'none' / '' for plain attention (e.g. window=4096,softcap=50,sinks)")
+            "sinks, heads=QxKVxD (query heads x KV heads x head size, Q a multiple of KV); or 'none' / '' for plain "
+            "attention (e.g. window=4096,softcap=50,sinks or heads=16x8x256,window=1024)")
+# The audit's default layer geometry (classes.Shape: Llama-3-8B's 32 query heads, 8 KV heads, head size 128).
+DEFAULT_GEOMETRY = (32, 8, 128)
 
 
 def _number(x: float) -> str:
@@ -40,8 +49,16 @@ class Features:
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
     sinks: bool = False
+    # (num_heads, num_kv_heads, head_size); () = DEFAULT_GEOMETRY (normalised to (): one spelling per layer)
+    geometry: tuple = ()
 
     def __post_init__(self):
+        g = tuple(self.geometry)
+        if g and (len(g) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in g)
+                  or g[0] % g[1]):
+            raise ValueError(f"geometry is {self.geometry!r}; accepted: (query heads, KV heads, head size), "
+                             "positive ints, query heads a multiple of KV heads")
+        object.__setattr__(self, "geometry", () if g == DEFAULT_GEOMETRY else g)
         w, c = self.sliding_window, self.logits_soft_cap
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ValueError(f"sliding_window is {w!r}; accepted: 0 (no window) or an int W >= 1")
@@ -51,32 +68,38 @@ class Features:
             raise ValueError(f"sinks is {self.sinks!r}; accepted: True or False")
 
     def __bool__(self) -> bool:
-        return bool(self.sliding_window or self.logits_soft_cap or self.sinks)
+        return bool(self.sliding_window or self.logits_soft_cap or self.sinks or self.geometry)
 
     @property
     def label(self) -> str:
         """The features as ``--features`` spells them (canonical order), "" for none: a report row's
         ``features``."""
-        return ",".join(([f"window={self.sliding_window}"] if self.sliding_window else [])
+        return ",".join(([f"heads={'x'.join(map(str, self.geometry))}"] if self.geometry else [])
+                        + ([f"window={self.sliding_window}"] if self.sliding_window else [])
                         + ([f"softcap={_number(self.logits_soft_cap)}"] if self.logits_soft_cap else [])
                         + (["sinks"] if self.sinks else []))
 
     @property
     def key(self) -> str:
         """The suffix of `classes.Shape.key` (``-win4096-softcap50-sinks``), "" for none, so plain shapes
-        keep their keys (report rows and merges of earlier runs)."""
+        keep their keys (report rows and merges of earlier runs). The geometry is not in it: the key names
+        it already (``-h16x8-d256``)."""
         return "".join(([f"-win{self.sliding_window}"] if self.sliding_window else [])
                        + ([f"-softcap{_number(self.logits_soft_cap)}"] if self.logits_soft_cap else [])
                        + (["-sinks"] if self.sinks else []))
 
     def shape_fields(self) -> dict:
-        """Keyword arguments of `classes.Shape`."""
-        return dataclasses.asdict(self)
+        """Keyword arguments of `classes.Shape` (the geometry's only when it is not the default)."""
+        d = {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap, "sinks": self.sinks}
+        if self.geometry:
+            d.update(zip(("num_heads", "num_kv_heads", "head_size"), self.geometry))
+        return d
 
 
 def of(shape) -> Features:
-    """The features of a `classes.Shape` (or anything with the three fields)."""
-    return Features(shape.sliding_window, shape.logits_soft_cap, shape.sinks)
+    """The features of a `classes.Shape` (or anything with its feature and geometry fields)."""
+    return Features(shape.sliding_window, shape.logits_soft_cap, shape.sinks,
+                    (shape.num_heads, shape.num_kv_heads, shape.head_size))
 
 
 def parse(text: str | None) -> Features:
@@ -101,6 +124,13 @@ def parse(text: str | None) -> Features:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"--features: {item!r} (a window is an int >= 1); accepted: {ACCEPTED}")
             seen[name] = int(value)
+        elif name == "heads":
+            parts = value.lower().split("x")
+            if len(parts) != 3 or not all(x.isdigit() and int(x) >= 1 for x in parts) \
+                    or int(parts[0]) % int(parts[1]):
+                raise ValueError(f"--features: {item!r} (heads=QxKVxD, positive ints, Q a multiple of KV); "
+                                 f"accepted: {ACCEPTED}")
+            seen[name] = tuple(int(x) for x in parts)
         elif name == "softcap":
             try:
                 cap = float(value)
@@ -112,13 +142,13 @@ def parse(text: str | None) -> Features:
         else:
             raise ValueError(f"--features: unknown item {item!r}; accepted: {ACCEPTED}")
     return Features(sliding_window=seen.get("window", 0), logits_soft_cap=seen.get("softcap", 0.0),
-                    sinks=seen.get("sinks", False))
+                    sinks=seen.get("sinks", False), geometry=seen.get("heads", ()))
 
 
 def add_argument(parser) -> None:
     """The ``--features`` option, as G1 (`counters`) and G4 (`timing`) both declare it."""
     parser.add_argument("--features", default="",
-                        help="attention features of every audited layer: window=W, softcap=C, sinks, "
-                             "comma-separated (e.g. window=4096,softcap=50,sinks; default none: plain attention). "
-                             "Such layers run the csrc kernels' feature libraries at heads 64, 80, 96 and 128, "
-                             "the Triton kernels at other head sizes")
+                        help="attention features of every audited layer: window=W, softcap=C, sinks, and its "
+                             "geometry heads=QxKVxD, comma-separated (e.g. window=4096,softcap=50,sinks or "
+                             "heads=16x8x256,window=1024; default none: plain attention, 32x8x128). Such layers "
+                             "run the csrc kernels' libraries of their head size and features (plan.step_kernel)")

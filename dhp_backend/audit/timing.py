@@ -31,12 +31,13 @@ up to L and a short and a long request read the very same pages. The grid:
   once: class-specific copy sources made a pair's second class 0.018 % slower (`SlotStaging`);
 - attention features (issue 31): ``--features window=W,softcap=C,sinks`` (`audit.features`;
   any subset) measures every shape of the run as a layer with those features (public model
-  configuration). Such layers run the csrc kernels' feature libraries at heads 64, 80, 96 and 128
-  and the Triton kernels at other head sizes (`plan.step_kernel`), and under ``strict``/``request`` a windowed layer walks the whole
+  configuration), and ``heads=QxKVxD`` as a layer of that geometry (e.g. ``heads=16x8x256``:
+  Gemma-2 9B's, the head-256 libraries). Such layers run the csrc kernels' library of their
+  head size and features (`plan.step_kernel`), and under ``strict``/``request`` a windowed layer walks the whole
   bucket (docs/kernels.md section 6), so the classes are the plain ones: short and long put
   the window at two secret positions in the same walk. Rows carry ``features`` ("" for plain
-  attention) and merge beside the plain rows; they gate like them but fill no cell of the
-  full grid (plain attention's). One device call measures a windowed layer (Gemma-3's
+  attention on the default 32x8x128 layer) and merge beside the plain rows; they gate like them
+  but fill no cell of the full grid (plain attention's). One device call measures a windowed layer (Gemma-3's
   window, a quarter of the bucket) on the subset's piece: ``dhp-backend audit timing
   --preset subset --features window=1024`` (decode, L 4096, strict and request, churned,
   graph; ``--estimate``: ~5.0 min on an H100).
