@@ -1496,8 +1496,9 @@ def _markdown(doc: dict) -> list[str]:
           f"synchronisation every {st.get('chunk')} rounds behind a GPU spin (host pad: {st.get('host_pad')}). Pass: "
           f"|Welch t| < {stats.THRESHOLD} and paired |z| (sign test and Wilcoxon signed-rank of per-round "
           f"differences) < {stats.THRESHOLD} with at least {stats.MIN_SAMPLES} samples per class, for every gating "
-          "row of the full grid (step kinds decode and prefill, buckets 4096 and 32768, policies strict and "
-          "request, three layouts, eager and graph). Reported pairs (degenerate data) are findings, not gating.", ""]
+          "row of the full grid (" + "; ".join(f"{k} at L {', '.join(map(str, v))}" for k, v in GRID_LENGTHS.items())
+          + "; policies strict and request, three layouts, eager and graph: `timing.full_grid`). Reported pairs "
+          "(degenerate data) are findings, not gating.", ""]
     for blocks, c in sorted((doc.get("churn") or {}).items()):
         md += [f"Churned layout of {blocks} blocks: order {c.get('fingerprint')} of vLLM {c.get('vllm')}'s "
                f"BlockPool, {c.get('source', 'live')} (seed {c.get('seed')}; {c.get('requests')} requests, "
