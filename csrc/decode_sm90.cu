@@ -797,6 +797,23 @@ __device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
   return {dead, commit};
 }
 
+// CT window libraries: a 128-position step whose positions all lie below the token's window (< ext - W)
+// runs unmasked (scores and V) as a dead step does, and the state goes back to the neutral one after it
+// (m kMInit, l +0 in the S pair, the accumulator +0 in the PV pair: drop_below): the state the masked
+// step leaves from the neutral one (an exact no-op of the contract, docs/kernels.md section 7), so the
+// same bits. Why: masked, its zeros in P and V drew less power than live operands, and how many of the
+// walk's steps lie below the window follows the true length (G4, H200, 2026-11-28: the prefill's form
+// of the same walk, head 256 window 1024, short vs long -0.046 %, t +29). below feeds selects only.
+template <int OPT>
+__device__ __forceinline__ bool below_window_v2(const Work& w, const Params& p, int kv0) {
+  return kWalk<OPT> != 0 && v2::kWindow && kv0 + kStepV2 <= w.ext - p.window;
+}
+template <int N>
+__device__ __forceinline__ void drop_below(float (&acc)[N], bool below) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = ct::select_f32(below, 0.f, acc[i]);
+}
+
 // Row values (floats): max [2 warps][16 rows], alpha [2 buffers][16], coef [2 buffers][16][al, be],
 // inv [16]; the P ring's barriers at byte kPipeBarOff (768); per-lane sums [2 warps][32 lanes][4].
 // Sink libraries: the sink fold's alpha [16] (v2::kSinks).
@@ -878,6 +895,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           if (lane == 0) mbar_arrive(bar.k_empty(st));
         }
         const int kv0 = j * kStep;  // the 128-position step's first position
+        // CT window libraries: a step wholly below the window runs unmasked, as a dead one, and the
+        // state goes back to the neutral one after it (below_window_v2).
+        const bool below = below_window_v2<OPT>(w, p, kv0);
         if constexpr (v2::kSoftCap) {  // the soft cap, before the mask (v2::soft_cap)
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
@@ -886,7 +906,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         // Window libraries mask below the window too (positions < ext - W).
         if (kCT || kv0 + kStepV2 > w.ext || (v2::kWindow && kv0 < win_lo)) {
           const int lim_s = kCT ? ct::select_int(role.dead, INT_MAX, lim) : lim;
-          const int lo_s = kCT ? ct::select_int(role.dead, INT_MIN, win_lo) : win_lo;
+          const int lo_s = kCT ? ct::select_int(role.dead | below, INT_MIN, win_lo) : win_lo;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int col = kv0 + 64 * (i / 4) + 32 * ws + 8 * (i % 4) + c2;
@@ -953,6 +973,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // g8..g11 (warp 0, stage 1), g12..g15 (warp 1, stage 1)
           l_lo = v2::step_l(l_lo, a_lo, v2::tree4(w0.x, w1.x, w0.z, w1.z));
           l_hi = v2::step_l(l_hi, a_hi, v2::tree4(w0.y, w1.y, w0.w, w1.w));
+        }
+        if constexpr (kCT && v2::kWindow) {  // below the window: back to the neutral state
+          m_lo = ct::select_f32(below, kMInit, m_lo);
+          m_hi = ct::select_f32(below, kMInit, m_hi);
+          l_lo = ct::select_f32(below, 0.f, l_lo);
+          l_hi = ct::select_f32(below, 0.f, l_hi);
         }
         if (ws == 0 && lane % 4 == 0) {
           rv[kV2Alpha + 16 * b + r_lo] = a_lo;
@@ -1040,6 +1066,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     for (int j = split_first(sp); j < je; j += 2, k += 2) {
       const int u = k / 2, b = u % 2;
       const StepRole role = step_role_v2<OPT>(w, j, je);
+      const bool below = below_window_v2<OPT>(w, p, j * kStep);
       mbar_wait(pb.full(b), (u / 2) & 1);
       scale_rows(acc, rv[kV2Alpha + 16 * b + r_lo], rv[kV2Alpha + 16 * b + r_hi]);
 #pragma unroll
@@ -1059,12 +1086,14 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         }
         const int v_len = kCT ? ct::select_int(role.dead, INT_MAX, w.seq_len) : w.seq_len;
         // window libraries: V below the window zeroed in the fragments (off: the tail is zeroed above)
-        const int v_lo = kCT ? ct::select_int(role.dead, INT_MIN, w.ext - p.window) : w.ext - p.window;
+        const int v_lo = kCT ? ct::select_int(role.dead | below, INT_MIN, w.ext - p.window) : w.ext - p.window;
         pv_step_mma<BF16, kHead / 32, OPT>(acc, p, p_tile, v_base, (kHead / 16) * wv, lane, (j + h) * kStep, kCT ? v_len : INT_MAX,
                                   v_lo);
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.v_empty(st));
       }
+      // Below the window (CT window libraries), fold mode: the product dropped before the fold reads acc.
+      if constexpr (kCT && v2::kWindow && !WRITE_PARTIALS) drop_below(acc, below);
       if constexpr (kCT) {  // the commit (step_role_v2), by selection
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
@@ -1090,11 +1119,17 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // A dead split of a row with positions stores its evolving accumulator, made finite and
           // non-negative, where the neutral state holds zeros (the Triton-contract consumer of git history: the
           // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
-          const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
+          // So does a split wholly below the window (window libraries: its last step's product, not yet
+          // dropped): the merge folds such splits first, whose neutral m gives each a coefficient of 1,
+          // then the first split with positions wipes their sum with alpha = +0. Its values are capped
+          // at 1e30 (0 beyond) so that the sum of up to 2^16 of them stays finite.
+          constexpr float kFillerMax = v2::kWindow ? 1e30f : 3.4028234663852886e38f;
+          const bool filler = ((split_first(sp) * kStep >= w.ext) | (v2::kWindow && je * kStep <= w.ext - p.window)) &
+                              (w.ext > 0);
 #pragma unroll
           for (int i = 0; i < kPV; ++i) {
             const float a = fabsf(acc[i]);
-            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+            acc_c[i] = ct::select_f32(filler, a <= kFillerMax ? a : 0.f, acc_c[i]);
           }
         }
         if constexpr (WRITE_PARTIALS) {
@@ -1114,6 +1149,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           fold_values(run, acc, c_lo, c_hi);
         }
       }
+      // Below the window (CT window libraries), split mode: the product dropped after the commit and the
+      // split's end have read it (a wholly-below split stores it as its filler).
+      if constexpr (kCT && v2::kWindow && WRITE_PARTIALS) drop_below(acc, below);
       float inv_lo = 1.f, inv_hi = 1.f;
       if (!WRITE_PARTIALS && k + 2 == n_steps) {
         inv_lo = rv[kV2Inv + r_lo];
