@@ -798,20 +798,33 @@ __device__ __forceinline__ StepRole step_role_v2(const Work& w, int j, int je) {
 }
 
 // CT window libraries: a 128-position step whose positions all lie below the token's window (< ext - W)
-// runs unmasked (scores and V) as a dead step does, and the state goes back to the neutral one after it
-// (m kMInit, l +0 in the S pair, the accumulator +0 in the PV pair: drop_below): the state the masked
-// step leaves from the neutral one (an exact no-op of the contract, docs/kernels.md section 7), so the
-// same bits. Why: masked, its zeros in P and V drew less power than live operands, and how many of the
+// runs unmasked (scores and V) as a dead step does: the state evolves on what the pages hold, is never
+// committed (except_below), and goes back to the neutral one after the last such step (m kMInit, l +0
+// in the S pair, the accumulator +0 in the PV pair: drop_below); a split wholly below the window stores
+// a filler (split mode) or leaves one in the running accumulator (fold mode), which the first live
+// split's alpha = +0 wipes (the running m is still kMInit). So the bits are those of the masked form,
+// whose below-window steps are exact no-ops from the neutral state (docs/kernels.md section 7). Why:
+// masked, their zeros in P, V and the state drew less power than live operands, and how many of the
 // walk's steps lie below the window follows the true length (G4, H200, 2026-11-28: the prefill's form
 // of the same walk, head 256 window 1024, short vs long -0.046 %, t +29). below feeds selects only.
 template <int OPT>
 __device__ __forceinline__ bool below_window_v2(const Work& w, const Params& p, int kv0) {
   return kWalk<OPT> != 0 && v2::kWindow && kv0 + kStepV2 <= w.ext - p.window;
 }
+__device__ __forceinline__ StepRole except_below(StepRole role, bool below) {
+  role.commit = role.commit & !below;
+  return role;
+}
 template <int N>
-__device__ __forceinline__ void drop_below(float (&acc)[N], bool below) {
+__device__ __forceinline__ void drop_below(float (&acc)[N], bool leaving) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = ct::select_f32(below, 0.f, acc[i]);
+  for (int i = 0; i < N; ++i) acc[i] = ct::select_f32(leaving, 0.f, acc[i]);
+}
+// A filler value: |x| capped at 1e30 (0 beyond, and for NaN): finite and non-negative, so that alpha =
+// +0 wipes it, and a sum of up to 2^16 of them (the merge's prefix of wholly-below splits) stays finite.
+__device__ __forceinline__ float filler_of(float x) {
+  const float a = fabsf(x);
+  return a <= 1e30f ? a : 0.f;
 }
 
 // Row values (floats): max [2 warps][16 rows], alpha [2 buffers][16], coef [2 buffers][16][al, be],
@@ -870,7 +883,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       const int je = split_end(w, sp);
       for (int j = split_first(sp); j < je; j += 2, k += 2) {
         const int u = k / 2, b = u % 2;
-        const StepRole role = step_role_v2<OPT>(w, j, je);
+        // CT window libraries: a step wholly below the window, unmasked and never committed
+        const bool below = below_window_v2<OPT>(w, p, j * kStep);
+        const StepRole role = except_below(step_role_v2<OPT>(w, j, je), below);
         float s[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = -0.f;
@@ -895,9 +910,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           if (lane == 0) mbar_arrive(bar.k_empty(st));
         }
         const int kv0 = j * kStep;  // the 128-position step's first position
-        // CT window libraries: a step wholly below the window runs unmasked, as a dead one, and the
-        // state goes back to the neutral one after it (below_window_v2).
-        const bool below = below_window_v2<OPT>(w, p, kv0);
         if constexpr (v2::kSoftCap) {  // the soft cap, before the mask (v2::soft_cap)
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
@@ -974,12 +986,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           l_lo = v2::step_l(l_lo, a_lo, v2::tree4(w0.x, w1.x, w0.z, w1.z));
           l_hi = v2::step_l(l_hi, a_hi, v2::tree4(w0.y, w1.y, w0.w, w1.w));
         }
-        if constexpr (kCT && v2::kWindow) {  // below the window: back to the neutral state
-          m_lo = ct::select_f32(below, kMInit, m_lo);
-          m_hi = ct::select_f32(below, kMInit, m_hi);
-          l_lo = ct::select_f32(below, 0.f, l_lo);
-          l_hi = ct::select_f32(below, 0.f, l_hi);
-        }
         if (ws == 0 && lane % 4 == 0) {
           rv[kV2Alpha + 16 * b + r_lo] = a_lo;
           rv[kV2Alpha + 16 * b + r_hi] = a_hi;
@@ -1032,6 +1038,13 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             }
           }
         }
+        if constexpr (kCT && v2::kWindow) {  // after the last step below the window: the neutral state
+          const bool leaving = below & !below_window_v2<OPT>(w, p, kv0 + kStepV2);
+          m_lo = ct::select_f32(leaving, kMInit, m_lo);
+          m_hi = ct::select_f32(leaving, kMInit, m_hi);
+          l_lo = ct::select_f32(leaving, 0.f, l_lo);
+          l_hi = ct::select_f32(leaving, 0.f, l_hi);
+        }
         mbar_arrive(pb.full(b));  // every S thread: its P and row values are written
       }
     }
@@ -1065,8 +1078,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int je = split_end(w, sp);
     for (int j = split_first(sp); j < je; j += 2, k += 2) {
       const int u = k / 2, b = u % 2;
-      const StepRole role = step_role_v2<OPT>(w, j, je);
       const bool below = below_window_v2<OPT>(w, p, j * kStep);
+      const StepRole role = except_below(step_role_v2<OPT>(w, j, je), below);
       mbar_wait(pb.full(b), (u / 2) & 1);
       scale_rows(acc, rv[kV2Alpha + 16 * b + r_lo], rv[kV2Alpha + 16 * b + r_hi]);
 #pragma unroll
@@ -1092,8 +1105,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
         __syncwarp();
         if (lane == 0) mbar_arrive(bar.v_empty(st));
       }
-      // Below the window (CT window libraries), fold mode: the product dropped before the fold reads acc.
-      if constexpr (kCT && v2::kWindow && !WRITE_PARTIALS) drop_below(acc, below);
       if constexpr (kCT) {  // the commit (step_role_v2), by selection
         if constexpr (WRITE_PARTIALS) {
 #pragma unroll
@@ -1111,6 +1122,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             run[4 * i + 1] = ct::select_f32(role.commit, f1, run[4 * i + 1]);
             run[4 * i + 2] = ct::select_f32(role.commit, f2, run[4 * i + 2]);
             run[4 * i + 3] = ct::select_f32(role.commit, f3, run[4 * i + 3]);
+            if constexpr (v2::kWindow) {  // below the window: the filler (except_below)
+              run[4 * i] = ct::select_f32(below, filler_of(f0), run[4 * i]);
+              run[4 * i + 1] = ct::select_f32(below, filler_of(f1), run[4 * i + 1]);
+              run[4 * i + 2] = ct::select_f32(below, filler_of(f2), run[4 * i + 2]);
+              run[4 * i + 3] = ct::select_f32(below, filler_of(f3), run[4 * i + 3]);
+            }
           }
         }
       }
@@ -1119,17 +1136,24 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // A dead split of a row with positions stores its evolving accumulator, made finite and
           // non-negative, where the neutral state holds zeros (the Triton-contract consumer of git history: the
           // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
-          // So does a split wholly below the window (window libraries: its last step's product, not yet
-          // dropped): the merge folds such splits first, whose neutral m gives each a coefficient of 1,
-          // then the first split with positions wipes their sum with alpha = +0. Its values are capped
-          // at 1e30 (0 beyond) so that the sum of up to 2^16 of them stays finite.
-          constexpr float kFillerMax = v2::kWindow ? 1e30f : 3.4028234663852886e38f;
-          const bool filler = ((split_first(sp) * kStep >= w.ext) | (v2::kWindow && je * kStep <= w.ext - p.window)) &
-                              (w.ext > 0);
+          // So does a split wholly below the window (window libraries, filler_of): the merge folds such
+          // splits first, whose neutral m gives each a coefficient of 1, then the first split with
+          // positions wipes their sum with alpha = +0.
+          const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
+          if constexpr (v2::kWindow) {
+            const bool below_split = below;  // the split's last step below the window: every step of it is
 #pragma unroll
-          for (int i = 0; i < kPV; ++i) {
-            const float a = fabsf(acc[i]);
-            acc_c[i] = ct::select_f32(filler, a <= kFillerMax ? a : 0.f, acc_c[i]);
+            for (int i = 0; i < kPV; ++i) {
+              const float a = fabsf(acc[i]);
+              acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+              acc_c[i] = ct::select_f32(below_split, filler_of(acc[i]), acc_c[i]);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < kPV; ++i) {
+              const float a = fabsf(acc[i]);
+              acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+            }
           }
         }
         if constexpr (WRITE_PARTIALS) {
@@ -1149,9 +1173,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           fold_values(run, acc, c_lo, c_hi);
         }
       }
-      // Below the window (CT window libraries), split mode: the product dropped after the commit and the
-      // split's end have read it (a wholly-below split stores it as its filler).
-      if constexpr (kCT && v2::kWindow && WRITE_PARTIALS) drop_below(acc, below);
+      // After the last step below the window (CT window libraries): the accumulator back to +0, once the
+      // commit and the split's end have read it.
+      if constexpr (kCT && v2::kWindow) drop_below(acc, below & !below_window_v2<OPT>(w, p, j * kStep + kStepV2));
       float inv_lo = 1.f, inv_hi = 1.f;
       if (!WRITE_PARTIALS && k + 2 == n_steps) {
         inv_lo = rv[kV2Inv + r_lo];

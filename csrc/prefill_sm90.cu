@@ -1028,8 +1028,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
 // every score is masked by select; V rows past the true length are zeroed by the cleaners
 // (the consumers wait on v_clean); a dead step (all positions past the true length) runs
 // unmasked for the rows of the request and its product is never kept; in the window libraries so
-// does a step wholly below a row's window, whose product that row drops by selection right after
-// its PV (reset_below_window). The commit (kSnapCT: all
+// does a step wholly below a row's window, which that row never commits (below_window). The commit (kSnapCT: all
 // heads but 256): after every step the split's state (acc, m, l) is copied into registers
 // (snap) by selection when the step is live, so after the split's last step snap holds its state
 // at its last live step, which is folded into the running state (shared memory) at the split's
@@ -1057,14 +1056,19 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   // Window (feature libraries): the lower bound only selects, in every step; the walk is the
   // bucket's whatever the window is (its position follows the true length: design.md section 2).
   const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
-  // A step wholly below a row's window (every position <= lo) runs unmasked, as a dead step does, and
-  // the row's state is reset to the neutral one after its PV (reset_below_window): the state the masked
-  // step leaves (an exact no-op from the neutral state, docs/kernels.md section 7), so the same bits.
-  // Why: masked, its zeros in P drew less power than live scores, and how many steps of the walk lie
-  // below the window follows the true length (G4, H200: head 256, window 1024, short vs long -0.046 %,
-  // t +29; the short request's walk is mostly dead steps, which run unmasked). Rows outside the request
-  // (lim = -1) are never below: they stay masked (their count is public).
+  // A step wholly below a row's window (every position <= lo) runs unmasked, as a dead step does: the
+  // row's state evolves on what the pages hold, is never committed, and goes back to the neutral state
+  // after the row's last such step (leaving_window); a split wholly below the window leaves a filler in
+  // the running state instead of its zeros (commit_fold). The first commit of a live split multiplies
+  // the filler by alpha = +0 (the running m is still kMInit), so the bits are those of the masked form,
+  // whose below-window steps are exact no-ops from the neutral state (docs/kernels.md section 7). Why:
+  // masked, such steps' zeros in P, in the state and in the running state drew less power than live
+  // operands, and how many steps of the walk lie below the window follows the true length (G4, H200,
+  // 2026-11-28, head 256, window 1024, prefill short vs long: -0.046 % (t +29) masked; -0.009 % (t +10)
+  // with the state reset to zeros after every such step). Rows outside the request (lim = -1) are never
+  // below: they stay masked (their count is public). below and leaving feed selects only.
   auto below_window = [&](int t, int lo) { return t * kCols + kCols - 1 <= lo; };
+  auto leaving_window = [&](int t, int lo) { return below_window(t, lo) & !below_window(t + 1, lo); };
 
   float acc[kAcc], s[64];
   uint32_t pa[32];
@@ -1075,34 +1079,43 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   for (int i = 0; i < kHead / 8; ++i) run_smem[128 * i] = make_float4(0.f, 0.f, 0.f, 0.f);
   float mr_lo = kMInit, mr_hi = kMInit, lr_lo = 0.f, lr_hi = 0.f;  // running (folded) state, l quad-summed
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
-  // The running state folded with a split's state (m, per-lane l, o), kept by selection.
-  // o(i): the split state's accumulator value i.
-  auto commit_fold = [&](bool commit, float fm_lo, float fl_lo, float fm_hi, float fl_hi, auto o) {
+  // The running state folded with a split's state (m, per-lane l, o), kept by selection per row (c_lo,
+  // c_hi); window libraries: a row whose split lay wholly below its window (f_lo, f_hi) keeps |fold|
+  // (capped at 1e30, 0 beyond: finite, non-negative) as the filler of its running accumulator, with m
+  // and l unchanged (below_window). o(i): the split state's accumulator value i.
+  auto commit_fold = [&](bool c_lo, bool c_hi, bool f_lo, bool f_hi, float fm_lo, float fl_lo, float fm_hi,
+                         float fl_hi, auto o) {
     float mf_lo = mr_lo, lf_lo = lr_lo, mf_hi = mr_hi, lf_hi = lr_hi;
     const FoldCoef lo = fold_stats(mf_lo, lf_lo, fm_lo, quad_lanes(fl_lo));
     const FoldCoef hi = fold_stats(mf_hi, lf_hi, fm_hi, quad_lanes(fl_hi));
+    auto keep = [&](bool c, bool f, float x, float r) {
+      if constexpr (v2::kWindow) {
+        const float a = fabsf(x);
+        return select_f32(f, a <= 1e30f ? a : 0.f, select_f32(c, x, r));
+      } else {
+        return select_f32(c, x, r);
+      }
+    };
 #pragma unroll
     for (int i = 0; i < kHead / 8; ++i) {
       const float4 r = run_smem[128 * i];
       const float x = fold_value(r.x, o(4 * i), lo), y = fold_value(r.y, o(4 * i + 1), lo);
       const float z = fold_value(r.z, o(4 * i + 2), hi), u = fold_value(r.w, o(4 * i + 3), hi);
-      run_smem[128 * i] = make_float4(select_f32(commit, x, r.x), select_f32(commit, y, r.y),
-                                      select_f32(commit, z, r.z), select_f32(commit, u, r.w));
+      run_smem[128 * i] = make_float4(keep(c_lo, f_lo, x, r.x), keep(c_lo, f_lo, y, r.y),
+                                      keep(c_hi, f_hi, z, r.z), keep(c_hi, f_hi, u, r.w));
     }
-    mr_lo = select_f32(commit, mf_lo, mr_lo);
-    lr_lo = select_f32(commit, lf_lo, lr_lo);
-    mr_hi = select_f32(commit, mf_hi, mr_hi);
-    lr_hi = select_f32(commit, lf_hi, lr_hi);
+    mr_lo = select_f32(c_lo, mf_lo, mr_lo);
+    lr_lo = select_f32(c_lo, lf_lo, lr_lo);
+    mr_hi = select_f32(c_hi, mf_hi, mr_hi);
+    lr_hi = select_f32(c_hi, lf_hi, lr_hi);
   };
-  // After PV(t) (window libraries): a row whose step t lay wholly below its window goes back to the
-  // neutral state (m kMInit, l +0, its accumulator values +0), by selection: m and l here; the
-  // accumulator here at head 256, elsewhere as it is read, by step_end's commit (zero_below) and by
-  // the next step's rescale (values), where nothing writes acc between PV(t) and that rescale (the
-  // selects on acc right after PV spilled 300 B beside head 128's snapshot; at head 256, where no
-  // snapshot is kept, the reads' form spilled 508 B and this one none).
+  // After step t's commit (window libraries): a row whose last step below its window was t goes back to
+  // the neutral state (m kMInit, l +0, the accumulator +0), by selection: m and l here; the accumulator
+  // here at head 256, elsewhere in the next step's rescale (values: a select on acc right after PV
+  // spilled 300 B beside head 128's snapshot; at head 256, where no snapshot is kept, this form none).
   constexpr bool kResetAccAfterPV = !kSnapCT;
-  auto reset_below_window = [&](int t) {
-    const bool lo = below_window(t, lo_lo), hi = below_window(t, lo_hi);
+  auto leave_window = [&](int t) {
+    const bool lo = leaving_window(t, lo_lo), hi = leaving_window(t, lo_hi);
     if constexpr (kResetAccAfterPV) {
 #pragma unroll
       for (int i = 0; i < kAcc / 4; ++i) {
@@ -1117,14 +1130,6 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     m_hi = select_f32(hi, kMInit, m_hi);
     l_hi = select_f32(hi, 0.f, l_hi);
   };
-  // acc[i] as the commit reads it after step t (and the rescale of step t + 1): +0 in a row whose step t
-  // lay below its window.
-  auto zero_below = [&](int t, int i) {
-    if constexpr (v2::kWindow && !kResetAccAfterPV)
-      return select_f32(below_window(t, (i % 4) < 2 ? lo_lo : lo_hi), 0.f, acc[i]);
-    else
-      return acc[i];
-  };
   // kSnapCT: the split's state after its last live step so far, kept by selection (read only when
   // the split held a live step).
   float snap[kAcc], sm_lo = kMInit, sm_hi = kMInit, sl_lo = 0.f, sl_hi = 0.f;
@@ -1134,11 +1139,12 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   auto step_end = [&](int t) {
     const int kv0 = t * kCols;
     const bool dead = kv0 >= w.seq_len;
-    if constexpr (v2::kWindow) reset_below_window(t);
+    // window libraries: step t lay wholly below the row's window (never committed, the filler instead)
+    const bool below_lo = v2::kWindow && below_window(t, lo_lo), below_hi = v2::kWindow && below_window(t, lo_hi);
     if constexpr (kSnapCT) {
       // a dead step's product goes on into acc and is never read
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) snap[i] = select_f32(!dead, zero_below(t, i), snap[i]);
+      for (int i = 0; i < kAcc; ++i) snap[i] = select_f32(!dead, acc[i], snap[i]);
       sm_lo = select_f32(!dead, m_lo, sm_lo);
       sl_lo = select_f32(!dead, l_lo, sl_lo);
       sm_hi = select_f32(!dead, m_hi, sm_hi);
@@ -1146,14 +1152,19 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     } else {
       // a fold after every step, kept at a split's last live step
       const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);  // public
-      commit_fold(!dead & (split_end | (kv0 + kCols >= w.seq_len)), m_lo, l_lo, m_hi, l_hi,
-                  [&](int i) { return zero_below(t, i); });
+      const bool commit = !dead & (split_end | (kv0 + kCols >= w.seq_len));
+      commit_fold(commit & !below_lo, commit & !below_hi, below_lo, below_hi, m_lo, l_lo, m_hi, l_hi,
+                  [&](int i) { return acc[i]; });
     }
+    if constexpr (v2::kWindow) leave_window(t);
     if ((t + 1) % kStepsPerSplit == 0 || t + 1 == w.n_steps) {  // a split's end: a fresh state
-      // the snapshot's fold, kept when the split held a live step
-      if constexpr (kSnapCT)
-        commit_fold((t / kStepsPerSplit) * kSplitKV < w.seq_len, sm_lo, sl_lo, sm_hi, sl_hi,
+      // the snapshot's fold, kept when the split held a live step (below the window: the filler; the
+      // split's last step below the window means every step of it is)
+      if constexpr (kSnapCT) {
+        const bool commit = (t / kStepsPerSplit) * kSplitKV < w.seq_len;
+        commit_fold(commit & !below_lo, commit & !below_hi, below_lo, below_hi, sm_lo, sl_lo, sm_hi, sl_hi,
                     [&](int i) { return snap[i]; });
+      }
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
       m_lo = m_hi = kMInit;
@@ -1188,9 +1199,15 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const int st = t % STAGES;
     mbar_wait(v_clean(bar, st), (t / STAGES) & 1);
     scale_rows(acc, a_lo, a_hi);
-    if constexpr (v2::kWindow && !kResetAccAfterPV) {  // a row whose step t - 1 lay below its window: from +0
+    if constexpr (v2::kWindow && !kResetAccAfterPV) {  // a row that left its window's prefix: from +0
+      const bool lo = t > 0 && leaving_window(t - 1, lo_lo), hi = t > 0 && leaving_window(t - 1, lo_hi);
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = t > 0 ? zero_below(t - 1, i) : acc[i];
+      for (int i = 0; i < kAcc / 4; ++i) {
+        acc[4 * i] = select_f32(lo, 0.f, acc[4 * i]);
+        acc[4 * i + 1] = select_f32(lo, 0.f, acc[4 * i + 1]);
+        acc[4 * i + 2] = select_f32(hi, 0.f, acc[4 * i + 2]);
+        acc[4 * i + 3] = select_f32(hi, 0.f, acc[4 * i + 3]);
+      }
     }
     wgmma_fence();
     issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
