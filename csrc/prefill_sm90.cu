@@ -1200,7 +1200,9 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     mbar_wait(v_clean(bar, st), (t / STAGES) & 1);
     scale_rows(acc, a_lo, a_hi);
     if constexpr (v2::kWindow && !kResetAccAfterPV) {  // a row that left its window's prefix: from +0
-      const bool lo = t > 0 && leaving_window(t - 1, lo_lo), hi = t > 0 && leaving_window(t - 1, lo_hi);
+      // (at t = 0, "step -1" may read as left: acc is the fresh +0 then, so the select changes nothing;
+      // no short-circuit on t either, which compiled to a branch)
+      const bool lo = leaving_window(t - 1, lo_lo), hi = leaving_window(t - 1, lo_hi);
 #pragma unroll
       for (int i = 0; i < kAcc / 4; ++i) {
         acc[4 * i] = select_f32(lo, 0.f, acc[4 * i]);
