@@ -1140,20 +1140,12 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // splits first, whose neutral m gives each a coefficient of 1, then the first split with
           // positions wipes their sum with alpha = +0.
           const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
-          if constexpr (v2::kWindow) {
-            const bool below_split = below;  // the split's last step below the window: every step of it is
 #pragma unroll
-            for (int i = 0; i < kPV; ++i) {
-              const float a = fabsf(acc[i]);
-              acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
-              acc_c[i] = ct::select_f32(below_split, filler_of(acc[i]), acc_c[i]);
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < kPV; ++i) {
-              const float a = fabsf(acc[i]);
-              acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
-            }
+          for (int i = 0; i < kPV; ++i) {
+            const float a = fabsf(acc[i]);
+            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+            // (below: the split's last step lies below the window, so every step of it does)
+            if constexpr (v2::kWindow) acc_c[i] = ct::select_f32(below, filler_of(acc[i]), acc_c[i]);
           }
         }
         if constexpr (WRITE_PARTIALS) {

@@ -484,6 +484,19 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
   }
 }
 
+// The accumulator rows of a consumer thread (wgmma layout: lo, lo, hi, hi per column group) set to +0
+// where lo / hi, by selection (a constant-time walk's rows leaving their window's prefix).
+template <int N>
+__device__ __forceinline__ void zero_rows(float (&o)[N], bool lo, bool hi) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    o[4 * i] = select_f32(lo, 0.f, o[4 * i]);
+    o[4 * i + 1] = select_f32(lo, 0.f, o[4 * i + 1]);
+    o[4 * i + 2] = select_f32(hi, 0.f, o[4 * i + 2]);
+    o[4 * i + 3] = select_f32(hi, 0.f, o[4 * i + 3]);
+  }
+}
+
 // Scores past the causal limit or seq_len become -inf (a select: garbage rows
 // of the last page may hold NaN).
 __device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo, int lim_hi, int lane) {
@@ -1116,15 +1129,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
   constexpr bool kResetAccAfterPV = !kSnapCT;
   auto leave_window = [&](int t) {
     const bool lo = leaving_window(t, lo_lo), hi = leaving_window(t, lo_hi);
-    if constexpr (kResetAccAfterPV) {
-#pragma unroll
-      for (int i = 0; i < kAcc / 4; ++i) {
-        acc[4 * i] = select_f32(lo, 0.f, acc[4 * i]);
-        acc[4 * i + 1] = select_f32(lo, 0.f, acc[4 * i + 1]);
-        acc[4 * i + 2] = select_f32(hi, 0.f, acc[4 * i + 2]);
-        acc[4 * i + 3] = select_f32(hi, 0.f, acc[4 * i + 3]);
-      }
-    }
+    if constexpr (kResetAccAfterPV) zero_rows(acc, lo, hi);
     m_lo = select_f32(lo, kMInit, m_lo);
     l_lo = select_f32(lo, 0.f, l_lo);
     m_hi = select_f32(hi, kMInit, m_hi);
@@ -1172,7 +1177,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     }
   };
   // Step t's row arithmetic on its scores s: every score masked by select; a dead step (every
-  // position past the true length) unmasked for the request's rows.
+  // position past the true length) unmasked for the request's rows, and a step below a row's window
+  // (window libraries) for that row.
   auto softmax = [&](int t, float& a_lo, float& a_hi) {
     const int kv0 = t * kCols;
     const bool dead = kv0 >= w.seq_len;
@@ -1202,14 +1208,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     if constexpr (v2::kWindow && !kResetAccAfterPV) {  // a row that left its window's prefix: from +0
       // (at t = 0, "step -1" may read as left: acc is the fresh +0 then, so the select changes nothing;
       // no short-circuit on t either, which compiled to a branch)
-      const bool lo = leaving_window(t - 1, lo_lo), hi = leaving_window(t - 1, lo_hi);
-#pragma unroll
-      for (int i = 0; i < kAcc / 4; ++i) {
-        acc[4 * i] = select_f32(lo, 0.f, acc[4 * i]);
-        acc[4 * i + 1] = select_f32(lo, 0.f, acc[4 * i + 1]);
-        acc[4 * i + 2] = select_f32(hi, 0.f, acc[4 * i + 2]);
-        acc[4 * i + 3] = select_f32(hi, 0.f, acc[4 * i + 3]);
-      }
+      zero_rows(acc, leaving_window(t - 1, lo_lo), leaving_window(t - 1, lo_hi));
     }
     wgmma_fence();
     issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
