@@ -759,7 +759,9 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
 // steps (every position past the row's end) run unmasked and dropped by the commit's selection
 // (step_role_v2), a dead split stores the filler. The feature libraries keep that walk: the
 // window's lower bound is one more selection per score and per V fragment (INT_MIN in the dead
-// steps), the soft cap an elementwise function with no data-dependent path, and the sinks are read
+// steps and in the steps wholly below the window, which run unmasked, are never committed and leave
+// a filler: below_window_v2; a comparison of the step index with ext - W, in selections only; the
+// trip counts stay the bucket's), the soft cap an elementwise function with no data-dependent path, and the sinks are read
 // at sinks + head (public) after the walk. The off binary walks the true lengths (the trip count,
 // the mask branch and the V-tail zeroing follow seq_len; with a window also the first split walked
 // and merged, from ext - W): policy off only.

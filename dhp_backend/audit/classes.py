@@ -100,9 +100,9 @@ class Shape:
     batch: int = 16  # requests
     bucket: int = 4096  # L (max_model_len; under request every class's lengths share this power of two)
     q_len: int = 1  # query tokens per request (1 = decode; more = a prefill chunk on a context)
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_size: int = 128
+    num_heads: int = feats.DEFAULT_GEOMETRY[0]
+    num_kv_heads: int = feats.DEFAULT_GEOMETRY[1]
+    head_size: int = feats.DEFAULT_GEOMETRY[2]
     block_size: int = 16
     dtype: str = "bfloat16"
     policy: str = "strict"

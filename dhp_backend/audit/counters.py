@@ -162,8 +162,10 @@ def parse_shapes(shapes: str, features: str = ""):
     for spec in (x for x in shapes.split(",") if x.strip()):
         shape = parse_shape(spec)
         if extra:
-            own = dataclasses.replace(feats.of(shape), geometry=()) if not extra.geometry else feats.of(shape)
-            if own:  # (the spec always names a geometry: a conflict only when --features names one too)
+            own = feats.of(shape)
+            if not extra.geometry:  # the spec always names a geometry: a conflict only if --features does too
+                own = dataclasses.replace(own, geometry=())
+            if own:
                 raise ValueError(f"shape spec {spec!r} names features ({own.label}) and --features gives "
                                  f"{extra.label}; accepted: features in one of the two")
             shape = dataclasses.replace(shape, **extra.shape_fields())

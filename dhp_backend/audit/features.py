@@ -30,7 +30,8 @@ import math
 ACCEPTED = ("comma-separated items, each at most once: window=W (an int >= 1), softcap=C (a finite number > 0), "
             "sinks, heads=QxKVxD (query heads x KV heads x head size, Q a multiple of KV); or 'none' / '' for plain "
             "attention (e.g. window=4096,softcap=50,sinks or heads=16x8x256,window=1024)")
-# The audit's default layer geometry (classes.Shape: Llama-3-8B's 32 query heads, 8 KV heads, head size 128).
+# The audit's default layer geometry (classes.Shape's defaults: Llama-3-8B's 32 query heads, 8 KV heads, head
+# size 128).
 DEFAULT_GEOMETRY = (32, 8, 128)
 
 
