@@ -323,6 +323,12 @@ def test_shapes_with_features():
     assert (g.num_heads, g.num_kv_heads, g.head_size) == (16, 8, 256)
     with pytest.raises(ValueError, match="one of the two"):
         C.parse_shapes("B4-L4096-q64-h16x8-d256", "heads=16x8x256")
+    # path=triton: the Triton CONST_TIME kernels forced, with or without features; the spec spells it "triton"
+    (t,) = C.parse_shapes("B16-L4096-q1", "path=triton,window=1024")
+    assert (t.path, t.sliding_window) == ("triton", 1024) and t.key.endswith("-win1024-triton")
+    assert C.parse_shape(C.shape_spec(t)) == t and C.parse_shape("B16-L4096-q1-triton").path == "triton"
+    with pytest.raises(ValueError, match="one of the two"):
+        C.parse_shapes("B16-L4096-q1-triton", "window=1024")
     own = C.parse_shape("B2-L512-win128-softcap30.5")
     assert (own.sliding_window, own.logits_soft_cap, own.sinks) == (128, 30.5, False)
     for spec, features, why in (("B4-L4096-win1024", "sinks", "one of the two"), ("B4-win0", "", "unknown part"),

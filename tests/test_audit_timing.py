@@ -817,6 +817,66 @@ def test_features_option_names_a_layer_geometry():
         features.Features(geometry=(16, 8))
 
 
+def test_features_option_forces_the_triton_kernels():
+    """path=triton audits the Triton CONST_TIME kernels (what a GPU without the csrc kernels runs) on a machine
+    whose dispatcher would pick the csrc ones: its rows, shape keys and the kernel named in the report say so,
+    and they fill no cell of the default path's grid."""
+    from types import SimpleNamespace
+
+    from dhp_backend.audit import classes, features
+
+    f = features.parse("path=triton, window=1024")
+    assert f.path == "triton" and f and f.label == "window=1024,path=triton" and f.key == "-win1024-triton"
+    assert features.parse(f.label) == f
+    assert features.parse("path=auto") == features.Features() and features.parse("PATH=Triton").path == "triton"
+    t = features.parse("path=triton")
+    assert t and t.label == "path=triton" and t.key == "-triton"
+    sh = classes.Shape(batch=4, q_len=64, **t.shape_fields())
+    assert sh.path == "triton" and sh.key == classes.Shape(batch=4, q_len=64).key + "-triton"
+    assert sh.features == "path=triton" and features.of(sh) == t
+    from dhp_backend.audit import counters
+
+    assert counters.parse_shape(counters.shape_spec(sh)) == sh  # G1's child reads the path back from its spec
+    for text in ("path=reference", "path=", "path=csrc", "path=triton,path=auto"):
+        with pytest.raises(ValueError, match="path|given twice") as e:
+            features.parse(text)
+        assert "accepted: " in str(e.value), text
+    with pytest.raises(ValueError, match="path"):
+        features.Features(path="reference")
+    # the kernel the report names: the Triton kernel on an H100 / H200 too, where auto would take a csrc one
+    tm = object.__new__(timing.Timer)
+    tm.torch = SimpleNamespace(cuda=SimpleNamespace(get_device_capability=lambda device: (9, 0)))
+    tm.device = "cuda:0"
+    for q, batch in ((1, 16), (64, 4)):
+        path = tm.path_of(classes.Shape(batch=batch, q_len=q, path="triton"))
+        assert path.startswith("triton") and path.endswith("kernel triton"), path
+        choice, kernel = classes.route(classes.Shape(batch=batch, q_len=q, path="triton"), device_capability=(9, 0))
+        assert (choice.name, kernel) == ("triton", "triton")
+    st = dataclasses.replace(_settings(), features=t)
+    assert timing.step_shape(st, "decode", 4096, "strict", "churned").path == "triton"
+    row = {"step": "decode", "bucket": 4096, "policy": "strict", "layout": "churned", "mode": "graph",
+           "a": "short", "b": "long", "role": "gating", "features": "path=triton", "passed": True}
+    assert timing.row_key(row) != timing.row_key({**row, "features": ""})
+
+
+@pytest.mark.parametrize("policy", ["strict", "off"])
+def test_triton_path_launch_runs_the_triton_kernels(policy, monkeypatch):
+    """`classes.launch` on a path=triton shape asks the seam for the Triton path (and an auto shape for auto)."""
+    from dhp_backend.audit import classes
+
+    seen = []
+    import dhp_backend.ops as ops
+
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, **k: seen.append(k["path"]) or a[6])
+    for path in ("triton", "auto"):
+        sh = classes.Shape(batch=2, bucket=64, num_heads=4, num_kv_heads=2, head_size=16, dtype="float32",
+                           policy=policy, num_blocks=16, path=path)
+        x = classes.make_inputs(sh, "short", seed=0, device="cpu")
+        classes.launch(x, torch.empty_like(x["query"]))
+        classes.launch(x, torch.empty_like(x["query"]), path="reference")  # an explicit path wins
+    assert seen == ["triton", "reference", "auto", "reference"]
+
+
 def test_shape_keys_unchanged_for_plain_shapes():
     from dhp_backend.audit import classes
 

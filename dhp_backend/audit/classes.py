@@ -113,6 +113,9 @@ class Shape:
     sliding_window: int = 0  # W: the row at position q sees keys q - W < p <= q (causal only)
     logits_soft_cap: float = 0.0  # C: scores become C tanh(s / C)
     sinks: bool = False  # a seeded per-head sink logit (`sinks`), the same for every class
+    # The kernel family (`audit.features` PATHS): "auto", what the dispatcher runs on this device, or
+    # "triton", the Triton CONST_TIME kernels forced (what a GPU without the csrc kernels runs).
+    path: str = "auto"
 
     def __post_init__(self):
         if feats.of(self).sliding_window and not self.causal:  # validates the three fields, too
@@ -297,11 +300,26 @@ def bucket(inputs: dict):
     return bucket_for_step(shape.policy, max_model_len=shape.bucket, seq_lens=inputs["seq_lens"])
 
 
-def launch(inputs: dict, out: torch.Tensor, *, path: str = "auto", bucket_value=None) -> torch.Tensor:
-    """One attention launch through the seam, as the vLLM adapter calls it."""
+def route(shape: Shape, *, device_capability=None):
+    """The path (`dispatch.PathChoice`) and the step's kernel the seam runs ``shape``'s launches on, as
+    `plan.plan_step` picks them: the shape's forced path, or the dispatcher's choice and `plan.step_kernel`."""
+    from dhp_backend.ops import dispatch
+    from dhp_backend.ops.plan import step_kernel
+
+    spec = problem_spec(shape, device_capability=device_capability)
+    choice = dispatch.choose_path(spec, shape.policy, requested=shape.path, allow_fallback=True)
+    if shape.path == "auto" and choice.name == dispatch.TRITON:
+        return choice, step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
+    return choice, choice.name
+
+
+def launch(inputs: dict, out: torch.Tensor, *, path: str | None = None, bucket_value=None) -> torch.Tensor:
+    """One attention launch through the seam, as the vLLM adapter calls it (on the shape's path unless
+    ``path`` names another)."""
     from dhp_backend.ops import paged_attention
 
     shape: Shape = inputs["shape"]
+    path = shape.path if path is None else path
     b = inputs.get("bucket") if bucket_value is None else bucket_value
     return paged_attention(inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_table"],
                            inputs["query_start_loc"], inputs["seq_lens"], out,

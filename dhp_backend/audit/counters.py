@@ -22,22 +22,24 @@ data) are listed with their verdicts but do not fail it.
 Arguments:
     --shapes     comma-separated shape specs: ``B16-L4096-q1`` style tokens (``B`` requests,
                  ``L`` bucket, ``q`` query tokens per request, optional ``h32x8``, ``d128``,
-                 ``bs16``, a dtype, a policy, a page layout, ``nb<blocks>`` and the features
-                 ``win<W>``, ``softcap<C>``, ``sinks``; omitted parts are `classes.Shape`
+                 ``bs16``, a dtype, a policy, a page layout, ``nb<blocks>``, the features
+                 ``win<W>``, ``softcap<C>``, ``sinks`` and ``triton`` (the Triton kernels
+                 forced: ``path=triton``); omitted parts are `classes.Shape`
                  defaults). Default: decode B=16 L=4096, B=64 L=4096, B=16 L=32768,
                  prefill chunk B=4 q=64; strict; random page layout; the cache size of
                  `classes.default_num_blocks` (at least 25,000 blocks).
     --features   attention features of every shape (issue 31; `audit.features`):
-                 ``window=W``, ``softcap=C``, ``sinks``, comma-separated (default none). A
-                 layer of head 256, 128, 96, 80 or 64 with any of them runs the csrc kernels'
-                 feature library, other layers the Triton kernels (`plan.step_kernel`); either's
+                 ``window=W``, ``softcap=C``, ``sinks``, ``heads=QxKVxD``, ``path=triton``,
+                 comma-separated (default none). A layer of head 256, 128, 96, 80 or 64 with
+                 any of them runs the csrc kernels' feature library, other layers (and every
+                 layer with ``path=triton``) the Triton kernels (`plan.step_kernel`); either's
                  constant-time walk of a windowed layer is the whole bucket (docs/kernels.md
                  sections 6 and 7): the classes are the plain ones. Each pair's row carries
                  ``features`` ("" for plain attention); the ncu runs table names the path and
                  kernel of each child. The csrc feature binaries: ``--features
                  window=1024,softcap=50 --shapes B16-L4096-q1,B4-L4096-q64,B16-L4096-q1-request
                  --pairs gating`` (3 shapes x 4 classes = 12 ncu runs, about 2 minutes); the
-                 Triton ones: the same with ``,sinks``.
+                 Triton ones: the same with ``,path=triton``.
     --dram-tolerance  relative DRAM-bytes tolerance of the rule (default 0.01, design.md section 3).
     --pairs      ``all`` (default: gating + reported), ``gating``, or explicit ``A:B`` pairs.
     --launches   launches per child; the last one is compared (default 3).
@@ -144,10 +146,13 @@ def parse_shape(spec: str):
             kw["logits_soft_cap"] = float(m[1])
         elif tok == "sinks":
             kw["sinks"] = True
+        elif tok == "triton":
+            kw["path"] = "triton"
         else:
             raise ValueError(f"shape spec {spec!r}: unknown part {tok!r} (expected B<n>, L<n>, q<n>, h<n>x<n>, "
                              f"d<n>, bs<n>, a dtype, a policy ({', '.join(classes.POLICIES)}), a layout "
-                             f"({', '.join(classes.LAYOUTS)}), nb<n>, causal/noncausal, win<n> (n >= 1), softcap<x> (x > 0), sinks)")
+                             f"({', '.join(classes.LAYOUTS)}), nb<n>, causal/noncausal, win<n> (n >= 1), softcap<x> (x > 0), sinks, "
+                             f"triton)")
     try:
         return classes.Shape(**kw)
     except ValueError as e:
@@ -349,15 +354,11 @@ def _child(spec: str, cls: str, launches: int, sidecar: str | None) -> int:
     import torch
 
     from dhp_backend.audit import classes
-    from dhp_backend.ops import dispatch
-    from dhp_backend.ops.plan import step_kernel
 
     shape = parse_shape(spec)
     inputs = classes.make_inputs(shape, cls, device="cuda")
     out = classes.empty_out(inputs)
-    spec = classes.problem_spec(shape, device_capability=torch.cuda.get_device_capability())
-    choice = dispatch.choose_path(spec, shape.policy, allow_fallback=True)
-    kernel = step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
+    choice, kernel = classes.route(shape, device_capability=torch.cuda.get_device_capability())
     torch.cuda.synchronize()
     for _ in range(launches):
         classes.launch(inputs, out)

@@ -4,7 +4,12 @@ A layer's sliding window, logits soft-cap and attention sinks are public model
 configuration (design.md section 2): each selects the binary a layer runs, never
 a trip count or an address that follows a secret (docs/kernels.md section 6).
 So is its head geometry (query heads, KV heads, head size), which selects the
-library (one per head size) and the GQA packing of the tiles.
+library (one per head size) and the GQA packing of the tiles, and the kernel
+family that runs it: ``path=triton`` forces the Triton ``CONST_TIME`` kernels
+(what a GPU without the csrc kernels runs: not sm_90, no nvcc, more query heads
+per KV head than the csrc routes take, or the setting ``path: triton``) where
+the default (``auto``) runs what the dispatcher picks on this device, the csrc
+kernels on an H100 / H200.
 `classes.Shape` carries them (``sliding_window``, ``logits_soft_cap``, ``sinks``,
 ``num_heads``, ``num_kv_heads``, ``head_size``); this module declares the option
 both gates share, parses it, and names the features in report rows
@@ -16,8 +21,9 @@ Syntax of ``--features``: comma-separated items, each at most once, in any order
 per-head sink logit; the audit's is seeded, the same for every class: a model
 weight), ``heads=QxKVxD`` (query heads x KV heads x head size, e.g. 16x8x256 for
 Gemma-2 9B's layers; default the audit's Llama-3-8B layer, 32x8x128, which the
-label leaves out). ``""`` or ``none``: plain attention on the default geometry.
-Example: ``heads=16x8x256,window=4096,softcap=50``.
+label leaves out), ``path=triton`` (or ``path=auto``, the default, which the label
+leaves out). ``""`` or ``none``: plain attention on the default geometry and path.
+Example: ``heads=16x8x256,window=4096,softcap=50``; ``path=triton,window=1024``.
 
 Torch-free, so that declaring the option costs the command line nothing.
 """
@@ -28,8 +34,12 @@ import dataclasses
 import math
 
 ACCEPTED = ("comma-separated items, each at most once: window=W (an int >= 1), softcap=C (a finite number > 0), "
-            "sinks, heads=QxKVxD (query heads x KV heads x head size, Q a multiple of KV); or 'none' / '' for plain "
-            "attention (e.g. window=4096,softcap=50,sinks or heads=16x8x256,window=1024)")
+            "sinks, heads=QxKVxD (query heads x KV heads x head size, Q a multiple of KV), path=triton or path=auto; "
+            "or 'none' / '' for plain attention (e.g. window=4096,softcap=50,sinks or heads=16x8x256,window=1024 or "
+            "path=triton)")
+# The kernel families an audited layer can be forced onto (``path=``): the dispatcher's choice (``auto``) or the
+# Triton CONST_TIME kernels. The reference path is not constant-time: nothing for G1 or G4 to gate.
+PATHS = ("auto", "triton")
 # The audit's default layer geometry (classes.Shape's defaults: Llama-3-8B's 32 query heads, 8 KV heads, head
 # size 128).
 DEFAULT_GEOMETRY = (32, 8, 128)
@@ -52,6 +62,7 @@ class Features:
     sinks: bool = False
     # (num_heads, num_kv_heads, head_size); () = DEFAULT_GEOMETRY (normalised to (): one spelling per layer)
     geometry: tuple = ()
+    path: str = "auto"  # the kernel family (PATHS): the dispatcher's choice, or the Triton kernels forced
 
     def __post_init__(self):
         g = tuple(self.geometry)
@@ -67,9 +78,12 @@ class Features:
             raise ValueError(f"logits_soft_cap is {c!r}; accepted: 0 (no cap) or a finite number > 0")
         if not isinstance(self.sinks, bool):
             raise ValueError(f"sinks is {self.sinks!r}; accepted: True or False")
+        if self.path not in PATHS:
+            raise ValueError(f"path is {self.path!r}; accepted: {', '.join(PATHS)}")
 
     def __bool__(self) -> bool:
-        return bool(self.sliding_window or self.logits_soft_cap or self.sinks or self.geometry)
+        return bool(self.sliding_window or self.logits_soft_cap or self.sinks or self.geometry
+                    or self.path != "auto")
 
     @property
     def label(self) -> str:
@@ -78,29 +92,32 @@ class Features:
         return ",".join(([f"heads={'x'.join(map(str, self.geometry))}"] if self.geometry else [])
                         + ([f"window={self.sliding_window}"] if self.sliding_window else [])
                         + ([f"softcap={_number(self.logits_soft_cap)}"] if self.logits_soft_cap else [])
-                        + (["sinks"] if self.sinks else []))
+                        + (["sinks"] if self.sinks else [])
+                        + ([f"path={self.path}"] if self.path != "auto" else []))
 
     @property
     def key(self) -> str:
         """The suffix of `classes.Shape.key` (``-win4096-softcap50-sinks``), "" for none, so plain shapes
         keep their keys (report rows and merges of earlier runs). The geometry is not in it: the key names
-        it already (``-h16x8-d256``)."""
+        it already (``-h16x8-d256``). A forced path ends it (``-triton``)."""
         return "".join(([f"-win{self.sliding_window}"] if self.sliding_window else [])
                        + ([f"-softcap{_number(self.logits_soft_cap)}"] if self.logits_soft_cap else [])
-                       + (["-sinks"] if self.sinks else []))
+                       + (["-sinks"] if self.sinks else [])
+                       + ([f"-{self.path}"] if self.path != "auto" else []))
 
     def shape_fields(self) -> dict:
         """Keyword arguments of `classes.Shape` (the geometry's only when it is not the default)."""
-        d = {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap, "sinks": self.sinks}
+        d = {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap, "sinks": self.sinks,
+             "path": self.path}
         if self.geometry:
             d.update(zip(("num_heads", "num_kv_heads", "head_size"), self.geometry))
         return d
 
 
 def of(shape) -> Features:
-    """The features of a `classes.Shape` (or anything with its feature and geometry fields)."""
+    """The features of a `classes.Shape` (or anything with its feature, geometry and path fields)."""
     return Features(shape.sliding_window, shape.logits_soft_cap, shape.sinks,
-                    (shape.num_heads, shape.num_kv_heads, shape.head_size))
+                    (shape.num_heads, shape.num_kv_heads, shape.head_size), getattr(shape, "path", "auto"))
 
 
 def parse(text: str | None) -> Features:
@@ -132,6 +149,10 @@ def parse(text: str | None) -> Features:
                 raise ValueError(f"--features: {item!r} (heads=QxKVxD, positive ints, Q a multiple of KV); "
                                  f"accepted: {ACCEPTED}")
             seen[name] = tuple(int(x) for x in parts)
+        elif name == "path":
+            if value.lower() not in PATHS:
+                raise ValueError(f"--features: {item!r} (path=triton or path=auto); accepted: {ACCEPTED}")
+            seen[name] = value.lower()
         elif name == "softcap":
             try:
                 cap = float(value)
@@ -143,7 +164,7 @@ def parse(text: str | None) -> Features:
         else:
             raise ValueError(f"--features: unknown item {item!r}; accepted: {ACCEPTED}")
     return Features(sliding_window=seen.get("window", 0), logits_soft_cap=seen.get("softcap", 0.0),
-                    sinks=seen.get("sinks", False), geometry=seen.get("heads", ()))
+                    sinks=seen.get("sinks", False), geometry=seen.get("heads", ()), path=seen.get("path", "auto"))
 
 
 def add_argument(parser) -> None:
@@ -151,5 +172,6 @@ def add_argument(parser) -> None:
     parser.add_argument("--features", default="",
                         help="attention features of every audited layer: window=W, softcap=C, sinks, and its "
                              "geometry heads=QxKVxD, comma-separated (e.g. window=4096,softcap=50,sinks or "
-                             "heads=16x8x256,window=1024; default none: plain attention, 32x8x128). Such layers "
-                             "run the csrc kernels' libraries of their head size and features (plan.step_kernel)")
+                             "heads=16x8x256,window=1024; default none: plain attention, 32x8x128), and path=triton "
+                             "to force the Triton CONST_TIME kernels. Such layers run the csrc kernels' libraries of "
+                             "their head size and features (plan.step_kernel), or with path=triton the Triton ones")

@@ -32,8 +32,9 @@ up to L and a short and a long request read the very same pages. The grid:
 - attention features (issue 31): ``--features window=W,softcap=C,sinks`` (`audit.features`;
   any subset) measures every shape of the run as a layer with those features (public model
   configuration), and ``heads=QxKVxD`` as a layer of that geometry (e.g. ``heads=16x8x256``:
-  Gemma-2 9B's, the head-256 libraries). Such layers run the csrc kernels' library of their
-  head size and features (`plan.step_kernel`), and under ``strict``/``request`` a windowed layer walks the whole
+  Gemma-2 9B's, the head-256 libraries), and ``path=triton`` on the Triton ``CONST_TIME`` kernels
+  forced (what a GPU without the csrc kernels runs; with or without features). Such layers run the
+  csrc kernels' library of their head size and features (`plan.step_kernel`), and under ``strict``/``request`` a windowed layer walks the whole
   bucket (docs/kernels.md section 6), so the classes are the plain ones: short and long put
   the window at two secret positions in the same walk. Rows carry ``features`` ("" for plain
   attention on the default 32x8x128 layer) and merge beside the plain rows; they gate like them
@@ -805,19 +806,11 @@ class Timer:
         """The path the dispatcher runs for this shape (a gating pair on the reference path proves little)."""
         try:
             from dhp_backend.audit import classes
-            from dhp_backend.ops import dispatch
 
-            spec = classes.problem_spec(shape, device_capability=self.torch.cuda.get_device_capability(self.device))
-            path = dispatch.choose_path(spec, shape.policy, allow_fallback=True).describe()
+            choice, kernel = classes.route(shape, device_capability=self.torch.cuda.get_device_capability(self.device))
         except Exception as e:  # noqa: BLE001 - informational only
             return f"unknown ({type(e).__name__}: {e})"
-        try:
-            from dhp_backend.ops.plan import step_kernel
-
-            kernel = step_kernel(spec, shape.policy, shape.batch * shape.q_len, shape.batch)
-            return f"{path}; kernel {kernel}"
-        except Exception:  # noqa: BLE001 - informational only
-            return path
+        return f"{choice.describe()}; kernel {kernel}"
 
     @staticmethod
     def shares_buffers(inputs: list) -> bool:
