@@ -948,10 +948,10 @@ def test_featured_shapes_name_their_kernel(with_nvcc):
     for q in (1, 64):
         batch = 16 if q == 1 else 4
         plain = t.path_of(classes.Shape(batch=batch, q_len=q))
-        assert plain.startswith("triton") and "kernel cuda_" in plain, plain
+        assert plain.startswith("csrc kernel cuda_") and "the layer's path: triton" in plain, plain
         for f in ({"sliding_window": 1024}, {"logits_soft_cap": 50.0}, {"sinks": True}):
             path = t.path_of(classes.Shape(batch=batch, q_len=q, **f))
-            assert path.startswith("triton") and "kernel cuda_" in path, (f, path)
+            assert path.startswith("csrc kernel cuda_") and "the layer's path: triton" in path, (f, path)
 
 
 def test_features_in_the_plan_rows_and_reports(tmp_path, monkeypatch, capsys):

@@ -803,13 +803,17 @@ class Timer:
                 f"{self.MAX_SLEEP_MS:.0f} ms), {self.cycles_per_ms / 1e6:.2f} Gcycles/s measured")
 
     def path_of(self, shape) -> str:
-        """The path the dispatcher runs for this shape (a gating pair on the reference path proves little)."""
+        """The kernel that runs this shape's launches and the dispatcher's path (a gating pair on the reference
+        path proves little): "csrc kernel cuda_prefill_ct (the layer's path: triton (constant-time capable): ...)"
+        where the csrc kernels take the layer, else "<path description>; kernel <kernel>"."""
         try:
             from dhp_backend.audit import classes
 
             choice, kernel = classes.route(shape, device_capability=self.torch.cuda.get_device_capability(self.device))
         except Exception as e:  # noqa: BLE001 - informational only
             return f"unknown ({type(e).__name__}: {e})"
+        if kernel != choice.name:  # the csrc kernels took the layer (plan.step_kernel): name them first
+            return f"csrc kernel {kernel} (the layer's path: {choice.describe()})"
         return f"{choice.describe()}; kernel {kernel}"
 
     @staticmethod
