@@ -44,6 +44,15 @@ __device__ __forceinline__ float select_f32(bool c, float a, float b) {
   return r;
 }
 
+// The filler a constant-time window walk leaves where the masked form left zeros (a state that a row's
+// steps below its window evolved and that is never committed, docs/kernels.md section 7): |x| capped at
+// 1e30 (0 beyond, and for NaN), finite and non-negative, so that a live split's alpha = +0 wipes it and a
+// sum of up to 2^16 of them (decode's merge over a prefix of wholly-below splits) stays finite.
+__device__ __forceinline__ float filler_of(float x) {
+  const float a = fabsf(x);
+  return a <= 1e30f ? a : 0.f;
+}
+
 // kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).
 __device__ __forceinline__ uint32_t mod_barrett(uint32_t x, uint32_t n, uint32_t magic) {
   uint32_t y = x - __umulhi(x, magic) * n;

@@ -822,12 +822,6 @@ __device__ __forceinline__ void drop_below(float (&acc)[N], bool leaving) {
 #pragma unroll
   for (int i = 0; i < N; ++i) acc[i] = ct::select_f32(leaving, 0.f, acc[i]);
 }
-// A filler value: |x| capped at 1e30 (0 beyond, and for NaN): finite and non-negative, so that alpha =
-// +0 wipes it, and a sum of up to 2^16 of them (the merge's prefix of wholly-below splits) stays finite.
-__device__ __forceinline__ float filler_of(float x) {
-  const float a = fabsf(x);
-  return a <= 1e30f ? a : 0.f;
-}
 
 // Row values (floats): max [2 warps][16 rows], alpha [2 buffers][16], coef [2 buffers][16][al, be],
 // inv [16]; the P ring's barriers at byte kPipeBarOff (768); per-lane sums [2 warps][32 lanes][4].
@@ -1125,10 +1119,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             run[4 * i + 2] = ct::select_f32(role.commit, f2, run[4 * i + 2]);
             run[4 * i + 3] = ct::select_f32(role.commit, f3, run[4 * i + 3]);
             if constexpr (v2::kWindow) {  // below the window: the filler (except_below)
-              run[4 * i] = ct::select_f32(below, filler_of(f0), run[4 * i]);
-              run[4 * i + 1] = ct::select_f32(below, filler_of(f1), run[4 * i + 1]);
-              run[4 * i + 2] = ct::select_f32(below, filler_of(f2), run[4 * i + 2]);
-              run[4 * i + 3] = ct::select_f32(below, filler_of(f3), run[4 * i + 3]);
+              run[4 * i] = ct::select_f32(below, ct::filler_of(f0), run[4 * i]);
+              run[4 * i + 1] = ct::select_f32(below, ct::filler_of(f1), run[4 * i + 1]);
+              run[4 * i + 2] = ct::select_f32(below, ct::filler_of(f2), run[4 * i + 2]);
+              run[4 * i + 3] = ct::select_f32(below, ct::filler_of(f3), run[4 * i + 3]);
             }
           }
         }
@@ -1138,7 +1132,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           // A dead split of a row with positions stores its evolving accumulator, made finite and
           // non-negative, where the neutral state holds zeros (the Triton-contract consumer of git history: the
           // merge multiplies it by +0, the bits are the same, and the stored values follow no length).
-          // So does a split wholly below the window (window libraries, filler_of): the merge folds such
+          // So does a split wholly below the window (window libraries, ct::filler_of): the merge folds such
           // splits first, whose neutral m gives each a coefficient of 1, then the first split with
           // positions wipes their sum with alpha = +0.
           const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
@@ -1147,7 +1141,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
             const float a = fabsf(acc[i]);
             acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
             // (below: the split's last step lies below the window, so every step of it does)
-            if constexpr (v2::kWindow) acc_c[i] = ct::select_f32(below, filler_of(acc[i]), acc_c[i]);
+            if constexpr (v2::kWindow) acc_c[i] = ct::select_f32(below, ct::filler_of(acc[i]), acc_c[i]);
           }
         }
         if constexpr (WRITE_PARTIALS) {

@@ -1103,8 +1103,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const FoldCoef hi = fold_stats(mf_hi, lf_hi, fm_hi, quad_lanes(fl_hi));
     auto keep = [&](bool c, bool f, float x, float r) {
       if constexpr (v2::kWindow) {
-        const float a = fabsf(x);
-        return select_f32(f, a <= 1e30f ? a : 0.f, select_f32(c, x, r));
+        return select_f32(f, filler_of(x), select_f32(c, x, r));
       } else {
         return select_f32(c, x, r);
       }
