@@ -201,7 +201,7 @@ def test_feature_arguments_of_the_csrc_launchers():
     for bad in (torch.zeros(3), torch.zeros(4, dtype=torch.float16), [0.0] * 4):
         with pytest.raises(ValueError, match="sinks is .*accepted: None or a \\[num_heads\\] tensor"):
             feature_args("t", 0.125, True, None, None, bad, q)
-    assert tail[1] == pytest.approx(2 * 0.125 * math.log2(math.e) / 50)
+    assert tail[1] == pytest.approx(0.125 / 50)  # scale / c: v2::soft_cap is tanh.approx(s * pre) * post
     assert tail[2] == pytest.approx(50 * math.log2(math.e))
     for bad, match in ((dict(sliding_window=0), "sliding_window is 0"), (dict(sliding_window=True), "sliding_window"),
                        (dict(logits_soft_cap=-1.0), "logits_soft_cap is -1.0"),

@@ -178,7 +178,7 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
 
     The window W (an int >= 1, causal only; None: none) is passed as it is: the query at position i
     sees keys j with i - W < j <= i (vLLM's window). A soft cap c > 0 (None: none) becomes
-    ``cap_pre = 2 * scale * log2(e) / c`` and ``cap_post = c * log2(e)``: csrc/v2_arith.cuh
+    ``cap_pre = scale / c`` and ``cap_post = c * log2(e)``: csrc/v2_arith.cuh
     ``soft_cap`` computes c * tanh(s * scale / c) in log2 units from them, the same two constants for
     both kernels (equal bits). ``sinks`` (None: none) is a [num_heads] tensor on the query's device,
     float32 or the query's dtype (``ops.attention.check_sinks``' rule), passed as float32: the kernels
@@ -199,7 +199,7 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
             raise ValueError(f"{who}: logits_soft_cap is {logits_soft_cap!r}; accepted: None or a finite "
                              "number > 0")
         log2e = math.log2(math.e)
-        cap_pre = 2.0 * float(scale) * log2e / float(logits_soft_cap)
+        cap_pre = float(scale) / float(logits_soft_cap)
         cap_post = float(logits_soft_cap) * log2e
     sinks_f32 = None
     if sinks is not None:

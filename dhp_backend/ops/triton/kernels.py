@@ -243,7 +243,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
             CONST_TIME: tl.constexpr, zero_ptr, SOFTCAP: tl.constexpr,
-            lo, lo_tile, WINDOW: tl.constexpr):
+            lo, lo_tile, WINDOW: tl.constexpr, dead=False):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
     reading K/V from blocks ``bid`` (see `tile_blocks`).
 
@@ -265,10 +265,30 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
     tile's rows) are seen by no row: they are cleaned like those past seq_len, so
     pages that fell out of the window (vLLM's null block under ``off``) never
     reach the output through 0 * NaN, and every policy multiplies the same zeros.
+
+    ``dead`` (``CONST_TIME`` only: a scalar, the step lies wholly at or past the
+    request's true length): the step runs on what the reserved pages hold, scores
+    unmasked and V rows kept, so that its operands are a live step's; the state it
+    evolves is never used (the split loop keeps the state of its last live step by
+    selection). Masked to zeros, a short request's dead steps fed the tensor cores
+    zeros where a long request's fed data, and the step's time followed the true
+    length through the card's power management (G4, H200, 2026-11-28, prefill B4
+    q64 L 4096, short vs long +0.070 %, t -44; the csrc kernels' remedy since 73d2f15,
+    docs/kernels.md section 2).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
     pos = j * BLOCK_N + offs_n
+    if CONST_TIME:
+        # A dead step's bounds moved out of the way by arithmetic (max, multiply), not by
+        # `attend | dead`: ptxas made that a guarded FSEL (`@!P FSEL`) on the dead predicate,
+        # an instruction issued or not by a secret, which G2 fails (audit/guarded.py).
+        d_big = dead.to(tl.int32) * 2147483647
+        seq_len = tl.maximum(seq_len, d_big)
+        limit = tl.maximum(limit, d_big)
+        if WINDOW > 0:
+            lo = lo - dead.to(tl.int32) * 1073741824
+            lo_tile = lo_tile - dead.to(tl.int32) * 1073741824
     real = pos < seq_len
     if WINDOW > 0:
         real = real & (pos >= lo_tile)
@@ -512,6 +532,14 @@ def attention_kernel(
                 # below the window runs none and stores (split mode) the neutral
                 # state its masked steps would have left: the same bits.
                 j_lo = tl.maximum(j_lo, first_tile)
+        if CONST_TIME:
+            # The split's state at its last live step (a step holding a position below the
+            # true length): dead steps (a suffix of the walk) run unmasked (`kv_step`) and
+            # their state is dropped here by selection. In the masked form they were exact
+            # no-ops, so this is the state the split ended with before: the same bits.
+            m_c = m_i
+            l_c = l_i
+            acc_c = acc
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
@@ -523,7 +551,16 @@ def attention_kernel(
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
-                                    zero_ptr, SOFTCAP, lo, lo_tile, WINDOW)
+                                    zero_ptr, SOFTCAP, lo, lo_tile, WINDOW, j * BLOCK_N >= seq_len)
+            if CONST_TIME:
+                live = j * BLOCK_N < seq_len  # follows the true length: selections only
+                m_c = tl.where(live, m_i, m_c)
+                l_c = tl.where(live, l_i, l_c)
+                acc_c = tl.where(live, acc, acc_c)
+        if CONST_TIME:
+            m_i = m_c
+            l_i = l_c
+            acc = acc_c
         # WRITE_PARTIALS: the host's split-mode choice from public geometry, a
         # constexpr so that the fold-mode running state costs no registers here.
         if WRITE_PARTIALS:
