@@ -149,7 +149,7 @@ def compile_inputs(v: Variant):
                      SEARCH_BLOCK=kcfg.SEARCH_BLOCK, SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS,
                      SINK_WIDTH=wsp.SINK_WIDTH, PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(v.split),
                      CONST_TIME=bool(v.const_time), SOFTCAP=float(v.softcap), HAS_SINKS=bool(v.sinks),
-                     WINDOW=int(v.window))
+                     WINDOW=int(v.window), INTERPRET=False)
         if v.sinks:
             elem["attn_sinks_ptr"] = "fp32"
         else:

@@ -112,6 +112,22 @@ def finalize(acc, l):
 
 
 @triton.jit
+def keep_if(c, a, b, INTERPRET: tl.constexpr):
+    """``c ? a : b`` for fp32 tensors a, b of one shape and a scalar condition c that follows a
+    secret, as one LOP3 per element ((a & m) | (b & ~m), m = -c) in inline PTX: opaque to LLVM
+    and ptxas, so it cannot become moves guarded by c (an instruction issued or not by a secret;
+    the csrc kernels' `ct::select_f32`, docs/kernels.md section 2). ``INTERPRET`` (a constexpr, the
+    CPU interpreter, which runs no PTX): `tl.where`, the same bits."""
+    if INTERPRET:
+        return tl.where(c, a, b)
+    m = tl.zeros(a.shape, tl.int32) - c.to(tl.int32)
+    r = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r",
+                                  [a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), m],
+                                  dtype=tl.int32, is_pure=True, pack=1)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def halve(x, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """[BLOCK_M, WIDTH] -> [BLOCK_M, WIDTH // 2]: column pairs (2i, 2i + 1) added."""
     a, b = tl.split(tl.reshape(x, [BLOCK_M, WIDTH // 2, 2]))
@@ -371,7 +387,7 @@ def attention_kernel(
     SINK_SLOTS: tl.constexpr, SINK_ROWS: tl.constexpr, SINK_WIDTH: tl.constexpr,
     PREFETCH: tl.constexpr, WRITE_PARTIALS: tl.constexpr, CONST_TIME: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0, HAS_SINKS: tl.constexpr = False, attn_sinks_ptr=None,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, INTERPRET: tl.constexpr = False,
 ):
     """See the module docstring. Runtime ints that follow the batch are not
     specialised, so every batch runs one and the same binary.
@@ -554,9 +570,9 @@ def attention_kernel(
                                     zero_ptr, SOFTCAP, lo, lo_tile, WINDOW, j * BLOCK_N >= seq_len)
             if CONST_TIME:
                 live = j * BLOCK_N < seq_len  # follows the true length: selections only
-                m_c = tl.where(live, m_i, m_c)
-                l_c = tl.where(live, l_i, l_c)
-                acc_c = tl.where(live, acc, acc_c)
+                m_c = keep_if(live, m_i, m_c, INTERPRET)
+                l_c = keep_if(live, l_i, l_c, INTERPRET)
+                acc_c = keep_if(live, acc, acc_c, INTERPRET)
         if CONST_TIME:
             m_i = m_c
             l_i = l_c

@@ -148,7 +148,7 @@ def launch(g: geometry.TritonGeometry | None, query, key_cache, value_cache, blo
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.tiles_per_split, BLOCK_SIZE=block_size,
         HEAD=head_size, HEAD_PAD=cfg.head_pad, CAUSAL=bool(causal),
-        FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16,
+        FP32=cfg.fp32, UPCAST_DOT=_interpreting() and query.dtype == torch.bfloat16, INTERPRET=_interpreting(),
         SEARCH_BLOCK=kcfg.SEARCH_BLOCK,
         SINK_SLOTS=wsp.SINK_SLOTS, SINK_ROWS=wsp.SINK_ROWS, SINK_WIDTH=wsp.SINK_WIDTH,
         PREFETCH=cfg.prefetch, WRITE_PARTIALS=bool(g.split), CONST_TIME=const_time,
