@@ -1135,10 +1135,11 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     l_hi = select_f32(hi, 0.f, l_hi);
   };
   // kSnapCT: the split's state after its last live step so far, kept by selection (read only when
-  // the split held a live step).
-  float snap[kAcc], sm_lo = kMInit, sm_hi = kMInit, sl_lo = 0.f, sl_hi = 0.f;
+  // the split held a live step). Head 256 keeps none (one placeholder value, never read).
+  constexpr int kSnap = kSnapCT ? kAcc : 1;
+  float snap[kSnap], sm_lo = kMInit, sm_hi = kMInit, sl_lo = 0.f, sl_hi = 0.f;
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) snap[i] = 0.f;
+  for (int i = 0; i < kSnap; ++i) snap[i] = 0.f;
   // Step t's state is complete (PV(t) done): its commit, and a fresh state at a split's end.
   auto step_end = [&](int t) {
     const int kv0 = t * kCols;
