@@ -259,7 +259,7 @@ def kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, FP32: tl.constexpr, UPCAST_DOT: tl.constexpr,
             CONST_TIME: tl.constexpr, zero_ptr, SOFTCAP: tl.constexpr,
-            lo, lo_tile, WINDOW: tl.constexpr, dead=False):
+            lo, lo_tile, WINDOW: tl.constexpr, dead):
     """One BLOCK_N step of online softmax at absolute KV positions j*BLOCK_N + [0, BLOCK_N),
     reading K/V from blocks ``bid`` (see `tile_blocks`).
 
