@@ -503,16 +503,6 @@ def attention_kernel(
     m_run = tl.full([BLOCK_M], M_INIT, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc_run = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    if CONST_TIME:
-        # The state at the walk's last live step so far (a step holding a position below the true
-        # length), kept by selection: dead steps (a suffix of the walk) run unmasked (`kv_step`) and
-        # their state is dropped. Fold mode carries it across splits, as the csrc CT prefill's
-        # snapshot: a split with no live step folds the last live split's state (the fold's result
-        # dropped by selection below) where a fresh one would fold zeros, so a short request's fold
-        # multiplies what a long one's does. Split mode starts it afresh with each split (below).
-        m_c = m_run
-        l_c = l_run
-        acc_c = acc_run
     if WRITE_PARTIALS:
         if CONST_TIME:
             # What an idle row of a split stores instead of a zero accumulator (the split loop
@@ -559,11 +549,13 @@ def attention_kernel(
                 # state its masked steps would have left: the same bits.
                 j_lo = tl.maximum(j_lo, first_tile)
         if CONST_TIME:
-            if WRITE_PARTIALS:
-                # Split mode stores each split's own state: the kept state starts with the split.
-                m_c = m_i
-                l_c = l_i
-                acc_c = acc
+            # The split's state at its last live step (a step holding a position below the
+            # true length): dead steps (a suffix of the walk) run unmasked (`kv_step`) and
+            # their state is dropped here by selection. In the masked form they were exact
+            # no-ops, so this is the state the split ended with before: the same bits.
+            m_c = m_i
+            l_c = l_i
+            acc_c = acc
         # Public trip count: this split's KV steps below ceil(L / BLOCK_N); audit rule "kv-loop".
         for j in range(j_lo, j_hi):
             if PREFETCH:
@@ -582,11 +574,6 @@ def attention_kernel(
                 l_c = keep_if(live, l_i, l_c, INTERPRET)
                 acc_c = keep_if(live, acc, acc_c, INTERPRET)
         if CONST_TIME:
-            # The kept state is the one the masked form ended the split with (its dead steps were
-            # exact no-ops): the same bits. A split with no live step: in split mode the fresh
-            # state, in fold mode the last live split's (the fold below drops it).
-            split_live = j_split * BLOCK_N < seq_len  # follows the true length: selections only
-            acc_dead = acc  # the dead steps' evolved accumulator (split mode's filler)
             m_i = m_c
             l_i = l_c
             acc = acc_c
@@ -596,42 +583,28 @@ def attention_kernel(
             base = split_stride * s
             if CONST_TIME:
                 # A row that attends no position of this split (it lies past the row's end,
-                # or below its window) stores the neutral m = M_INIT and l = 0 with a filler in
+                # or below its window) stores the neutral m = M_INIT and l = 0 with |q| in
                 # place of its zero accumulator: `fold` multiplies it by beta = 0 when a
                 # live split has moved the max (a row with positions always has one), or
                 # a live split's alpha = 0 wipes it when it came first (a window's dead
                 # prefix); non-negative and finite, so every product is +0 as with zeros:
                 # the same bits. Zeros written and read back for one length class only
                 # made the csrc CT decode's short request faster than a long one (G4,
-                # H200, +0.017 %, t -9; docs/kernels.md section 2). The filler of a split
-                # with no live step is |the accumulator its dead steps evolved| (the csrc CT
-                # decode's), so what a short request's dead split stores follows the pages
-                # as a long request's live split does; elsewhere |q|. Rows outside the
+                # H200, +0.017 %, t -9; docs/kernels.md section 2). Rows outside the
                 # request store to the sink (never merged; their count in a tile follows
                 # q_len), so they get the filler too; a stored row with limit 0 (the padding
                 # pseudo-request's) has no live split to absorb it and keeps zeros.
                 idle = limit <= j_split * BLOCK_N
                 if WINDOW > 0:
                     idle = idle | (lo >= j_hi * BLOCK_N)
-                dead_filler = tl.abs(acc_dead)
-                dead_filler = tl.where(dead_filler <= 3.4028234663852886e38, dead_filler, 0.0)
-                filler = keep_if(split_live, q_filler, dead_filler, INTERPRET)
-                acc = tl.where((idle & ((limit > 0) | ~row_valid))[:, None], filler, acc)
+                acc = tl.where((idle & ((limit > 0) | ~row_valid))[:, None], q_filler, acc)
             a_ptrs = tl.where(row_valid[:, None], ws_acc_ptr + (base + row_out)[:, None] * HEAD + offs_d[None, :],
                               sink_acc)
             store_rows(a_ptrs, acc, HEAD, HEAD_PAD)
             tl.store(tl.where(row_valid, ws_m_ptr + base + row_out, sink_ml), m_i)
             tl.store(tl.where(row_valid, ws_l_ptr + base + row_out, sink_ml), l_i)
         else:
-            if CONST_TIME:
-                # The fold's result kept when the split held a live step (else an exact no-op
-                # of the masked form: the same bits).
-                m_f, l_f, acc_f = fold(m_run, l_run, acc_run, m_i, l_i, acc)
-                m_run = keep_if(split_live, m_f, m_run, INTERPRET)
-                l_run = keep_if(split_live, l_f, l_run, INTERPRET)
-                acc_run = keep_if(split_live, acc_f, acc_run, INTERPRET)
-            else:
-                m_run, l_run, acc_run = fold(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_run, l_run, acc_run = fold(m_run, l_run, acc_run, m_i, l_i, acc)
 
     # Same constexpr: fold mode stores the result here, split mode leaves it to merge_kernel.
     if not WRITE_PARTIALS:
