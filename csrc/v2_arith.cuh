@@ -90,21 +90,33 @@ __device__ __forceinline__ float step_max(float m, float raw_max, float scale) {
 // p = 2^(s * scale - m): FA3's exponent form, one fma per score.
 __device__ __forceinline__ float exp_score(float s, float scale, float m) { return ex2(__fmaf_rn(s, scale, -m)); }
 
-// The soft cap of a raw score s, in log2 units: tanh(s * pre) * post with pre = scale / c and
-// post = c * log2(e) (cuda_common.feature_args computes both once for every kernel), tanh by the
-// hardware's tanh.approx.f32 (one MUFU.TANH, as FA3's soft cap: cutlass::fast_tanh). It replaced
-// the saturating form (1 - 2 / (2^(2 s pre) + 1)) * post, whose ex2 + div.full made a capped score
-// cost three MUFU operations with the softmax's ex2 instead of two: on the H200 (2026-11-28, same
-// run as the old form) Gemma-2's cap-50 prefill at head 256 went from 0.69x to 0.78x FA3 and its
-// decode B16 8K from 0.90x to 0.95x (docs/perf-notes.md). Maximum relative error 2^-10.99
-// (PTX ISA), below the bfloat16 inputs' 2^-8; saturating (+-inf gives +-1, never inf / inf); a
-// garbage score (NaN) stays NaN and is masked by selection afterwards, as an uncapped one. One
-// instruction of fixed latency, no data-dependent path. The Triton kernels and the reference keep
-// their own tanh: a layer runs on one path (ops.dispatch), so no row's bits are compared across them.
+// The soft cap of a raw score s, in log2 units, in one of two forms chosen by the head size (public;
+// cuda_common.soft_cap_constants computes the two constants pre and post of the library's form once
+// for every kernel, so prefill and decode give equal bits):
+// - head 256 (kTanhCap): tanh(s * pre) * post with pre = scale / c and post = c * log2(e), tanh by
+//   the hardware's tanh.approx.f32 (one MUFU.TANH, as FA3's soft cap: cutlass::fast_tanh). On the
+//   H200 (2026-11-28, same run as the other form) Gemma-2's cap-50 prefill went from 0.69x to 0.78x
+//   FA3 and its decode B16 8K from 0.90x to 0.95x (docs/perf-notes.md lever 56); G4 passes on its
+//   window + cap CT prefill (strict and request, docs/audit/2026-11-28-timing-h200-csrc-cap.md).
+//   Maximum relative error 2^-10.99 (PTX ISA), below the bfloat16 inputs' 2^-8.
+// - every other head: (1 - 2 / (2^(s * pre) + 1)) * post with pre = 2 * scale * log2(e) / c and
+//   post = c * log2(e), ex2.approx and div.full. The tanh form was measured there too and G4 failed
+//   it: head 128 window + cap + sinks CT prefill, H200, short vs long -0.011 % (t +7.5) strict and
+//   -0.085 % (t +54) request, where this form passed (+0.003 %, +0.001 %; the same audit report).
+// Both saturate (+-inf gives +-1, never inf / inf); a garbage score (NaN) stays NaN and is masked by
+// selection afterwards, as an uncapped one; no data-dependent path. The Triton kernels and the
+// reference keep their own tanh: a layer runs on one path (ops.dispatch), so no row's bits are
+// compared across them.
+constexpr bool kTanhCap = kHead == 256;
 __device__ __forceinline__ float soft_cap(float s, float pre, float post) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(__fmul_rn(s, pre)));
-  return __fmul_rn(t, post);
+  if constexpr (kTanhCap) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(__fmul_rn(s, pre)));
+    return __fmul_rn(t, post);
+  } else {
+    const float e = ex2(__fmul_rn(s, pre));
+    return __fmul_rn(__fsub_rn(1.f, sm90::div_full(2.f, __fadd_rn(e, 1.f))), post);
+  }
 }
 // The sink's state of head h as fold_stats takes it (its m; l = 1), for the row whose head index
 // is h (clamped: a tile row that holds no head of the group reads a valid entry and is not stored).

@@ -201,8 +201,12 @@ def test_feature_arguments_of_the_csrc_launchers():
     for bad in (torch.zeros(3), torch.zeros(4, dtype=torch.float16), [0.0] * 4):
         with pytest.raises(ValueError, match="sinks is .*accepted: None or a \\[num_heads\\] tensor"):
             feature_args("t", 0.125, True, None, None, bad, q)
-    assert tail[1] == pytest.approx(0.125 / 50)  # scale / c: v2::soft_cap is tanh.approx(s * pre) * post
+    # head 64: v2::soft_cap's saturating form (1 - 2 / (2^(s * pre) + 1)) * post
+    assert tail[1] == pytest.approx(2 * 0.125 * math.log2(math.e) / 50)
     assert tail[2] == pytest.approx(50 * math.log2(math.e))
+    # head 256 (kTanhCap): tanh.approx(s * pre) * post
+    _, tail256 = feature_args("t", 0.125, True, None, 50.0, None, torch.zeros(3, 4, 256, dtype=torch.bfloat16))
+    assert tail256[1] == pytest.approx(0.125 / 50) and tail256[2] == tail[2]
     for bad, match in ((dict(sliding_window=0), "sliding_window is 0"), (dict(sliding_window=True), "sliding_window"),
                        (dict(logits_soft_cap=-1.0), "logits_soft_cap is -1.0"),
                        (dict(logits_soft_cap=float("inf")), "logits_soft_cap is inf")):
@@ -210,6 +214,24 @@ def test_feature_arguments_of_the_csrc_launchers():
             feature_args("t", 0.125, True, bad.get("sliding_window"), bad.get("logits_soft_cap"))
     with pytest.raises(ValueError, match="causal=False"):
         feature_args("t", 0.125, False, 128, None)
+
+
+@pytest.mark.parametrize("head", [64, 96, 128, 256])
+def test_soft_cap_constants_give_the_cap_in_each_heads_form(head):
+    """csrc/v2_arith.cuh soft_cap's two forms (tanh at head 256, the saturating ex2 form elsewhere),
+    evaluated here in float64 with the host's constants: both give c * tanh(s * scale / c) * log2(e),
+    saturating at +-c * log2(e), so a constant of the wrong form (a factor 2 log2(e) off) fails."""
+    from dhp_backend.ops.cuda_common import soft_cap_constants
+
+    scale, c = 0.0625, 30.0
+    pre, post = soft_cap_constants(scale, c, head)
+    s = torch.tensor([-1e6, -900.0, -40.0, -1.0, 0.0, 0.5, 7.0, 300.0, 1e6], dtype=torch.float64)
+    want = c * torch.tanh(s * scale / c) * math.log2(math.e)
+    if head == 256:
+        got = torch.tanh(s * pre) * post
+    else:
+        got = (1 - 2 / (torch.exp2(s * pre) + 1)) * post
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-9), (head, got, want)
 
 
 def test_run_refuses_sinks_the_plan_was_not_made_for():

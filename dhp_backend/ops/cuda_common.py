@@ -171,6 +171,16 @@ def ct_bucket(who: str, bucket, num_seqs: int, capacity: int, device) -> tuple[i
     return 0, int(bucket), None
 
 
+def soft_cap_constants(scale: float, cap: float, head: int) -> tuple[float, float]:
+    """``(pre, post)`` of csrc/v2_arith.cuh ``soft_cap`` for a library of head size ``head``: its form
+    follows the head (``kTanhCap``, measured by G4: docs/audit/2026-11-28-timing-h200-csrc-cap.md).
+    Head 256: tanh.approx(s * pre) * post, pre = scale / c. Every other head: the saturating form
+    (1 - 2 / (2^(s * pre) + 1)) * post, pre = 2 * scale * log2(e) / c. post = c * log2(e) in both."""
+    log2e = math.log2(math.e)
+    pre = float(scale) / float(cap) if int(head) == 256 else 2.0 * float(scale) * log2e / float(cap)
+    return pre, float(cap) * log2e
+
+
 def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_soft_cap,
                  sinks=None, query=None) -> tuple[dict, tuple]:
     """The model features of a csrc launch: ``feature_library``'s keywords (which library has the
@@ -178,7 +188,7 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
 
     The window W (an int >= 1, causal only; None: none) is passed as it is: the query at position i
     sees keys j with i - W < j <= i (vLLM's window). A soft cap c > 0 (None: none) becomes
-    ``cap_pre = scale / c`` and ``cap_post = c * log2(e)``: csrc/v2_arith.cuh
+    the two constants of `soft_cap_constants` (the library's head size picks the form): csrc/v2_arith.cuh
     ``soft_cap`` computes c * tanh(s * scale / c) in log2 units from them, the same two constants for
     both kernels (equal bits). ``sinks`` (None: none) is a [num_heads] tensor on the query's device,
     float32 or the query's dtype (``ops.attention.check_sinks``' rule), passed as float32: the kernels
@@ -198,9 +208,7 @@ def feature_args(who: str, scale: float, causal: bool, sliding_window, logits_so
                 0 < float(logits_soft_cap) < float("inf")):
             raise ValueError(f"{who}: logits_soft_cap is {logits_soft_cap!r}; accepted: None or a finite "
                              "number > 0")
-        log2e = math.log2(math.e)
-        cap_pre = float(scale) / float(logits_soft_cap)
-        cap_post = float(logits_soft_cap) * log2e
+        cap_pre, cap_post = soft_cap_constants(scale, logits_soft_cap, 128 if query is None else query.shape[-1])
     sinks_f32 = None
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or query is None or sinks.dim() != 1 or \
