@@ -45,7 +45,8 @@ import time
 import torch
 
 from benchmarks import cuda_runs
-from benchmarks.cuda_prefill import BS, D, HKV, SCALE, fa3_fn, make_step, sdpa_ref, triton_off_fn
+from benchmarks import cuda_prefill as cp  # its head counts and size (cp.H, cp.HKV, cp.D, cp.SCALE): --heads
+from benchmarks.cuda_prefill import BS, fa3_fn, make_step, sdpa_ref, triton_off_fn
 from benchmarks.inputs import rel_err
 from dhp_backend.ops.cuda_decode import AUTO, CT_VARIANTS, VARIANTS
 from dhp_backend.ops.cuda_prefill import V2 as PREFILL_V2
@@ -86,14 +87,14 @@ ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:
 
 
 def kv_bytes(reqs) -> int:
-    return sum(s for _, s in reqs) * HKV * D * 2 * 2
+    return sum(s for _, s in reqs) * cp.HKV * cp.D * 2 * 2
 
 
 def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None):
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    kw = dict(scale=SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp)
+    kw = dict(scale=cp.SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp)
     decode_sm90(*args, **kw)  # the metadata checked once
     return lambda: decode_sm90(*args, **kw, check=False)
 
@@ -103,7 +104,7 @@ def prefill_rows(st):
     csrc decode row must have. Once per shape, untimed."""
     from dhp_backend.ops.cuda_prefill import prefill_sm90
     out = torch.full_like(st["q"], float("nan"))
-    return prefill_sm90(st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out, scale=SCALE,
+    return prefill_sm90(st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out, scale=cp.SCALE,
                         causal=True, variant=PREFILL_V2)
 
 
@@ -215,8 +216,13 @@ def main(argv=None):
     ap.add_argument("--bucket", type=int, default=0,
                     help="also the constant-time walk to this bucket: rows triton_strict and cuda_ct_<variant> "
                          f"(variants {', '.join(CT_VARIANTS)}, or auto)")
+    ap.add_argument("--heads", default=f"{cp.H},{cp.HKV}",
+                    help="query heads,KV heads[,head size] (default Llama-3-8B's 32,8 of 128; Gemma-2 9B: "
+                         "16,8,256, where ':spp<N>' rows time N splits per CTA, e.g. spp4 for the CTA count "
+                         "of a 2048-position split: docs/perf-notes.md item (6)(c))")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    cp.set_heads(ap, args.heads)
     if args.bucket:
         ct_names = ["triton_strict", *(f"cuda_ct_{v}" for v in CT_VARIANTS)]
         args.variants += "," + ",".join(n for n in ct_names if n not in args.variants.split(","))
@@ -263,7 +269,8 @@ def main(argv=None):
         here = [n for n in names
                 if ct_here or not (n == "triton_strict" or _ct_variant(n))]
         for name in here:
-            row = dict(shape=shape, batch=B, ctx=ctx, variant=name, us=None, tb_s=None, rel_err=None)
+            row = dict(shape=shape, heads=f"{cp.H}x{cp.HKV}x{cp.D}", batch=B, ctx=ctx, variant=name, us=None,
+                       tb_s=None, rel_err=None)
             try:
                 if name == "fa3":
                     fns = [fa3_fn(s, True) for s in sets]

@@ -71,16 +71,24 @@ CT_ROWS = {"triton_strict": "triton_off", f"cuda_{V2_CT}": f"cuda_{V2}"}
 ROWS = ("fa3", "triton_off", f"cuda_{V2}", *CT_ROWS)
 
 
+HEAD_SIZES = (64, 80, 96, 128, 256)  # the csrc libraries' (docs/kernels.md section 7)
+
+
 def set_heads(ap, spec: str) -> None:
-    """--heads "H,HKV": the module's head counts for this run (every helper reads them)."""
-    global H, HKV
+    """--heads "H,HKV[,D]": the module's head counts and head size for this run (every helper here and in
+    `benchmarks.cuda_decode` reads them; D also sets SCALE = D^-0.5), e.g. 16,8,256 for Gemma-2 9B."""
+    global H, HKV, D, SCALE
+    accepted = f"'H,HKV' or 'H,HKV,D': positive integers, HKV dividing H, D one of {HEAD_SIZES}"
     try:
-        h, hkv = (int(x) for x in spec.split(","))
+        vals = [int(x) for x in spec.split(",")]
     except ValueError:
-        ap.error(f"--heads {spec!r}; accepted: two integers 'H,HKV' with HKV dividing H")
-    if h < 1 or hkv < 1 or h % hkv:
-        ap.error(f"--heads {spec!r}; accepted: two positive integers 'H,HKV' with HKV dividing H")
-    H, HKV = h, hkv
+        ap.error(f"--heads {spec!r}; accepted: {accepted}")
+    if len(vals) not in (2, 3):
+        ap.error(f"--heads {spec!r}; accepted: {accepted}")
+    h, hkv, d = (*vals, D) if len(vals) == 2 else vals
+    if h < 1 or hkv < 1 or h % hkv or d not in HEAD_SIZES:
+        ap.error(f"--heads {spec!r}; accepted: {accepted}")
+    H, HKV, D, SCALE = h, hkv, d, d ** -0.5
 
 
 def useful_flop(reqs, causal: bool) -> float:
@@ -231,7 +239,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
     ap.add_argument("--heads", default=f"{H},{HKV}",
-                    help="query heads,KV heads (default Llama-3-8B's 32,8; Qwen2.5-7B: 28,4)")
+                    help="query heads,KV heads[,head size] (default Llama-3-8B's 32,8 of 128; Qwen2.5-7B: 28,4; "
+                         "Gemma-2 9B: 16,8,256)")
     ap.add_argument("--bucket", type=int, default=0,
                     help=f"add the rows {', '.join(CT_ROWS)} at this bucket L (>= every shape's length)")
     args = ap.parse_args(argv)
@@ -270,7 +279,8 @@ def main(argv=None):
         ref = sdpa_ref(sets[0], causal)
         outs = {}
         for name in names:
-            row = dict(shape=shape, variant=name, causal=causal, reqs=reqs, us=None, tflops=None, rel_err=None)
+            row = dict(shape=shape, heads=f"{H}x{HKV}x{D}", variant=name, causal=causal, reqs=reqs, us=None,
+                       tflops=None, rel_err=None)
             try:
                 if name == "fa3":
                     fns = [fa3_fn(s, causal) for s in sets]

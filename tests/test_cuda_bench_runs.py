@@ -91,6 +91,24 @@ def test_bench_default_and_ct_rows_are_known():
     assert not any(map(cuda_decode._known, ["cuda_ct_v2:spp2", "cuda_v2:fast", "cuda_m2x3_pv_ef"]))
 
 
+def test_heads_option_sets_counts_size_and_scale(monkeypatch):
+    """--heads "H,HKV[,D]" (both benches: the decode bench reads the prefill module's values): a third
+    value sets the head size and the scale, which the decode bench's bandwidth counts; bad specs refuse."""
+    import argparse
+
+    for name in ("H", "HKV", "D", "SCALE"):
+        monkeypatch.setattr(cuda_prefill, name, getattr(cuda_prefill, name))  # restored after the test
+    ap = argparse.ArgumentParser()
+    cuda_prefill.set_heads(ap, "16,8,256")
+    assert (cuda_prefill.H, cuda_prefill.HKV, cuda_prefill.D) == (16, 8, 256) and cuda_prefill.SCALE == 256 ** -0.5
+    assert cuda_decode.kv_bytes([(1, 1000)]) == 1000 * 8 * 256 * 2 * 2
+    cuda_prefill.set_heads(ap, "28,4")  # two values keep the head size
+    assert (cuda_prefill.H, cuda_prefill.HKV, cuda_prefill.D) == (28, 4, 256)
+    for bad in ("16,8,100", "16,5", "16", "a,b", "16,8,256,1"):
+        with pytest.raises(SystemExit):
+            cuda_prefill.set_heads(ap, bad)
+
+
 def test_bits_mark_flags_only_a_difference():
     assert cuda_prefill.bits_mark(dict(variant="cuda_v2", bits_equal_decode=True)) == ""
     assert cuda_prefill.bits_mark(dict(variant="cuda_v2_ct", bits_equal_off=False)) == " [BITS]"
