@@ -44,13 +44,15 @@ __device__ __forceinline__ float select_f32(bool c, float a, float b) {
   return r;
 }
 
-// The filler a constant-time window walk leaves where the masked form left zeros (a state that a row's
-// steps below its window evolved and that is never committed, docs/kernels.md section 7): |x| capped at
-// 1e30 (0 beyond, and for NaN), finite and non-negative, so that a live split's alpha = +0 wipes it and a
-// sum of up to 2^16 of them (decode's merge over a prefix of wholly-below splits) stays finite.
-__device__ __forceinline__ float filler_of(float x) {
+// The filler a constant-time walk leaves where the masked form left zeros (a state that steps past the
+// true length or below a row's window evolved and that is never committed, docs/kernels.md section 7):
+// |x| capped at `cap` (0 beyond, and for NaN), finite and non-negative. The window walks' cap, 1e30,
+// keeps a live split's alpha = +0 wiping it and a sum of up to 2^16 of them (decode's merge over a
+// prefix of wholly-below splits) finite; decode's dead splits (a suffix, each multiplied by +0 in the
+// merge, never summed) take FLT_MAX.
+__device__ __forceinline__ float filler_of(float x, float cap = 1e30f) {
   const float a = fabsf(x);
-  return a <= 1e30f ? a : 0.f;
+  return a <= cap ? a : 0.f;
 }
 
 // kernels.mod_barrett: x mod n for uint32 x, magic = floor((2^32 - 1) / n).

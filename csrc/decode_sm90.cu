@@ -1138,8 +1138,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
           const bool filler = (split_first(sp) * kStep >= w.ext) & (w.ext > 0);
 #pragma unroll
           for (int i = 0; i < kPV; ++i) {
-            const float a = fabsf(acc[i]);
-            acc_c[i] = ct::select_f32(filler, a <= 3.4028234663852886e38f ? a : 0.f, acc_c[i]);
+            acc_c[i] = ct::select_f32(filler, ct::filler_of(acc[i], 3.4028234663852886e38f), acc_c[i]);
             // (below: the split's last step lies below the window, so every step of it does)
             if constexpr (v2::kWindow) acc_c[i] = ct::select_f32(below, ct::filler_of(acc[i]), acc_c[i]);
           }
