@@ -31,7 +31,8 @@ walk stays the whole bucket; under policy ``off`` the walk starts at the window.
 
 Constant time: every loop bound below is derived from the public bucket L (or,
 under policy ``off``, the true length), the public step geometry, or constexprs.
-Masking is by selection (`tl.where`), never by branches or multiplication.
+Masking of scores and values is by selection (`tl.where`, `keep_if`), never by branches or
+multiplication (a dead step's integer bounds are moved by max / multiply: `kv_step`).
 Addresses follow the address rule (design.md section 2, `position_blocks`): a
 request reads its own reserved block-table line up to its bucket, in walk order,
 whatever its true length is.
