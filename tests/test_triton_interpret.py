@@ -59,8 +59,8 @@ def test_interpreter_suite_in_fresh_process():
 from dhp_backend.ops import ProblemSpec, paged_attention  # noqa: E402
 from dhp_backend.ops.triton import paged_attention_triton, supports  # noqa: E402
 from triton_steps import (  # noqa: E402
-    assemble, bits, cdiv, check_written, drop_pages_below_window, make_request, poisoned_out, random_sinks,
-    rank_step, reference, rel_err, reserved_step,
+    assemble, bits, cdiv, check_written, drop_pages_below_window, make_request, poison_pages_below_window,
+    poisoned_out, random_sinks, rank_step, reference, rel_err, reserved_step,
 )
 
 # Stale NaN/inf in the cache flows through the score dot product before it is
@@ -455,6 +455,23 @@ def test_window_bits_equal_across_policies_modes_and_null_pages():
     assert rel_err(outs[0][1], ref, step.num_tokens - 1) < TOL[torch.float16]
     for key, o in outs[1:]:
         assert torch.equal(bits(outs[0][1]), bits(o)), key
+
+
+def test_constant_time_steps_below_the_window_leave_no_trace():
+    """Under the constant-time policies a step wholly below a row's window runs unmasked
+    on what its pages hold (as the csrc kernels', docs/kernels.md section 7); the row's
+    state is put back to the neutral one after it, with a finite filler. So garbage
+    (NaN, +-inf, large values) in the request's own pages below the window changes no
+    bit, in either split mode: without the reset the state those steps evolve reaches
+    the output, without the filler's guard a NaN does."""
+    step = _window_step(26)
+    feats = dict(logits_soft_cap=2.0, sinks=random_sinks(4, gen=_gen(26)), sliding_window=24)
+    dirty = poison_pages_below_window(step, 24, gen=_gen(27))
+    assert not torch.equal(dirty.key_cache, step.key_cache)
+    for policy in ("strict", "request"):
+        for mode in ("fold", "split"):
+            clean = _run(step, policy=policy, mode=mode, **feats)
+            assert torch.equal(bits(clean), bits(_run(dirty, policy=policy, mode=mode, **feats))), (policy, mode)
 
 
 def test_off_walks_from_the_window_and_strict_walks_the_bucket(monkeypatch):

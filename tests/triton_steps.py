@@ -185,6 +185,21 @@ def drop_pages_below_window(step: Step, window: int, *, gen: torch.Generator) ->
     return dataclasses.replace(step, key_cache=kc, value_cache=vc, block_table=table)
 
 
+def poison_pages_below_window(step: Step, window: int, *, gen: torch.Generator) -> Step:
+    """The step with the content of the pages wholly below each request's window (the
+    pages `drop_pages_below_window` hands to the null block) replaced by NaN/inf garbage,
+    its block table unchanged: the request still owns them, as under a constant-time
+    policy, whose walk reads every page up to the bucket (the address rule)."""
+    kc, vc = step.key_cache.clone(), step.value_cache.clone()
+    bs = kc.shape[2]
+    q_lens = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, step.seq_lens.tolist())):
+        for b in step.block_table[r, :max(0, seq_len - q_len - window + 1) // bs].tolist():
+            kc[b] = _garbage(tuple(kc.shape[1:]), gen, kc.dtype)
+            vc[b] = _garbage(tuple(vc.shape[1:]), gen, vc.dtype)
+    return dataclasses.replace(step, key_cache=kc, value_cache=vc)
+
+
 def reference(step: Step, *, scale: float, causal: bool, logits_soft_cap: float | None = None,
               sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The reference in float32 on the step's own inputs (upcast)."""

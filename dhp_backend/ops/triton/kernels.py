@@ -28,11 +28,17 @@ depend on the head only, once per row; none adds a branch, a trip count or an
 address that follows the true lengths or the data. The window's *position*
 follows the true length, so under those policies it is a selection only and the
 walk stays the whole bucket; under policy ``off`` the walk starts at the window.
+Under the constant-time policies the steps past the true length (dead) and, per row,
+the steps wholly below the window run unmasked on what the reserved pages hold; the
+state they evolve is dropped by selection (the split keeps its last live step's; a
+row's below-window state is put back to the neutral one with a finite filler), so
+their operands are a live step's and the bits are the masked walk's.
 
 Constant time: every loop bound below is derived from the public bucket L (or,
 under policy ``off``, the true length), the public step geometry, or constexprs.
 Masking of scores and values is by selection (`tl.where`, `keep_if`), never by branches or
-multiplication (a dead step's integer bounds are moved by max / multiply: `kv_step`).
+multiplication (the integer bounds of a dead or below-window step are moved by max /
+multiply: `kv_step` and the split loop).
 Addresses follow the address rule (design.md section 2, `position_blocks`): a
 request reads its own reserved block-table line up to its bucket, in walk order,
 whatever its true length is.
@@ -114,8 +120,8 @@ def finalize(acc, l):
 
 @triton.jit
 def keep_if(c, a, b, INTERPRET: tl.constexpr):
-    """``c ? a : b`` for fp32 tensors a, b of one shape and a scalar condition c that follows a
-    secret, as one LOP3 per element ((a & m) | (b & ~m), m = -c) in inline PTX: opaque to LLVM
+    """``c ? a : b`` for fp32 tensors a, b of one shape and a condition c that follows a secret
+    (a scalar, or per row: ``c[:, None]``), as one LOP3 per element ((a & m) | (b & ~m), m = -c) in inline PTX: opaque to LLVM
     and ptxas, so it cannot become moves guarded by c (an instruction issued or not by a secret;
     the csrc kernels' `ct::select_f32`, docs/kernels.md section 2). ``INTERPRET`` (a constexpr, the
     CPU interpreter, which runs no PTX): `tl.where`, the same bits."""
@@ -565,11 +571,43 @@ def attention_kernel(
             else:
                 bid = tile_blocks(j, r_row, n_pages, seq_len, bt_ptr, bt_stride, max_blocks,
                                   BLOCK_N, BLOCK_SIZE, CONST_TIME)
+            lo_j = lo
+            lo_tile_j = lo_tile
+            if CONST_TIME:
+                if WINDOW > 0:
+                    # A step wholly below a row's window runs unmasked for that row (its lower
+                    # bound moved out of the way by arithmetic, as a dead step's), and V is kept
+                    # where the step lies below every row's window; the row's state evolves on
+                    # what the pages hold and is put back to the neutral one after the row's
+                    # last such step (below). Masked, the walk's prefix fed zeros where a short
+                    # request's dead suffix fed data (the csrc kernels' G4 leak, docs/kernels.md
+                    # section 7, "the below-window steps"). Never a dead step as well (the
+                    # window ends at the true length), so one offset of 2^30 at most.
+                    below = (j + 1) * BLOCK_N <= lo
+                    lo_j = lo - below.to(tl.int32) * 1073741824
+                    lo_tile_j = lo_tile - ((j + 1) * BLOCK_N <= lo_tile).to(tl.int32) * 1073741824
             m_i, l_i, acc = kv_step(q, m_i, l_i, acc, j, bid, kvh, seq_len, limit,
                                     k_ptr, sk_b, sk_h, sk_s, v_ptr, sv_b, sv_h, sv_s, qk_scale,
                                     BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD, HEAD_PAD, FP32, UPCAST_DOT, CONST_TIME,
-                                    zero_ptr, SOFTCAP, lo, lo_tile, WINDOW, j * BLOCK_N >= seq_len)
+                                    zero_ptr, SOFTCAP, lo_j, lo_tile_j, WINDOW, j * BLOCK_N >= seq_len)
             if CONST_TIME:
+                if WINDOW > 0:
+                    # After a row's last step below its window, or at the split's end inside that
+                    # run, its state goes back to the neutral one (m = M_INIT, l = 0) with a
+                    # filler where the masked form left zeros: |acc| capped at 1e30 (0 beyond and
+                    # for NaN). The row's next step with a position multiplies it by alpha =
+                    # exp2(M_INIT - m) = +0 (finite, non-negative: +0 exactly), and a split that
+                    # ends in the run stores or folds it as the idle splits' |q| (below): the
+                    # masked form's bits.
+                    # The selections by `keep_if` (a per-row condition that follows the true
+                    # length): as `tl.where`, ptxas made the filler's select a move guarded by
+                    # it (`@P FSEL`), which G2 fails.
+                    reset = below & (((j + 2) * BLOCK_N > lo) | (j + 1 == j_hi))
+                    m_i = keep_if(reset, tl.full([BLOCK_M], M_INIT, tl.float32), m_i, INTERPRET)
+                    l_i = keep_if(reset, tl.zeros([BLOCK_M], tl.float32), l_i, INTERPRET)
+                    filler = tl.abs(acc)
+                    filler = tl.where(filler <= 1.0e30, filler, 0.0)
+                    acc = keep_if(reset[:, None], filler, acc, INTERPRET)
                 live = j * BLOCK_N < seq_len  # follows the true length: selections only
                 m_c = keep_if(live, m_i, m_c, INTERPRET)
                 l_c = keep_if(live, l_i, l_c, INTERPRET)
