@@ -121,10 +121,10 @@ def finalize(acc, l):
 @triton.jit
 def keep_if(c, a, b, INTERPRET: tl.constexpr):
     """``c ? a : b`` for fp32 tensors a, b of one shape and a condition c that follows a secret
-    (a scalar, or per row: ``c[:, None]``), as one LOP3 per element ((a & m) | (b & ~m), m = -c) in inline PTX: opaque to LLVM
-    and ptxas, so it cannot become moves guarded by c (an instruction issued or not by a secret;
-    the csrc kernels' `ct::select_f32`, docs/kernels.md section 2). ``INTERPRET`` (a constexpr, the
-    CPU interpreter, which runs no PTX): `tl.where`, the same bits."""
+    (a scalar, or per row: ``c[:, None]``), as one LOP3 per element ((a & m) | (b & ~m), m = -c)
+    in inline PTX: opaque to LLVM and ptxas, so it cannot become moves guarded by c (an instruction
+    issued or not by a secret; the csrc kernels' `ct::select_f32`, docs/kernels.md section 2).
+    ``INTERPRET`` (a constexpr, the CPU interpreter, which runs no PTX): `tl.where`, the same bits."""
     if INTERPRET:
         return tl.where(c, a, b)
     m = tl.zeros(a.shape, tl.int32) - c.to(tl.int32)
@@ -581,8 +581,9 @@ def attention_kernel(
                     # what the pages hold and is put back to the neutral one after the row's
                     # last such step (below). Masked, the walk's prefix fed zeros where a short
                     # request's dead suffix fed data (the csrc kernels' G4 leak, docs/kernels.md
-                    # section 7, "the below-window steps"). Never a dead step as well (the
-                    # window ends at the true length), so one offset of 2^30 at most.
+                    # section 7, "the below-window steps"). A row's below step is never dead (the
+                    # window ends at the true length): one offset of 2^30 at most. (A tile wholly
+                    # outside its request may see both on lo_tile, which is then >= 0: no overflow.)
                     below = (j + 1) * BLOCK_N <= lo
                     lo_j = lo - below.to(tl.int32) * 1073741824
                     lo_tile_j = lo_tile - ((j + 1) * BLOCK_N <= lo_tile).to(tl.int32) * 1073741824
@@ -596,9 +597,10 @@ def attention_kernel(
                     # run, its state goes back to the neutral one (m = M_INIT, l = 0) with a
                     # filler where the masked form left zeros: |acc| capped at 1e30 (0 beyond and
                     # for NaN). The row's next step with a position multiplies it by alpha =
-                    # exp2(M_INIT - m) = +0 (finite, non-negative: +0 exactly), and a split that
-                    # ends in the run stores or folds it as the idle splits' |q| (below): the
-                    # masked form's bits.
+                    # exp2(M_INIT - m) = +0 (finite, non-negative: +0 exactly). A split that ends in
+                    # the run is idle for the row: split mode stores |q| for it (below), fold mode
+                    # folds the filler with coefficient 1 into a run still at M_INIT, which the first
+                    # live split's alpha = +0 wipes. So the masked form's bits.
                     # The selections by `keep_if` (a per-row condition that follows the true
                     # length): as `tl.where`, ptxas made the filler's select a move guarded by
                     # it (`@P FSEL`), which G2 fails.
