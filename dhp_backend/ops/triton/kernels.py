@@ -119,6 +119,15 @@ def finalize(acc, l):
 
 
 @triton.jit
+def filler_of(x, CAP: tl.constexpr):
+    """|x| where it is at most CAP, else 0 (inf and NaN included): finite and non-negative, what a
+    constant-time kernel stores or carries where the masked form left zeros, so that a product
+    by +0 gives +0 exactly (the csrc kernels' `ct::filler_of`, docs/kernels.md section 2)."""
+    f = tl.abs(x)
+    return tl.where(f <= CAP, f, 0.0)
+
+
+@triton.jit
 def keep_if(c, a, b, INTERPRET: tl.constexpr):
     """``c ? a : b`` for fp32 tensors a, b of one shape and a condition c that follows a secret
     (a scalar, or per row: ``c[:, None]``), as one LOP3 per element ((a & m) | (b & ~m), m = -c)
@@ -514,8 +523,7 @@ def attention_kernel(
         if CONST_TIME:
             # What an idle row of a split stores instead of a zero accumulator (the split loop
             # below): |q|, finite. The same for every split of the program, so made once.
-            q_filler = tl.abs(q.to(tl.float32))
-            q_filler = tl.where(q_filler <= 3.4028234663852886e38, q_filler, 0.0)
+            q_filler = filler_of(q.to(tl.float32), 3.4028234663852886e38)
     row_out = tok.to(tl.int64) * num_heads + head
     # Rows outside the request are not masked off at the stores: they are sent to
     # a scratch "sink" instead, so every tile executes the same stores with all
@@ -607,9 +615,7 @@ def attention_kernel(
                     reset = below & (((j + 2) * BLOCK_N > lo) | (j + 1 == j_hi))
                     m_i = keep_if(reset, tl.full([BLOCK_M], M_INIT, tl.float32), m_i, INTERPRET)
                     l_i = keep_if(reset, tl.zeros([BLOCK_M], tl.float32), l_i, INTERPRET)
-                    filler = tl.abs(acc)
-                    filler = tl.where(filler <= 1.0e30, filler, 0.0)
-                    acc = keep_if(reset[:, None], filler, acc, INTERPRET)
+                    acc = keep_if(reset[:, None], filler_of(acc, 1.0e30), acc, INTERPRET)
                 live = j * BLOCK_N < seq_len  # follows the true length: selections only
                 m_c = keep_if(live, m_i, m_c, INTERPRET)
                 l_c = keep_if(live, l_i, l_c, INTERPRET)
