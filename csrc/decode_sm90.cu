@@ -419,48 +419,113 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
   for (int s = w.s_lo; s < w.s_end; s += w.s_stride) {
     const int ids = ids_next;
     ids_next = s + w.s_stride < w.s_end ? split_ids(s + w.s_stride) : 0;
-    for (int j = split_first(s); j < split_end(w, s); ++j, ++k) {
-      const int st = k % STAGES;
-      const uint32_t parity = ((k / STAGES) - 1) & 1;  // the release of step k - STAGES
-      const uint32_t k_dst = smem + L::kOffK + st * kTile, v_dst = smem + L::kOffV + st * kTile;
-      // Up to 4 boxes per step (16-token pages); every lane takes part in the shuffles.
-      int blk[4], row[4];
+    if constexpr (!kCT) {
+      // Policy off: a consumer step's two stages, both K boxes first, then both V. In stage
+      // order (K, V, K, V) the second K waited behind the first V's slot, i.e. for the PV of
+      // the step before: S(t + 1) could not start before PV(t) ended plus a load's latency,
+      // which only a second CTA on the SM hides (docs/perf-notes.md item (6)(d)). K first, the
+      // S pair's next step overlaps the PV pair's. Every step is two stages within one split
+      // (the kernel rounds n_kv to whole steps; a split is four). The constant-time binaries
+      // keep the stage order, their G4-measured form.
+      for (int j = split_first(s); j < split_end(w, s); j += 2, k += 2) {
+        int blk[2][4], row[2][4];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int pos = j * kStep + b * rows;
-        blk[b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
-        row[b] = pos % bs;
-      }
-      const int boxes = kStep / rows;
-      if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(bar.k_full(st), kTile);
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          if (b < boxes) {
-#pragma unroll
-            for (int h = 0; h < kHalves; ++h)
-              load_4d(k_dst + h * kHalf + b * rows * 128, tm_k, bar.k_full(st), 64 * h, row[b], kvh, blk[b]);
+          for (int b = 0; b < 4; ++b) {
+            const int pos = (j + h) * kStep + b * rows;
+            blk[h][b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
+            row[h][b] = pos % bs;
           }
-        }
-      }
-      if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
-      if (lane == 0) {
-        mbar_arrive_expect_tx(bar.v_full(st), kTile);
+        const int boxes = kStep / rows;
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          if (b < boxes) {
-            if constexpr ((OPT & kPairedV) && kHalves == 2) {
-              load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
-            } else {  // (head 64: one half, the paired layout [box][row] is this one's)
+        for (int h = 0; h < 2; ++h) {
+          const int st = (k + h) % STAGES;
+          const uint32_t parity = (((k + h) / STAGES) - 1) & 1;  // the release of stage k + h - STAGES
+          const uint32_t k_dst = smem + L::kOffK + st * kTile;
+          if (k + h >= STAGES) mbar_wait(bar.k_empty(st), parity);
+          if (lane == 0) {
+            mbar_arrive_expect_tx(bar.k_full(st), kTile);
 #pragma unroll
-              for (int h = 0; h < kHalves; ++h)
-                load_4d(v_dst + h * kHalf + b * rows * 128, tm_v, bar.v_full(st), 64 * h, row[b], kvh, blk[b]);
+            for (int b = 0; b < 4; ++b) {
+              if (b < boxes) {
+#pragma unroll
+                for (int hd = 0; hd < kHalves; ++hd)
+                  load_4d(k_dst + hd * kHalf + b * rows * 128, tm_k, bar.k_full(st), 64 * hd, row[h][b], kvh,
+                          blk[h][b]);
+              }
             }
           }
         }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int st = (k + h) % STAGES;
+          const uint32_t parity = (((k + h) / STAGES) - 1) & 1;
+          const uint32_t v_dst = smem + L::kOffV + st * kTile;
+          if (k + h >= STAGES) mbar_wait(bar.v_empty(st), parity);
+          if (lane == 0) {
+            mbar_arrive_expect_tx(bar.v_full(st), kTile);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              if (b < boxes) {
+                if constexpr ((OPT & kPairedV) && kHalves == 2) {
+                  load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[h][b], 0, kvh, blk[h][b]);
+                } else {
+#pragma unroll
+                  for (int hd = 0; hd < kHalves; ++hd)
+                    load_4d(v_dst + hd * kHalf + b * rows * 128, tm_v, bar.v_full(st), 64 * hd, row[h][b], kvh,
+                            blk[h][b]);
+                }
+              }
+            }
+          }
+        }
+        __syncwarp();
       }
-      __syncwarp();
+    } else {
+      for (int j = split_first(s); j < split_end(w, s); ++j, ++k) {
+        const int st = k % STAGES;
+        const uint32_t parity = ((k / STAGES) - 1) & 1;  // the release of step k - STAGES
+        const uint32_t k_dst = smem + L::kOffK + st * kTile, v_dst = smem + L::kOffV + st * kTile;
+        // Up to 4 boxes per step (16-token pages); every lane takes part in the shuffles.
+        int blk[4], row[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int pos = j * kStep + b * rows;
+          blk[b] = __shfl_sync(0xffffffff, ids, (pos / bs - s * pages_per_split) & 31);
+          row[b] = pos % bs;
+        }
+        const int boxes = kStep / rows;
+        if (k >= STAGES) mbar_wait(bar.k_empty(st), parity);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar.k_full(st), kTile);
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            if (b < boxes) {
+#pragma unroll
+              for (int h = 0; h < kHalves; ++h)
+                load_4d(k_dst + h * kHalf + b * rows * 128, tm_k, bar.k_full(st), 64 * h, row[b], kvh, blk[b]);
+            }
+          }
+        }
+        if (k >= STAGES) mbar_wait(bar.v_empty(st), parity);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar.v_full(st), kTile);
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            if (b < boxes) {
+              if constexpr ((OPT & kPairedV) && kHalves == 2) {
+                load_5d(v_dst + b * 2 * rows * 128, tm_v, bar.v_full(st), 0, row[b], 0, kvh, blk[b]);
+              } else {  // (head 64: one half, the paired layout [box][row] is this one's)
+#pragma unroll
+                for (int h = 0; h < kHalves; ++h)
+                  load_4d(v_dst + h * kHalf + b * rows * 128, tm_v, bar.v_full(st), 64 * h, row[b], kvh, blk[b]);
+              }
+            }
+          }
+        }
+        __syncwarp();
+      }
     }
   }
   if constexpr (WRITE_PARTIALS) grid_dependents_launch();  // see merge_launch_trigger
@@ -1232,9 +1297,14 @@ template <bool BF16, bool WRITE_PARTIALS, bool SMALL_Q, int OPT>
 int launch_v2(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv, const Params& p, dim3 grid,
               cudaStream_t stream) {
   // Head 64: four stages, the bytes in flight of head 128's two (a stage holds half the bytes).
-  // Head 256: two stages of twice the bytes and one CTA per SM, the bytes in flight of head 128's
-  // two CTAs (ops.cuda_decode plans the grid with that residency).
-  constexpr int kStages = kHead == 64 ? 4 : 2, kMinBlocks = kHead == 256 ? 1 : 2;
+  // Head 256: stages of twice the bytes and one CTA per SM (ops.cuda_decode plans the grid with
+  // that residency). A consumer step takes two stages, so two hold one step: a step's loads wait
+  // for the previous step's release, with no second CTA on the SM to hide them (docs/perf-notes.md
+  // item (6)(d)): the off binary has a third where it fits (the small Q tile, groups <= 8: 207 KB).
+  // The CT binaries keep two: their G4-measured form (a change of their time re-opens G4).
+  constexpr bool kThird = kHead == 256 && !(OPT & kConstTime) && LayoutV2<3, SMALL_Q>::kBytes + 1024 <= 228 * 1024;
+  constexpr int kStages = kHead == 64 ? 4 : kThird ? 3 : 2;
+  constexpr int kMinBlocks = kHead == 256 ? 1 : 2;
   constexpr auto kernel = decode_v2_kernel<BF16, kStages, WRITE_PARTIALS, kMinBlocks, SMALL_Q, OPT>;
   constexpr int bytes = LayoutV2<kStages, SMALL_Q>::kBytes;
   static_assert((bytes + 1024) * kMinBlocks <= 228 * 1024, "the stages must fit the CTAs of an SM");
