@@ -90,8 +90,9 @@ BI_SUFFIX = "-bi"
 # (prompt + output) tokens/s: 256 requests x (avg 1152 + 256) tokens = 360K tokens
 # cannot be generated in the 2 s that 31.5K *output* tokens/s would imply.
 REFERENCE_TOTAL_TOK_PER_S = {"fa3": 31.5e3, "flashinfer": 31.6e3, "triton": 27.9e3, "fa3-bi": 25.5e3}
-# Targets from the issue: (config pattern, baseline, minimum ratio).
-TARGETS = [("dhp-off", "fa3", 0.97), ("dhp-*-bi", "fa3-bi", 1.15)]
+# Issue 30's end-to-end targets: (config pattern, baseline, minimum ratio). (Issue 4's "-bi >= 1.15x
+# fa3-bi" is out of an attention backend's reach: docs/perf-notes.md, "Earlier targets".)
+TARGETS = [("dhp-off", "fa3", 0.97), ("dhp-off-bi", "fa3-bi", 1.0)]
 
 MODEL_CONFIGS = {
     # Meta-Llama-3-8B's shape.
@@ -593,7 +594,7 @@ def compute_ratios(rows: list[dict], baseline: str = "fa3") -> dict:
 
 
 def check_targets(ratios: dict) -> list[dict]:
-    """The issue's targets, reported (never asserted): dhp-off >= 0.97x fa3; DHP -bi >= 1.15x fa3-bi."""
+    """Issue 30's targets, reported (never asserted): dhp-off >= 0.97x fa3; dhp-off-bi >= 1.0x fa3-bi."""
     import fnmatch
 
     found = []

@@ -135,8 +135,8 @@ def test_compute_ratios_on_synthetic_rows():
 
     targets = {t["config"]: t for t in et.check_targets(r)}
     assert targets["dhp-off"]["met"] is True  # 0.97 >= 0.97
-    assert targets["dhp-strict-bi"]["met"] is True and targets["dhp-strict-bi"]["target"] == 1.15
-    assert targets["dhp-off-bi"]["met"] is None
+    assert targets["dhp-off-bi"]["met"] is None and targets["dhp-off-bi"]["target"] == 1.0
+    assert "dhp-strict-bi" not in targets  # issue 30 sets no target for strict in batch-invariant mode
     assert "fa3-bi" not in targets and "triton" not in targets
 
 
