@@ -423,10 +423,12 @@ __device__ __forceinline__ void produce(const Params& p, const Work& w, const CU
       // Policy off: a consumer step's two stages, both K boxes first, then both V. In stage
       // order (K, V, K, V) the second K waited behind the first V's slot, i.e. for the PV of
       // the step before: S(t + 1) could not start before PV(t) ended plus a load's latency,
-      // which only a second CTA on the SM hides (docs/perf-notes.md item (6)(d)). K first, the
-      // S pair's next step overlaps the PV pair's. Every step is two stages within one split
-      // (the kernel rounds n_kv to whole steps; a split is four). The constant-time binaries
-      // keep the stage order, their G4-measured form.
+      // which only a second CTA on the SM hides (docs/perf-notes.md item (6)(d), lever 59). K
+      // first, the S pair's next step overlaps the PV pair's. Every step is two stages within
+      // one split (the kernel rounds n_kv to whole steps; a split is four). The constant-time
+      // binaries keep the stage order, their G4-measured form. (The box loads below repeat
+      // theirs on purpose: folding both loops onto shared lambdas changed the SASS of every
+      // constant-time decode kernel at heads 64, 128 and 256, nvcc 13.0, which re-opens G4.)
       for (int j = split_first(s); j < split_end(w, s); j += 2, k += 2) {
         int blk[2][4], row[2][4];
 #pragma unroll

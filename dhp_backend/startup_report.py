@@ -28,6 +28,12 @@ from dhp_backend import __version__
 from dhp_backend.config import DHPConfig, Policy
 
 STEP_KINDS = ("decode", "prefill", "mixed")
+# What the timing gate measured of the Triton CONST_TIME kernels on a GPU (the csrc kernels pass it
+# on the cells measured): said on every constant-time step routed to them, so that a user who asked
+# for constant time learns where it is not verified.
+TRITON_CT_TIMING = ("its timing is NOT verified constant: the Triton CONST_TIME kernels fail the timing gate G4 "
+                    "on an H200 (a short request's step slower by 0.01-0.07 %; "
+                    "docs/audit/2026-11-28-timing-h200-triton.md), the csrc kernels pass it")
 HEADER = "start-up report"  # every block's first line has it (tests count blocks by it)
 
 
@@ -150,6 +156,8 @@ def step_routes(spec, cfg: DHPConfig, max_model_len: int, builds=(), *, device=N
                 state += "; not a csrc kernel: the setting path=triton keeps every step on Triton"
             else:
                 state += "; not a csrc kernel: " + step_route(spec, cfg.policy, plan.num_tokens, plan.num_reqs)[1]
+            if cfg.policy is not Policy.OFF and spec.device_type == "cuda":
+                state += "; " + TRITON_CT_TIMING
         else:
             source = CSRC_LIBRARY[plan.kernel][1]
             built = next((b for b in builds if b.source == source), None)

@@ -134,7 +134,8 @@ for step in "$@"; do
              wait; echo "built: $(grep -c "built in" "$OUT/build.log") libraries"; grep -i "error" "$OUT/build.log" | head -5 || true ;;
     g2cuda)  python3 -m dhp_backend.cli audit sass-cuda --report-dir "$OUT/audit" 2>&1 | tee "$OUT/g2cuda.log" | tail -12 ;;
     ncudec)  # where the decode time goes: ncu sections of one launch per target of NCUDEC_TARGETS
-             # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target
+             # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target;
+             # NCU_HEADS="16,8,256" for another head geometry (scripts/ncu_decode.py)
              S=${NCUDEC_SHAPE:-B16-32k}; first=1
              for tg in ${NCUDEC_TARGETS:-v2 fa3}; do
                if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"

@@ -1,15 +1,22 @@
 """One decode step launched a few times: a target for ncu. Usage:
     python scripts/ncu_decode.py B16-32k [TARGET [MODE]]
 TARGET: a csrc decode variant (default v2; see ops.cuda_decode.VARIANTS) or ``fa3``;
-MODE: split (default) or fold, for the csrc kernel. Profile the decode kernel with
+MODE: split (default) or fold, for the csrc kernel. NCU_HEADS="H,HKV[,D]" (environment) sets the
+heads as `benchmarks.cuda_decode --heads` does, e.g. 16,8,256 for Gemma-2 9B (default Llama-3-8B's). Profile the decode kernel with
 ``ncu --kernel-name regex:decode_v2_kernel``, its merge with ``regex:merge_kernel``, FA3's main
 kernel with ``--kernel-name-base demangled --kernel-name regex:FlashAttnFwd``."""
+import argparse
+import os
 import sys
 
 import torch
 
+from benchmarks import cuda_prefill as cp
 from benchmarks.cuda_decode import _shape, cuda_fn
 from benchmarks.cuda_prefill import fa3_fn, make_step
+
+if os.environ.get("NCU_HEADS"):
+    cp.set_heads(argparse.ArgumentParser(prog="NCU_HEADS"), os.environ["NCU_HEADS"])
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "B16-32k"
 target = sys.argv[2] if len(sys.argv) > 2 else "v2"
@@ -22,4 +29,4 @@ if fn is None:
 for _ in range(4):
     fn()
 torch.cuda.synchronize()
-print("ran", shape, target, mode)
+print("ran", shape, f"heads {cp.H}x{cp.HKV}x{cp.D}", target, mode)

@@ -113,7 +113,11 @@ def test_a_layer_with_features_says_them_and_runs_every_step_on_triton():
                                               "sinks" in rest
         assert rest.endswith("; Triton's JIT (compiled at its first launch, kept in Triton's cache); not a csrc "
                              "kernel: 32 query heads per KV head (the csrc kernels take at most 16: the decode "
-                             "consumer's mma.sync tile)")
+                             "consumer's mma.sync tile); " + startup_report.TRITON_CT_TIMING)
+    # The timing gate's verdict on the Triton path is said where constant time was asked for, not under 'off'.
+    assert "fail the timing gate G4" in startup_report.TRITON_CT_TIMING
+    for line in block("off", spec=gemma, builds=())[7:10]:
+        assert line.split(":", 2)[1].strip() == "triton" and "timing gate" not in line
 
 
 def test_facts_of_other_processes_are_left_out():
