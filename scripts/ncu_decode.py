@@ -2,9 +2,10 @@
     python scripts/ncu_decode.py B16-32k [TARGET [MODE]]
 TARGET: a csrc decode variant (default v2; see ops.cuda_decode.VARIANTS) or ``fa3``;
 MODE: split (default) or fold, for the csrc kernel. NCU_HEADS="H,HKV[,D]" (environment) sets the
-heads as `benchmarks.cuda_decode --heads` does, e.g. 16,8,256 for Gemma-2 9B (default Llama-3-8B's). Profile the decode kernel with
-``ncu --kernel-name regex:decode_v2_kernel``, its merge with ``regex:merge_kernel``, FA3's main
-kernel with ``--kernel-name-base demangled --kernel-name regex:FlashAttnFwd``."""
+heads as `benchmarks.cuda_decode --heads` does, e.g. 16,8,256 for Gemma-2 9B (default Llama-3-8B's).
+Profile the decode kernel with ``ncu --kernel-name regex:decode_v2_kernel``, its merge with
+``regex:merge_kernel``, FA3's main kernel with ``--kernel-name-base demangled --kernel-name
+regex:FlashAttnFwd``."""
 import argparse
 import os
 import sys

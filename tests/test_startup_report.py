@@ -115,7 +115,6 @@ def test_a_layer_with_features_says_them_and_runs_every_step_on_triton():
                              "kernel: 32 query heads per KV head (the csrc kernels take at most 16: the decode "
                              "consumer's mma.sync tile); " + startup_report.TRITON_CT_TIMING)
     # The timing gate's verdict on the Triton path is said where constant time was asked for, not under 'off'.
-    assert "fail the timing gate G4" in startup_report.TRITON_CT_TIMING
     for line in block("off", spec=gemma, builds=())[7:10]:
         assert line.split(":", 2)[1].strip() == "triton" and "timing gate" not in line
 
