@@ -8,7 +8,7 @@ follow the step geometry. The GPU tests check the bits themselves.
 import pytest
 
 from dhp_backend.ops import tiles as kcfg
-from dhp_backend.ops.geometry import plan, step_kind
+from dhp_backend.ops.geometry import split_dealing, plan, step_kind
 
 
 @pytest.mark.parametrize("head,group,dtype", [(128, 4, "bfloat16"), (64, 8, "float16"), (128, 1, "float16"),
@@ -55,10 +55,29 @@ def test_plan_decode_step_uses_token_tiles_and_whole_waves():
     dec = kcfg.kernel_config(128, 4, "bfloat16", kind="decode")
     p = plan(num_tokens=16, num_reqs=16, num_kv_heads=8, num_heads=32, head_size=128, cfg=dec,
              ext_grid=32768, num_sms=132, tiling="token")
-    slots = dec.programs_per_sm * 132
     assert p["split"] and p["n_split_grid"] == 64
-    programs = p["num_tiles"] * 8 * p["chunks"]
-    # Whole waves: the chosen (waves x splits per program) is the least over all choices.
-    cost = -(-programs // slots) * p["spp"]
-    assert all(-(-16 * 8 * -(-64 // spp) // slots) * spp >= cost for spp in range(1, 65))
+    # 128 programs on 264 slots, 64 full splits a row: two chunks of 32 (one wave; the
+    # fewest chunks among equal modelled times).
+    assert (p["chunks"], p["spp"]) == (2, 32)
     assert p["chunks"] * p["spp"] >= 64
+
+
+def test_split_dealing_counts_the_last_splits_fill():
+    """An extent just past a split boundary (8208 positions: 16 full splits and one of
+    16 positions) deals one split a CTA where the CTAs fit one wave but for the nearly
+    empty last split's: head 256's B1 ran two splits a CTA on 72 of 132 SMs before
+    (0.77x FA3; one a CTA: 1.18x, H200). Where the whole splits need more waves than
+    CTAs of several splits do, those stay (B4 at head 256: four chunks, measured 1.06x
+    against 0.96x one split a CTA)."""
+    # head 256: one CTA an SM, 132 slots; 8 KV heads
+    assert split_dealing(17, 8, 132, 16, 512) == (1, 17)      # B1 8208
+    assert split_dealing(17, 16, 132, 16, 512) == (1, 17)     # B2 8208
+    assert split_dealing(17, 32, 132, 16, 512) == (5, 4)      # B4 8208
+    assert split_dealing(16, 8, 132, 512, 512) == (1, 16)     # B1 8192: one wave of whole splits
+    # a full last split: the same as whole splits (B1 at 8K + 512)
+    assert split_dealing(17, 8, 132, 512, 512) == (2, 9)
+    # every dealing covers every split
+    for n in (1, 2, 7, 17, 64, 257):
+        for programs in (1, 8, 100, 263):
+            spp, chunks = split_dealing(n, programs, 264, 100, 512)
+            assert chunks * spp >= n and chunks == -(-n // spp)

@@ -118,18 +118,48 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     else:
         raise ValueError(f"mode: {mode!r}; accepted: None, 'fold', 'split'")
     if split:
-        # Fewest (waves x splits per program); ties go to fewer programs.
-        best = None
-        for spp in range(1, n_split_grid + 1):
-            chunks = cdiv(n_split_grid, spp)
-            cost = cdiv(programs * chunks, slots) * spp
-            if best is None or cost <= best[0]:
-                best = (cost, spp, chunks)
-        _, spp, chunks = best
+        spp, chunks = split_dealing(n_split_grid, programs, slots, ext_grid - (n_split_grid - 1) * cfg.split_kv,
+                                    cfg.split_kv)
     else:
         chunks, spp = 1, n_split_grid
     return dict(num_tiles=num_tiles, token_tiles=token, n_split_grid=n_split_grid, split=split, chunks=chunks,
                 spp=spp)
+
+
+# A CTA's own cost (Q load, barrier set-up, the split state's store), in walks of one
+# split: measured on an H200 (2026-11-28, `benchmarks.cuda_decode` with `spp1` against
+# the plan's dealing, docs/perf-notes.md lever 60): 2.3-2.5 us a CTA against 15.5 us a
+# 512-position split at head 256 (one CTA an SM), 0.5-1.2 us against ~17 at head 128.
+CTA_COST_IN_SPLITS = 0.1
+
+
+@functools.lru_cache(maxsize=4096)
+def split_dealing(n_split: int, programs: int, slots: int, last_positions: int, split: int) -> tuple[int, int]:
+    """Split mode's dealing: (splits per program, chunks), chunk c taking splits c,
+    c + chunks, ... (the kernels' order), for ``programs`` (tiles x KV heads) on
+    ``slots`` resident CTAs, each row's splits all full except the last, which holds
+    ``last_positions`` of ``split`` (the grid's extent past the last split boundary).
+
+    The time of a dealing is modelled as whole waves of CTAs in launch order (chunk
+    by chunk), each wave as long as its first CTA's work (chunk work does not grow
+    with c) plus `CTA_COST_IN_SPLITS`. The last split's fill matters: an extent just
+    past a boundary (a table of 8208 positions: 17 splits, the last with 16) made
+    the count of whole splits the dealing's unit, and B1 at head 256 took two
+    splits a CTA on 72 of 132 SMs instead of one on all (0.77 -> 1.18x FA3, perf-notes
+    lever 60). Ties go to fewer chunks (fewer CTAs). Public values only."""
+    last = last_positions / split
+    best = None
+    for ch in sorted({cdiv(n_split, s) for s in range(1, n_split + 1)}, reverse=True):
+        t, k = 0.0, 0
+        while k * slots < programs * ch:
+            c = (k * slots) // programs  # the wave's first CTA's chunk: the wave's longest
+            work = len(range(c, n_split, ch)) - ((1.0 - last) if (n_split - 1 - c) % ch == 0 else 0.0)
+            t += work + CTA_COST_IN_SPLITS
+            k += 1
+        if best is None or t <= best[0] + 1e-9:
+            best = (t, ch)
+    chunks = best[1]
+    return cdiv(n_split, chunks), chunks
 
 
 # How a launch reads the length bound of each request (the kernels' L_MODE argument).
