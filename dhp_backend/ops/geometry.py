@@ -95,8 +95,8 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     ``mode``: None picks by occupancy; "fold" (all splits in one program) or
     "split" (split states written to the workspace, then merged) force one
     (tests). Both give the same bits. In split mode the splits are dealt to
-    chunks so that the grid fills whole waves of resident programs (the time is
-    waves x splits per program).
+    chunks by `split_dealing` (the least modelled time over whole waves of
+    resident programs, the last split counted by its fill).
     """
     token = token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q, tiling=tiling)
     num_tiles = num_tokens if token else request_tiles(num_tokens, num_reqs, cfg.block_q)
