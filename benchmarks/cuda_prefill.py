@@ -114,7 +114,12 @@ def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: boo
     ``spread``: the cache holds ``spread`` times the blocks the step uses, and the
     used ones are scattered over all of it (a serving engine's cache: a working set
     spread over GBs). ``interleaved``: K and V of a (block, head) side by side, as in
-    the DHP vLLM backend's cache ([blocks, Hkv, 2, bs, D]); else two tensors."""
+    the DHP vLLM backend's cache ([blocks, Hkv, 2, bs, D]); else two tensors.
+    ``width``: the table's columns at least; it is always one page wider than the
+    largest reservation, so a decode launch's extent (columns x block size) ends one
+    page past whole 512-position splits (B1 at 8K: 8208 positions, 17 splits), as a
+    vLLM table does when ``max_model_len`` is not a multiple of 512; vLLM's tables at a
+    power-of-two ``max_model_len`` have whole splits (the harness's `inputs` builds those)."""
     from dhp_backend.testing.pages import pages_for, reserved_table
 
     dev = "cuda"
