@@ -55,7 +55,7 @@ from dhp_backend.ops.cuda_prefill import V2 as PREFILL_V2
 def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
     """``B<batch>-<ctx>k``: every request at ctx; ``B<batch>-r<ctx>k``: lengths uniform
     in [ctx / 8, ctx], seeded (vLLM's decode batches: requests of many lengths). A
-    suffix ``-w<cap>k`` (`_table_width`) only widens the block table; ``-q<n>`` gives every
+    suffix ``-w<cap>k`` (`_table_width`) sets the block table's width; ``-q<n>`` gives every
     request n query tokens (a step between decode and prefill: drafts, small chunks; the
     decode kernel computes each token as its own row with its causal limit)."""
     parts = name.split("-")
@@ -71,7 +71,8 @@ def _shape(name: str) -> tuple[int, int, list[tuple[int, int]]]:
 
 def _table_width(name: str) -> int:
     """Block-table columns of a shape ``...-w<cap>k``: vLLM's table is max_model_len wide
-    whatever the lengths (0: just wide enough)."""
+    whatever the lengths (B1-8k-w8k: 512 columns, an extent of whole splits; 0: `make_step`'s
+    default, one page wider than the longest request)."""
     w = next((x for x in name.split("-")[2:] if x.startswith("w")), None)
     return int(w[1:-1]) * 1024 // BS if w else 0
 

@@ -115,11 +115,12 @@ def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: boo
     used ones are scattered over all of it (a serving engine's cache: a working set
     spread over GBs). ``interleaved``: K and V of a (block, head) side by side, as in
     the DHP vLLM backend's cache ([blocks, Hkv, 2, bs, D]); else two tensors.
-    ``width``: the table's columns at least; it is always one page wider than the
-    largest reservation, so a decode launch's extent (columns x block size) ends one
-    page past whole 512-position splits (B1 at 8K: 8208 positions, 17 splits), as a
-    vLLM table does when ``max_model_len`` is not a multiple of 512; vLLM's tables at a
-    power-of-two ``max_model_len`` have whole splits (the harness's `inputs` builds those)."""
+    ``width``: the table's columns (vLLM's: ``cdiv(max_model_len, block_size)``; at least
+    the largest reservation's pages). 0: one page wider than the largest reservation,
+    so a decode launch's extent (columns x block size) ends one page past whole
+    512-position splits (B1 at 8K: 8208 positions, 17 splits), as a vLLM table does when
+    ``max_model_len`` is not a multiple of 512; vLLM's tables at a power-of-two
+    ``max_model_len`` have whole splits (the harness's `inputs` builds those)."""
     from dhp_backend.testing.pages import pages_for, reserved_table
 
     dev = "cuda"
@@ -133,7 +134,7 @@ def make_step(reqs, gen, dtype=torch.bfloat16, spread: int = 1, interleaved: boo
         kc = torch.full((num_blocks, HKV, BS, D), float("nan"), device=dev, dtype=dtype)
         vc = torch.full_like(kc, float("nan"))
     order = (torch.randperm(num_blocks - 1, generator=gen, device=dev) + 1).tolist()  # block 0: the null block
-    table = reserved_table(tokens, block_size=BS, num_blocks=num_blocks, width=max(max(need) + 1, width),
+    table = reserved_table(tokens, block_size=BS, num_blocks=num_blocks, width=width or max(need) + 1,
                            order=order, device=dev)
     for i, (_, s) in enumerate(reqs):
         pos = torch.arange(s, device=dev)
