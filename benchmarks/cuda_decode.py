@@ -80,10 +80,14 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
-# cuda_<variant>[:grid|:lpt|:spp<N>]: fold mode's schedule forced off (grid order) or on
-# (longest first), or split mode's splits per CTA forced to N (timing only; same bits).
+# cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split]: fold mode's schedule forced off (grid order) or on
+# (longest first), split mode's splits per CTA forced to N, or the mode itself forced (fold: each CTA
+# walks and folds its row's splits, no merge launch; split: split states, then the merge) (timing
+# only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
-ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>], and with --bucket "
+MODES_FORCED = ("fold", "split")
+ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>|:fold|:split], and "
+                 f"with --bucket "
                  f"triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
 
 
@@ -144,14 +148,17 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 
 
 def _cuda_variant(name: str):
-    """``cuda_<variant>[:grid|:lpt|:spp<N>]`` -> (variant, order, spp), or None for another name."""
+    """``cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split]`` -> (variant, order, spp, mode), or None for
+    another name."""
     v, _, o = name[5:].partition(":")
     known = v in VARIANTS or v == AUTO
     if not (name.startswith("cuda_") and known):
         return None
     if re.fullmatch(r"spp[1-9][0-9]*", o):
-        return v, None, int(o[3:])
-    return (v, ORDERS[o], None) if o in ORDERS else None
+        return v, None, int(o[3:]), None
+    if o in MODES_FORCED:
+        return v, None, None, o
+    return (v, ORDERS[o], None, None) if o in ORDERS else None
 
 
 def _ct_variant(name: str):
@@ -282,8 +289,8 @@ def main(argv=None):
                 elif _ct_variant(name):
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 else:  # cuda_<variant>[:...] (main refused any other name)
-                    variant, order, spp = _cuda_variant(name)
-                    fns = [cuda_fn(s, variant, order=order, spp=spp) for s in sets]
+                    variant, order, spp, mode = _cuda_variant(name)
+                    fns = [cuda_fn(s, variant, mode=mode, order=order, spp=spp) for s in sets]
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:
                     row["kernels_us"] = dict(profiled)

@@ -212,12 +212,17 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   // Decode steps of one token per request have query_start_loc[t] == t: two
   // independent loads settle it, where the binary search is ~log2(num_seqs)
   // dependent loads at the head of every CTA's critical path.
-  int lo = req, q0 = 0, q1 = 0;
+  // The fast path's seq_lens[t] is loaded beside query_start_loc[t], [t + 1] (one round trip
+  // instead of two at the head of the CTA's critical path: an L2 miss each in a step's first
+  // launch); any other path loads its request's entry after the search.
+  int lo = req, q0 = 0, q1 = 0, len_t = 0;
   if (lo < 0 && t < p.num_seqs) {
     q0 = p.query_start_loc[t];
     q1 = p.query_start_loc[t + 1];
+    len_t = p.seq_lens[t];
     if (q0 == t && q1 == t + 1) lo = t;
   }
+  const bool fast = lo == t && req < 0;
   if (lo < 0) {
     int hi = p.num_seqs;
     lo = 0;
@@ -235,7 +240,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
     q1 = pad ? p.num_tokens : p.query_start_loc[lo + 1];
   }
   const int q_len = q1 - q0;
-  w.seq_len = pad ? 0 : p.seq_lens[lo];
+  w.seq_len = pad ? 0 : fast ? len_t : p.seq_lens[lo];
   const int limit = p.causal ? w.seq_len - q_len + (t - q0) + 1 : w.seq_len;
   w.ext = max(0, min(w.seq_len, limit));
   w.n_kv = (w.ext + kStep - 1) / kStep;
@@ -717,23 +722,27 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
   __shared__ __align__(16) float acc_sm[kMergeChunk][kHead];
   __shared__ float m_s[kMergeChunk], l_s[kMergeChunk], mr_s[kMergeChunk], al_s[kMergeChunk], be_s[kMergeChunk];
   __shared__ float mr_carry;
-  // Launched as a programmatic dependent of the decode kernel (launch): it may
-  // start before the decode grid ends; the split states are read after this wait
-  // (the decode grid complete, its writes visible). A no-op for a plain launch.
-  grid_dependency_wait();
   const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
   // Only the row's splits with positions were stored (split_schedule); folding a
   // neutral state (m = kMInit, l = 0, acc = 0) is the identity on the bits, so
   // the row's result is that of folding all n_split_grid.
   int n_split, s_first = 0;  // the splits [s_first, n_split) (off with a window: from the window's first)
   if constexpr (WALK == 0) {
+    // The step's metadata, which the decode kernel does not write: read before the wait, so that
+    // its dependent loads (query_start_loc, then seq_lens) run under the decode grid's tail rather
+    // than after it. The constant-time merges (WALK 1, 2) keep their order (their SASS is the one
+    // G4 measured).
     const Work w = work_of(p, t, -1, 0, true);
     n_split = w.n_split;
     if constexpr (v2::kWindow) s_first = w.s_lo;
   }
-  else if constexpr (WALK == 1)
+  // Launched as a programmatic dependent of the decode kernel (launch): it may
+  // start before the decode grid ends; the split states are read after this wait
+  // (the decode grid complete, its writes visible). A no-op for a plain launch.
+  grid_dependency_wait();
+  if constexpr (WALK == 1)
     n_split = min((p.l_scalar + kSplitKV - 1) / kSplitKV, p.n_split_grid);
-  else
+  else if constexpr (WALK == 2)
     n_split = work_ct<2>(p, t, 0, true).s_end;
   const int64_t split_stride = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   const int64_t row0 = static_cast<int64_t>(t) * p.num_heads + head;
@@ -1273,6 +1282,15 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     if (static_cast<unsigned>(t) >= static_cast<unsigned>(p.num_tokens) ||
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
+  }
+  if constexpr (kWalk<OPT> == 0 && !v2::kWindow) {
+    // Policy off: warm L2 with the block-table line of the producer's first split as the decode
+    // fast path has it (token t is request t), under work_of's loads instead of after them (the
+    // producer's split_ids waits on work_of's request). A hint: another request or split only
+    // misses as before. Token t < num_seqs has a table row; chunk < the table's splits.
+    if (threadIdx.x == 128 && p.order == nullptr && t < p.num_seqs)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p.block_table + static_cast<int64_t>(t) * p.bt_stride +
+                                                 chunk * (kSplitKV / p.block_size)));
   }
   Work w;
   if constexpr (kWalk<OPT> != 0)

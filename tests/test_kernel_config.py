@@ -5,6 +5,8 @@ same KV step and split size, so that only the tile height, warps and pipelining
 follow the step geometry. The GPU tests check the bits themselves.
 """
 
+import dataclasses
+
 import pytest
 
 from dhp_backend.ops import tiles as kcfg
@@ -81,3 +83,22 @@ def test_split_dealing_counts_the_last_splits_fill():
         for programs in (1, 8, 100, 263):
             spp, chunks = split_dealing(n, programs, 264, 100, 512)
             assert chunks * spp >= n and chunks == -(-n // spp)
+
+
+def test_one_chunk_dealing_runs_fold_mode():
+    """A dealing of one chunk walks each row whole in one program, as fold mode does,
+    and would store every split's state for a merge besides: the plan takes fold mode
+    (same bits; B32 32K 1042 -> 965 us on an H200, perf-notes lever 61). A forced
+    "split" keeps split mode (the tests of the merge)."""
+    # the csrc decode's residency (ops.cuda_decode.plan): two CTAs an SM, 264 slots
+    dec = dataclasses.replace(kcfg.kernel_config(128, 4, "bfloat16", kind="decode"), resident=2)
+    kw = dict(num_kv_heads=8, num_heads=32, head_size=128, cfg=dec, ext_grid=32768, num_sms=132, tiling="token")
+    assert split_dealing(64, 256, 264, 512, 512) == (64, 1)       # B32: 256 programs on 264 slots
+    p = plan(num_tokens=32, num_reqs=32, **kw)
+    assert not p["split"] and (p["chunks"], p["spp"]) == (1, 64)
+    p = plan(num_tokens=32, num_reqs=32, mode="split", **kw)
+    assert p["split"] and (p["chunks"], p["spp"]) == (1, 64)
+    p = plan(num_tokens=16, num_reqs=16, **kw)                     # two chunks: split mode stays
+    assert p["split"] and p["chunks"] == 2
+    p = plan(num_tokens=1, num_reqs=1, **kw)                       # B1: 32 chunks of two splits, one wave
+    assert p["split"] and (p["chunks"], p["spp"]) == (32, 2)

@@ -96,7 +96,8 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     "split" (split states written to the workspace, then merged) force one
     (tests). Both give the same bits. In split mode the splits are dealt to
     chunks by `split_dealing` (the least modelled time over whole waves of
-    resident programs, the last split counted by its fill).
+    resident programs, the last split counted by its fill); a dealing of one
+    chunk is fold mode's walk, so the plan takes fold mode then.
     """
     token = token_tiling(num_tokens=num_tokens, num_reqs=num_reqs, block_q=cfg.block_q, tiling=tiling)
     num_tiles = num_tokens if token else request_tiles(num_tokens, num_reqs, cfg.block_q)
@@ -120,7 +121,13 @@ def plan(*, num_tokens: int, num_reqs: int, num_kv_heads: int, num_heads: int, h
     if split:
         spp, chunks = split_dealing(n_split_grid, programs, slots, ext_grid - (n_split_grid - 1) * cfg.split_kv,
                                     cfg.split_kv)
-    else:
+        # One chunk: every program walks its whole row, as in fold mode, and stores every split's state
+        # for the merge besides. Fold mode does the same walk without them (same bits): measured on an
+        # H200 (csrc decode, docs/perf-notes.md lever 61) B32 32K 1042 -> 965 us, head 256 B16 32K
+        # 1020 -> 966 us. A forced "split" keeps split mode (tests).
+        if chunks == 1 and mode is None:
+            split = False
+    if not split:
         chunks, spp = 1, n_split_grid
     return dict(num_tiles=num_tiles, token_tiles=token, n_split_grid=n_split_grid, split=split, chunks=chunks,
                 spp=spp)
