@@ -86,9 +86,8 @@ DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VAR
 # only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
 MODES_FORCED = ("fold", "split")
-ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>|:fold|:split], and "
-                 f"with --bucket "
-                 f"triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
+ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>|:fold|:split], "
+                 f"and with --bucket triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
 
 
 def kv_bytes(reqs) -> int:

@@ -214,7 +214,10 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   // dependent loads at the head of every CTA's critical path.
   // The fast path's seq_lens[t] is loaded beside query_start_loc[t], [t + 1] (one round trip
   // instead of two at the head of the CTA's critical path: an L2 miss each in a step's first
-  // launch); any other path loads its request's entry after the search.
+  // launch); any other path loads its request's entry after the search. `fast` needs req < 0: a
+  // caller's req (the longest-first schedule) may equal t without len_t having been loaded. These
+  // loads follow the true lengths: work_of is the policy-off walk's only (the constant-time
+  // binaries locate their token with work_ct, the same loads whatever the lengths).
   int lo = req, q0 = 0, q1 = 0, len_t = 0;
   if (lo < 0 && t < p.num_seqs) {
     q0 = p.query_start_loc[t];
