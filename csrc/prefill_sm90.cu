@@ -801,9 +801,17 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
-  auto fold = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi) {  // acc (done) into run_smem; acc = 0
-    const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
-    const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
+  // A split's end in two parts (docs/perf-notes.md lever 62: the fold was the policy-off prefill's
+  // largest cost over FA3's consumer, ~6 %). Its coefficients (fold_coefs: fold_stats, which also
+  // updates the running m and l) need only the split's m and l, known once its last softmax has run:
+  // they are computed at the top of the next turn, under S(t + 1) and PV(t). The values (fold: acc,
+  // done, into run_smem; acc = +0) wait for PV(t). Same operations on the same operands as one fold
+  // after PV(t), so the same bits.
+  auto fold_coefs = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi, FoldCoef& lo, FoldCoef& hi) {
+    lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
+    hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
+  };
+  auto fold = [&](FoldCoef lo, FoldCoef hi) {
 #pragma unroll
     for (int i = 0; i < kHead / 8; ++i) {
       const float4 r = run_smem[128 * i];
@@ -822,7 +830,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   pin(s);
   release(bar.k_empty(0), lane);
   softmax(t0);
-  scale_rows(acc, a_lo, a_hi);
+  // No rescale of acc here nor at a split's first step: acc is +0 there, and +0 * a(t) is +0 for every
+  // a(t) v2_step gives (select_ex2: 1 or 2^x, x <= 0, finite), so leaving it out keeps the bits
   pack_p<BF16, 64>(s, pa);
   // Steady state peeled so that every path has the same wgmma structure (as consume's).
   for (int t = t0; t + 1 < w.n_steps; ++t) {
@@ -831,8 +840,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     values(t);      // ... PV of step t is queued behind it
     turns.pass();
     const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
-    const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;
+    FoldCoef c_lo, c_hi;
     if (boundary) {
+      fold_coefs(m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
@@ -844,8 +854,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     pin(acc);
     pin(pa);
     release(bar.v_empty((t - t0) % STAGES), lane);
-    if (boundary) fold(fm_lo, fm_hi, fl_lo, fl_hi);
-    scale_rows(acc, a_lo, a_hi);
+    if (boundary) {
+      fold(c_lo, c_hi);  // acc = +0: step t + 1 starts a split, no rescale
+    } else {
+      scale_rows(acc, a_lo, a_hi);
+    }
     pack_p<BF16, 64>(s, pa);
   }
   turns.wait();
@@ -855,7 +868,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   pin(acc);
   pin(pa);
   release(bar.v_empty((w.n_steps - 1 - t0) % STAGES), lane);
-  fold(m_lo, m_hi, l_lo, l_hi);
+  {
+    FoldCoef c_lo, c_hi;
+    fold_coefs(m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
+    fold(c_lo, c_hi);
+  }
   turns.finish();
 
   float inv_lo, inv_hi;
@@ -997,7 +1014,9 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
-    scale_rows(acc, a_lo, a_hi);
+    // acc is +0 at the walk's first step and at a split's first (the fold zeroed it): no rescale there,
+    // +0 * a(t) being +0 (as consume_v2; measured neutral here, kept for the one rule)
+    if (t != t0 && t % kStepsPerSplit != 0) scale_rows(acc, a_lo, a_hi);
     mbar_wait(bar.v_full(st), par);
     uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
     const int valid = w.seq_len - kv0;
