@@ -804,9 +804,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   // A split's end in two parts (docs/perf-notes.md lever 62: the fold was the policy-off prefill's
   // largest cost over FA3's consumer, ~6 %). Its coefficients (fold_coefs: fold_stats, which also
   // updates the running m and l) need only the split's m and l, known once its last softmax has run:
-  // they are computed at the top of the next turn, under S(t + 1) and PV(t). The values (fold: acc,
-  // done, into run_smem; acc = +0) wait for PV(t). Same operations on the same operands as one fold
-  // after PV(t), so the same bits.
+  // they are computed at the top of the next turn, under S(t + 1) and PV(t) (ptxas if-converts this into
+  // every step, ~30 instructions a step: nvcc 13.0's SASS). The values (fold: acc, done, into run_smem;
+  // acc = +0) wait for PV(t). Same operations on the same operands as one fold after PV(t), so the same bits.
   auto fold_coefs = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi, FoldCoef& lo, FoldCoef& hi) {
     lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
     hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
