@@ -465,6 +465,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32
   }
 }
 
+// O += P V_t.
 template <bool BF16>
 __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
                                          uint32_t lbo, uint32_t sbo) {
@@ -480,6 +481,32 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
       wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
     } else {
       wgmma_m64n64k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+    }
+  }
+}
+
+// issue_pv for the policy-off consumers: fresh (a split's first step) makes the first k16 slice write
+// O = P V without reading O (wgmma's scale-d = 0), so a split's fold need not zero O. The same bits as
+// that slice accumulated into +0: a nonzero sum plus +0 is that sum, and sm_90's tensor cores return +0
+// for a zero sum whatever its products' and C's signs (device probe, docs/perf-notes.md lever 63), as
+// +0 plus a sum of zeros is in the decode kernel's mma.sync from C = +0. fresh is a step index.
+template <bool BF16>
+__device__ __forceinline__ void issue_pv_off(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
+                                             uint32_t lbo, uint32_t sbo, bool fresh) {
+#pragma unroll
+  for (int j = 0; j < kCols / 16; ++j) {
+    const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
+    const int accumulate = j > 0 || !fresh;
+    if constexpr (kHead == 256) {
+      float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+      float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
+      wgmma_m64n128k16_rs_sd<BF16>(o_lo, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
+      wgmma_m64n128k16_rs_sd<BF16>(o_hi, a, desc_sw128(v_base + 2 * kHalfBytes + j * 16 * 128, lbo, sbo),
+                                   accumulate);
+    } else if constexpr (kHead == 128) {
+      wgmma_m64n128k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
+    } else {
+      wgmma_m64n64k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
     }
   }
 }
@@ -788,7 +815,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     if (v2::kWindow && t == t0 && lo_tile > t * kCols)
       zero_v_head<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - t * kCols, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
     wgmma_commit();
   };
   auto softmax = [&](int t) {  // step t's row arithmetic; a fresh state at a split's first step
@@ -801,12 +828,11 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
-  // A split's end in two parts (docs/perf-notes.md lever 62: the fold was the policy-off prefill's
-  // largest cost over FA3's consumer, ~6 %). Its coefficients (fold_coefs: fold_stats, which also
-  // updates the running m and l) need only the split's m and l, known once its last softmax has run:
-  // they are computed at the top of the next turn, under S(t + 1) and PV(t) (ptxas if-converts this into
-  // every step, ~30 instructions a step: nvcc 13.0's SASS). The values (fold: acc, done, into run_smem;
-  // acc = +0) wait for PV(t). Same operations on the same operands as one fold after PV(t), so the same bits.
+  // A split's end (docs/perf-notes.md levers 62-63: the fold was the policy-off prefill's largest
+  // cost over FA3's consumer, ~6 %): after PV(t), its coefficients (fold_coefs: fold_stats, which also
+  // updates the running m and l) and acc folded into run_smem. acc is not zeroed: the next split's
+  // first PV overwrites it (issue_pv_off's fresh). Computing the coefficients earlier, under S(t + 1),
+  // was no faster (ptxas if-converted them into every step).
   auto fold_coefs = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi, FoldCoef& lo, FoldCoef& hi) {
     lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
     hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
@@ -817,7 +843,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
       const float4 r = run_smem[128 * i];
       run_smem[128 * i] = make_float4(fold_value(r.x, acc[4 * i], lo), fold_value(r.y, acc[4 * i + 1], lo),
                                       fold_value(r.z, acc[4 * i + 2], hi), fold_value(r.w, acc[4 * i + 3], hi));
-      acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
     }
   };
 
@@ -830,8 +855,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   pin(s);
   release(bar.k_empty(0), lane);
   softmax(t0);
-  // No rescale of acc here nor at a split's first step: acc is +0 there, and +0 * a(t) is +0 for every
-  // a(t) v2_step gives (select_ex2: 1 or 2^x, x <= 0, finite), so leaving it out keeps the bits
+  // No rescale of acc here nor at a split's first step: acc is +0 here, and +0 * a(t) is +0 for every
+  // a(t) v2_step gives (select_ex2: 1 or 2^x, x <= 0, finite), so leaving it out keeps the bits; at a
+  // split's first step the fresh PV does not read acc
   pack_p<BF16, 64>(s, pa);
   // Steady state peeled so that every path has the same wgmma structure (as consume's).
   for (int t = t0; t + 1 < w.n_steps; ++t) {
@@ -840,9 +866,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     values(t);      // ... PV of step t is queued behind it
     turns.pass();
     const bool boundary = (t + 1) % kStepsPerSplit == 0;  // step t + 1 starts a split: step index only
-    FoldCoef c_lo, c_hi;
+    const float fm_lo = m_lo, fm_hi = m_hi, fl_lo = l_lo, fl_hi = l_hi;  // the split's state, for its fold
     if (boundary) {
-      fold_coefs(m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
       m_lo = m_hi = kMInit;
       l_lo = l_hi = 0.f;
     }
@@ -854,8 +879,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     pin(acc);
     pin(pa);
     release(bar.v_empty((t - t0) % STAGES), lane);
-    if (boundary) {
-      fold(c_lo, c_hi);  // acc = +0: step t + 1 starts a split, no rescale
+    if (boundary) {  // step t + 1 starts a split: no rescale (its fresh PV overwrites acc)
+      FoldCoef c_lo, c_hi;
+      fold_coefs(fm_lo, fm_hi, fl_lo, fl_hi, c_lo, c_hi);
+      fold(c_lo, c_hi);
     } else {
       scale_rows(acc, a_lo, a_hi);
     }
@@ -894,9 +921,9 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // run_s in shared memory instead): r = fold_value(r, acc, coef), the operations of the shared-memory
 // fold. FIRST (the tile's first fold: the state is zeros, as shared memory's after its clearing)
 // reads nothing; LAST keeps the folded values in acc for the epilogue instead of storing them;
-// otherwise acc is zeroed for the next split. Loads in batches of kBatch float4 (4 * kBatch registers
-// beside acc's 128), the global ones through L2 (ld.global.cg). [C0, C1): the float4 this call folds
-// (a fold may come in parts: consume_v2_serial).
+// otherwise acc is left as it is: the next split's first PV overwrites it (issue_pv_off's fresh).
+// Loads in batches of kBatch float4 (4 * kBatch registers beside acc's 128), the global ones through
+// L2 (ld.global.cg). [C0, C1): the float4 this call folds (a fold may come in parts: consume_v2_serial).
 template <bool LAST, int kBatch = 8, int C0 = 0, int C1 = kHead / 8>
 __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, float (&acc)[kAcc], FoldCoef lo,
                                                 FoldCoef hi, bool first) {
@@ -921,7 +948,6 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
           run_s[128 * i] = make_float4(x, y, z, u);
         else
           __stcg(run + 128 * i, make_float4(x, y, z, u));
-        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
       }
     }
   }
@@ -975,8 +1001,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
   bool first_fold = true;
-  // A split's fold in two parts, both before the next split's first PV, so the same operations on the
-  // same values as one fold right after the split's last PV (acc = 0 * a(t) after it): at the split's
+  // A split's fold in two parts, both before the next split's first PV (which overwrites acc), so the
+  // same operations on the same values as one fold right after the split's last PV: at the split's
   // end (its coefficients, and 16 of the 24 global float4 in one batch of L2 loads while S and P hold
   // no registers), then the rest (the shared-memory quarter and the last 8 global float4) right after
   // the next step's S is issued, so that S does not wait for it. ptxas makes that part wait for S
@@ -1014,8 +1040,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
-    // acc is +0 at the walk's first step and at a split's first (the fold zeroed it): no rescale there,
-    // +0 * a(t) being +0 (as consume_v2; measured neutral here, kept for the one rule)
+    // No rescale at the walk's first step (acc is +0: +0 * a(t) is +0) nor at a split's first (its fresh
+    // PV overwrites acc), as consume_v2
     if (t != t0 && t % kStepsPerSplit != 0) scale_rows(acc, a_lo, a_hi);
     mbar_wait(bar.v_full(st), par);
     uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
@@ -1024,7 +1050,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     if (v2::kWindow && t == t0 && lo_tile > kv0)
       zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
     wgmma_commit();
     wgmma_wait<0>();
     pin(acc);

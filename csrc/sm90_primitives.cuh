@@ -290,6 +290,50 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
   }
 }
 
+// wgmma_m64n128k16_rs / wgmma_m64n64k16_rs with wgmma's scale-d from a flag: accumulate 0 gives D = A * B,
+// D's old values not read (a split's first PV in the policy-off prefill, docs/perf-notes.md lever 63: the
+// same bits as accumulating into +0 on sm_90). Separate forms, so that the binaries that never start
+// fresh (the constant-time ones) keep their PTX and SASS.
+template <bool BF16>
+__device__ __forceinline__ void wgmma_m64n128k16_rs_sd(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
+                                                       int accumulate) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DHP_ACC64_REGS
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : DHP_ACC64_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DHP_ACC64_REGS
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : DHP_ACC64_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void wgmma_m64n64k16_rs_sd(float (&d)[32], const uint32_t (&a)[4], uint64_t db,
+                                                      int accumulate) {
+  if constexpr (BF16) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DHP_ACC32_REGS
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : DHP_ACC32_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DHP_ACC32_REGS
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : DHP_ACC32_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+  }
+}
+
 // --- programmatic dependent launch -------------------------------------------
 // A grid launched with cudaLaunchAttributeProgrammaticStreamSerialization may start
 // once every CTA of the grid before it has called grid_dependents_launch (or
