@@ -489,21 +489,17 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
 // O = P V without reading O (wgmma's scale-d = 0), so a split's fold need not zero O. The same bits as
 // that slice accumulated into +0: a nonzero sum plus +0 is that sum, and sm_90's tensor cores return +0
 // for a zero sum whatever its products' and C's signs (device probe, docs/perf-notes.md lever 63), as
-// +0 plus a sum of zeros is in the decode kernel's mma.sync from C = +0. fresh is a step index.
+// +0 plus a sum of zeros is in the decode kernel's mma.sync from C = +0. fresh is a step index. consume_v2
+// only (heads 64-128): head 256's serial consumer measured 2.5 % slower with it and keeps the zeroing.
 template <bool BF16>
 __device__ __forceinline__ void issue_pv_off(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
                                              uint32_t lbo, uint32_t sbo, bool fresh) {
+  static_assert((kHead == 128 || kHead == 64) && (BF16 || !BF16), "consume_v2's heads (dependent: checked where used)");
 #pragma unroll
   for (int j = 0; j < kCols / 16; ++j) {
     const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
     const int accumulate = j > 0 || !fresh;
-    if constexpr (kHead == 256) {
-      float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
-      float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
-      wgmma_m64n128k16_rs_sd<BF16>(o_lo, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
-      wgmma_m64n128k16_rs_sd<BF16>(o_hi, a, desc_sw128(v_base + 2 * kHalfBytes + j * 16 * 128, lbo, sbo),
-                                   accumulate);
-    } else if constexpr (kHead == 128) {
+    if constexpr (kHead == 128) {
       wgmma_m64n128k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
     } else {
       wgmma_m64n64k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
@@ -921,9 +917,10 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
 // run_s in shared memory instead): r = fold_value(r, acc, coef), the operations of the shared-memory
 // fold. FIRST (the tile's first fold: the state is zeros, as shared memory's after its clearing)
 // reads nothing; LAST keeps the folded values in acc for the epilogue instead of storing them;
-// otherwise acc is left as it is: the next split's first PV overwrites it (issue_pv_off's fresh).
-// Loads in batches of kBatch float4 (4 * kBatch registers beside acc's 128), the global ones through
-// L2 (ld.global.cg). [C0, C1): the float4 this call folds (a fold may come in parts: consume_v2_serial).
+// otherwise acc is zeroed for the next split (head 256 keeps the zeroing: its first PV with scale-d = 0,
+// issue_pv_off, measured 2.5 % slower; docs/perf-notes.md lever 63). Loads in batches of kBatch float4
+// (4 * kBatch registers beside acc's 128), the global ones through L2 (ld.global.cg). [C0, C1): the
+// float4 this call folds (a fold may come in parts: consume_v2_serial).
 template <bool LAST, int kBatch = 8, int C0 = 0, int C1 = kHead / 8>
 __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, float (&acc)[kAcc], FoldCoef lo,
                                                 FoldCoef hi, bool first) {
@@ -948,6 +945,7 @@ __device__ __forceinline__ void fold_run_global(float4* run, float4* run_s, floa
           run_s[128 * i] = make_float4(x, y, z, u);
         else
           __stcg(run + 128 * i, make_float4(x, y, z, u));
+        acc[4 * i] = acc[4 * i + 1] = acc[4 * i + 2] = acc[4 * i + 3] = 0.f;
       }
     }
   }
@@ -1001,8 +999,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   float m_lo = kMInit, m_hi = kMInit, l_lo = 0.f, l_hi = 0.f;      // this split's state, l per lane
   float a_lo = 1.f, a_hi = 1.f;
   bool first_fold = true;
-  // A split's fold in two parts, both before the next split's first PV (which overwrites acc), so the
-  // same operations on the same values as one fold right after the split's last PV: at the split's
+  // A split's fold in two parts, both before the next split's first PV, so the same operations on the
+  // same values as one fold right after the split's last PV (acc = 0 * a(t) after it): at the split's
   // end (its coefficients, and 16 of the 24 global float4 in one batch of L2 loads while S and P hold
   // no registers), then the rest (the shared-memory quarter and the last 8 global float4) right after
   // the next step's S is issued, so that S does not wait for it. ptxas makes that part wait for S
@@ -1040,8 +1038,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     }
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
-    // No rescale at the walk's first step (acc is +0: +0 * a(t) is +0) nor at a split's first (its fresh
-    // PV overwrites acc), as consume_v2
+    // acc is +0 at the walk's first step and at a split's first (the fold zeroed it): no rescale there,
+    // +0 * a(t) being +0 (as consume_v2; measured neutral here, kept for the one rule)
     if (t != t0 && t % kStepsPerSplit != 0) scale_rows(acc, a_lo, a_hi);
     mbar_wait(bar.v_full(st), par);
     uint8_t* const v_tile = smem_ptr + L::kOffV + st * kTileBytes;
@@ -1050,7 +1048,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     if (v2::kWindow && t == t0 && lo_tile > kv0)
       zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
+    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
     wgmma_wait<0>();
     pin(acc);
