@@ -825,15 +825,13 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
   // A split's end (docs/perf-notes.md levers 62-63: the fold was the policy-off prefill's largest
-  // cost over FA3's consumer, ~6 %): after PV(t), its coefficients (fold_coefs: fold_stats, which also
-  // updates the running m and l) and acc folded into run_smem. acc is not zeroed: the next split's
-  // first PV overwrites it (issue_pv_off's fresh). Computing the coefficients earlier, under S(t + 1),
-  // was no faster (ptxas if-converted them into every step).
-  auto fold_coefs = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi, FoldCoef& lo, FoldCoef& hi) {
-    lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
-    hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
-  };
-  auto fold = [&](FoldCoef lo, FoldCoef hi) {
+  // cost over FA3's consumer, ~6 %): after PV(t), its coefficients (fold_stats, which also updates the
+  // running m and l) and acc folded into run_smem. acc is not zeroed: the next split's first PV
+  // overwrites it (issue_pv_off's fresh). Computing the coefficients earlier, under S(t + 1), was no
+  // faster (ptxas if-converted them into every step).
+  auto fold = [&](float fm_lo, float fm_hi, float fl_lo, float fl_hi) {  // acc (done) into run_smem
+    const FoldCoef lo = fold_stats(mr_lo, lr_lo, fm_lo, quad_lanes(fl_lo));
+    const FoldCoef hi = fold_stats(mr_hi, lr_hi, fm_hi, quad_lanes(fl_hi));
 #pragma unroll
     for (int i = 0; i < kHead / 8; ++i) {
       const float4 r = run_smem[128 * i];
@@ -876,9 +874,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     pin(pa);
     release(bar.v_empty((t - t0) % STAGES), lane);
     if (boundary) {  // step t + 1 starts a split: no rescale (its fresh PV overwrites acc)
-      FoldCoef c_lo, c_hi;
-      fold_coefs(fm_lo, fm_hi, fl_lo, fl_hi, c_lo, c_hi);
-      fold(c_lo, c_hi);
+      fold(fm_lo, fm_hi, fl_lo, fl_hi);
     } else {
       scale_rows(acc, a_lo, a_hi);
     }
@@ -891,11 +887,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   pin(acc);
   pin(pa);
   release(bar.v_empty((w.n_steps - 1 - t0) % STAGES), lane);
-  {
-    FoldCoef c_lo, c_hi;
-    fold_coefs(m_lo, m_hi, l_lo, l_hi, c_lo, c_hi);
-    fold(c_lo, c_hi);
-  }
+  fold(m_lo, m_hi, l_lo, l_hi);
   turns.finish();
 
   float inv_lo, inv_hi;
