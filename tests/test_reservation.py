@@ -438,17 +438,22 @@ def test_cli_info_shows_the_reservation(capsys):
 _PROBE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "reservation_probe.py")
 
 
-def _generate_probed(model_dir, policy, tmp_path):
+def _generate_probed(model_dir, tmp_path):
+    """strict, then off, one engine each in one process (one start-up of vLLM for both): per policy the
+    run's result and the scheduler probe's report, and the process's log."""
     from engine_process import engine_env, run_in_session
 
-    probe = tmp_path / f"probe-{policy}.json"
+    probe = tmp_path / "probe.json"
     env = engine_env(DHP_CHECK_VALUES="1", PROBE_OUT=str(probe))
-    cmd = [sys.executable, _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", policy,
+    cmd = [sys.executable, _PROBE, "--model", str(model_dir), "--backend", "DHP", "--policy", "strict,off",
            "--multiprocessing", "0", "--batching", "together"]
     code, text = run_in_session(cmd, env)
     assert code == 0 and "DHP_RESULT_JSON " in text, text[-4000:]
     result = json.loads(text.split("DHP_RESULT_JSON ", 1)[1].splitlines()[0])
-    return result, json.loads(probe.read_text()), text
+    runs = {run["policy"]: run for run in result["runs"]}
+    probes = {key.rsplit("|", 1)[1]: report for key, report in json.loads(probe.read_text())["runs"].items()}
+    assert sorted(runs) == sorted(probes) == ["off", "strict"], (sorted(runs), sorted(probes))
+    return runs, probes, text
 
 
 @pytest.mark.e2e
@@ -463,19 +468,21 @@ def test_cpu_engine_strict_reserves_and_matches_off(tmp_path):
     from integration.tiny_llama import build
 
     model_dir = build(tmp_path / "tiny-llama", seed=0)
-    strict, probe, log = _generate_probed(model_dir, "strict", tmp_path)
-    off, off_probe, off_log = _generate_probed(model_dir, "off", tmp_path)
+    runs, probes, log = _generate_probed(model_dir, tmp_path)
+    strict, off, probe, off_probe = runs["strict"], runs["off"], probes["strict"], probes["off"]
     for result, policy in ((strict, "strict"), (off, "off")):
         assert {(t["backend"], t["policy"]) for t in result["dhp_trace"]} == {("DHP", policy)}
-    # the hook ran in the engine (strict only), and the price is in the start-up report: one block, this
-    # engine's one process running both the worker and the scheduler (vLLM's uni executor)
+    # the hook ran in the engine (strict only), and the price is in the start-up report: one block per
+    # engine, in the order they ran, each engine's one process running both the worker and the scheduler
+    # (vLLM's uni executor)
     assert probe["hooked"] == "ReservingAllocateSlots" and off_probe["hooked"] == "method"
-    for text, reserved in ((log, "KV reservation: policy 'strict' holds max_model_len=512 tokens = 16 blocks of 32"),
-                           (off_log, "KV reservation: none beyond each request's true length")):
-        blocks = startup_blocks(text)
-        assert len(blocks) == 1 and blocks[0][0].endswith(", engine core and worker)"), [b[0] for b in blocks]
-        assert any(line.startswith("    decode steps:") for line in blocks[0])
-        assert any(line.startswith("  " + reserved) for line in blocks[0]), blocks[0]
+    blocks = startup_blocks(log)
+    assert len(blocks) == 2 and all(b[0].endswith(", engine core and worker)") for b in blocks), [b[0] for b in blocks]
+    reserved_lines = ("KV reservation: policy 'strict' holds max_model_len=512 tokens = 16 blocks of 32",
+                      "KV reservation: none beyond each request's true length")
+    for block, reserved in zip(blocks, reserved_lines):
+        assert any(line.startswith("    decode steps:") for line in block)
+        assert any(line.startswith("  " + reserved) for line in block), block
     assert probe["violations"] == [] and off_probe["violations"] == []
     assert probe["max_blocks"] == 16 and off_probe["max_blocks"] < 16
     assert probe["requests"] >= 3 and probe["steps"] > 20
