@@ -20,7 +20,7 @@ def _has_cuda() -> bool:
         return False
 
 
-# The longest test files (CPU run, 2026-11-29: seconds of a worker's time), first: `make test` deals whole
+# The longest test files (a CPU run's durations, 2026-11-29), first: `make test` deals whole
 # files to its two workers in collection order (--dist loadfile), so longest first keeps one worker from
 # starting a long file while the other is nearly done (the run's wall time is the busier worker's).
 _LONGEST_FIRST = ("test_e2e_cpu_engine", "test_golden", "test_e2e_windowed", "test_audit_sass", "test_triton_interpret",
