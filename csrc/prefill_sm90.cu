@@ -94,6 +94,13 @@ constexpr int kRowsOff = 64 * kConsumersOff;
 constexpr int kThreadsOff = 128 * (kConsumersOff + 1);
 constexpr bool kSerialOff = kHead == 256;  // the policy-off consumer: consume_v2_serial (else consume_v2)
 constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in global memory (else shared)
+// consume_v2's half softmax (lever 64): where a window cuts a tile's walk short. Measured (H200, with it on
+// in every library): gpt-oss's window-128 prefill 103.6 -> 99.8 us (0.770 -> 0.801x FA3); elsewhere its
+// branch costs more than it saves (head 128 causal and full 4K 1.2-1.6 % slower, head 64 without a window
+// 3-5 %), so it is meant for the head-64 window libraries only: v2::kWindow && kHead == 64. Off until
+// tests/test_cuda_head_sizes_gpu.py (the head-64 window cases) has passed with it on (the session that
+// measured it had no device time left); with it off every library's SASS is the one before it was written.
+constexpr bool kHalfSoftmax = false;
 // consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;
@@ -522,9 +529,10 @@ __device__ __forceinline__ void zero_rows(float (&o)[N], bool lo, bool hi) {
 
 // Scores past the causal limit or seq_len become -inf (a select: garbage rows
 // of the last page may hold NaN).
-__device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo, int lim_hi, int lane) {
+template <int N>
+__device__ __forceinline__ void mask_scores(float (&s)[N], int kv0, int lim_lo, int lim_hi, int lane) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
@@ -537,10 +545,11 @@ __device__ __forceinline__ void mask_scores(float (&s)[64], int kv0, int lim_lo,
 // The window's lower bound too (feature libraries): scores at positions <= lo (the row's
 // position - W) become -inf, by the same selection. Dead rows and dead steps of the constant-time
 // walk pass lo = INT_MIN.
-__device__ __forceinline__ void mask_scores_window(float (&s)[64], int kv0, int lo_lo, int lim_lo, int lo_hi,
+template <int N>
+__device__ __forceinline__ void mask_scores_window(float (&s)[N], int kv0, int lo_lo, int lim_lo, int lo_hi,
                                                    int lim_hi, int lane) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int col = kv0 + 8 * i + 2 * (lane % 4) + e;
@@ -551,9 +560,10 @@ __device__ __forceinline__ void mask_scores_window(float (&s)[64], int kv0, int 
 }
 
 // The soft cap (feature libraries) on a step's raw scores, before the mask: v2::soft_cap.
-__device__ __forceinline__ void cap_scores(float (&s)[64], const Params& p) {
+template <int N>
+__device__ __forceinline__ void cap_scores(float (&s)[N], const Params& p) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
+  for (int i = 0; i < N; ++i) s[i] = v2::soft_cap(s[i], p.cap_pre, p.cap_post);
 }
 
 // The two query rows of a consumer thread (accumulator rows g and g + 8 of its
@@ -652,11 +662,13 @@ __device__ __forceinline__ void release(uint32_t barrier, int lane) {
 // One 128-position step of the contract's row arithmetic on a 64-row wgmma tile (s: the step's
 // scores, masked ones already -inf; per thread the lo/hi rows of 16 eight-column groups):
 // the running max, the rows' alphas, p in place and the per-lane l (v2_arith.cuh).
-__device__ __forceinline__ void v2_step(float (&s)[64], float scale, float& m_lo, float& m_hi, float& l_lo,
+template <int N>
+__device__ __forceinline__ void v2_step(float (&s)[N], float scale, float& m_lo, float& m_hi, float& l_lo,
                                         float& l_hi, float& a_lo, float& a_hi) {
+  constexpr int kGroups = N / 4;
   float mx_lo = s[0], mx_hi = s[2];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kGroups; ++i) {
     mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
     mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
   }
@@ -666,9 +678,9 @@ __device__ __forceinline__ void v2_step(float (&s)[64], float scale, float& m_lo
   a_hi = select_ex2(m_hi, new_hi);
   m_lo = new_lo;
   m_hi = new_hi;
-  float g_lo[16], g_hi[16];
+  float g_lo[kGroups], g_hi[kGroups];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kGroups; ++i) {
     s[4 * i] = v2::exp_score(s[4 * i], scale, new_lo);
     s[4 * i + 1] = v2::exp_score(s[4 * i + 1], scale, new_lo);
     s[4 * i + 2] = v2::exp_score(s[4 * i + 2], scale, new_hi);
@@ -783,9 +795,31 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
   const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
   const int lo_tile = ctx0 + w.tok0 - p.window + 1;
+  // Half softmax (kHalfSoftmax: the head-64 window libraries, gpt-oss's window 128; docs/perf-notes.md
+  // lever 64): the positions some row of this warpgroup attends lie in [lo_pos, hi_pos] (hi_pos from the
+  // warpgroup's last tile row, a bound for rows past the tile's tokens too), so a step's 64-position half
+  // outside it holds only masked scores for every row: its exponents, row max and sum are skipped and its
+  // P is +0 (pa zeroed), which is what the whole step computes there (v2_step's N = 32, v2::step_tree of
+  // 8 groups). S and PV stay whole: a branch around the wgmmas made ptxas serialize them. live: bit 0
+  // the low half holds an attended position, bit 1 the high one; warp-uniform by a broadcast (as
+  // CUTLASS's canonical_warp_group_idx), else ptxas treats the branch as divergent. Policy off: true
+  // lengths, as the walk itself.
+  const int hi_pos = min(w.seq_len - 1, p.causal ? ctx0 + w.tok0 + (64 * cw + 63) / p.group : INT_MAX);
+  const int lo_pos = (p.causal ? ctx0 + rw.first_qi : w.seq_len - 1) - p.window + 1;
+  auto live_of = [&](int t) {
+    if constexpr (!kHalfSoftmax) return 3;
+    const int kv0 = t * kCols;
+    const int live = static_cast<int>((kv0 <= hi_pos) & (kv0 + 63 >= lo_pos)) |
+                     static_cast<int>((kv0 + 64 <= hi_pos) & (kv0 + 127 >= lo_pos)) << 1;
+    return __shfl_sync(0xffffffff, live, 0);
+  };
 
   float acc[kAcc], s[64];
   uint32_t pa[32];
+  float(&s_lo)[32] = *reinterpret_cast<float(*)[32]>(&s[0]);
+  float(&s_hi)[32] = *reinterpret_cast<float(*)[32]>(&s[32]);
+  uint32_t(&pa_lo)[16] = *reinterpret_cast<uint32_t(*)[16]>(&pa[0]);
+  uint32_t(&pa_hi)[16] = *reinterpret_cast<uint32_t(*)[16]>(&pa[16]);
   float4* run_smem = reinterpret_cast<float4*>(smem_ptr + L::kOffRun) + cw * (kHead / 8) * 128 + tid;
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
@@ -814,15 +848,43 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
     wgmma_commit();
   };
-  auto softmax = [&](int t) {  // step t's row arithmetic; a fresh state at a split's first step
-    const int kv0 = t * kCols;
-    if constexpr (v2::kSoftCap) cap_scores(s, p);
+  auto half_softmax = [&](float(&sh)[32], int kvh) {  // the 64 positions from kvh
+    if constexpr (v2::kSoftCap) cap_scores(sh, p);
     if constexpr (v2::kWindow) {
-      if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+      if (kvh + 64 > mask_from || kvh <= win_hi) mask_scores_window(sh, kvh, lo_lo, lim_lo, lo_hi, lim_hi, lane);
     } else {
-      if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+      if (kvh + 64 > mask_from) mask_scores(sh, kvh, lim_lo, lim_hi, lane);
     }
-    v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    v2_step(sh, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+  };
+  auto softmax = [&](int t, int live) {  // step t's row arithmetic; a fresh state at a split's first step
+    const int kv0 = t * kCols;
+    if (!kHalfSoftmax || live == 3) {
+      if constexpr (v2::kSoftCap) cap_scores(s, p);
+      if constexpr (v2::kWindow) {
+        if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+      } else {
+        if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
+      }
+      v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    } else if (live == 2) {
+      half_softmax(s_hi, kv0 + 64);
+    } else {  // the low half (none live: every score masked there too)
+      half_softmax(s_lo, kv0);
+    }
+  };
+  auto pack = [&](int live) {  // P into the PV's A registers (a half step: the other half's P +0)
+    if (!kHalfSoftmax || live == 3) {
+      pack_p<BF16, 64>(s, pa);
+    } else if (live == 2) {
+      pack_p<BF16, 32>(s_hi, pa_hi);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) pa_lo[i] = 0u;
+    } else {
+      pack_p<BF16, 32>(s_lo, pa_lo);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) pa_hi[i] = 0u;
+    }
   };
   // A split's end (docs/perf-notes.md levers 62-63: the fold was the policy-off prefill's largest
   // cost over FA3's consumer, ~6 %): after PV(t), its coefficients (fold_stats, which also updates the
@@ -848,13 +910,15 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   wgmma_wait<0>();
   pin(s);
   release(bar.k_empty(0), lane);
-  softmax(t0);
+  int live = live_of(t0);
+  softmax(t0, live);
   // No rescale of acc here nor at a split's first step: acc is +0 here, and +0 * a(t) is +0 for every
   // a(t) v2_step gives (select_ex2: 1 or 2^x, x <= 0, finite), so leaving it out keeps the bits; at a
   // split's first step the fresh PV does not read acc
-  pack_p<BF16, 64>(s, pa);
+  pack(live);
   // Steady state peeled so that every path has the same wgmma structure (as consume's).
   for (int t = t0; t + 1 < w.n_steps; ++t) {
+    live = live_of(t + 1);
     turns.wait();
     scores(t + 1);  // S of step t+1 runs while ...
     values(t);      // ... PV of step t is queued behind it
@@ -868,7 +932,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     wgmma_wait<1>();  // S(t+1) done, PV(t) may still run
     pin(s);
     release(bar.k_empty((t + 1 - t0) % STAGES), lane);
-    softmax(t + 1);
+    softmax(t + 1, live);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
@@ -878,7 +942,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     } else {
       scale_rows(acc, a_lo, a_hi);
     }
-    pack_p<BF16, 64>(s, pa);
+    pack(live);
   }
   turns.wait();
   values(w.n_steps - 1);

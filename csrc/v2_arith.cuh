@@ -142,6 +142,15 @@ __device__ __forceinline__ float step_tree(const float (&g)[16]) {
                tree4(g[12], g[13], g[14], g[15]));
 }
 
+// The tree of a half step (the policy-off prefill's half softmax, prefill_sm90.cu kHalfSoftmax: a step
+// whose other 64 positions are masked for every row of the warpgroup, so their 8 group sums are +0):
+// step_tree with those 8 at +0 is (A + B) + (+0 + +0) for a live low half and (+0 + +0) + (A + B) for a
+// live high half, A and B the live quads' tree4; a sum of p >= +0 plus +0 is itself, so both are A + B,
+// which this returns: the same bits as step_tree.
+__device__ __forceinline__ float step_tree(const float (&g)[8]) {
+  return __fadd_rn(tree4(g[0], g[1], g[2], g[3]), tree4(g[4], g[5], g[6], g[7]));
+}
+
 // l after a step, per lane: l * alpha + the step's tree, one fma.
 __device__ __forceinline__ float step_l(float l, float alpha, float tree) { return __fmaf_rn(l, alpha, tree); }
 
