@@ -45,6 +45,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
 #include <cmath>
 
 #include "compat_arith.cuh"
@@ -848,29 +849,27 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
     wgmma_commit();
   };
-  auto half_softmax = [&](float(&sh)[32], int kvh) {  // the 64 positions from kvh
-    if constexpr (v2::kSoftCap) cap_scores(sh, p);
+  // The row arithmetic on the scores of the positions from kvb: a whole step's 64 a thread (s, 128
+  // positions) or a half step's 32 (s_lo / s_hi, 64 positions): cap, mask where the positions reach a
+  // bound, v2_step.
+  auto scores_to_p = [&](auto& sc, int kvb) {
+    constexpr int kPositions = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(sc)>>);
+    if constexpr (v2::kSoftCap) cap_scores(sc, p);
     if constexpr (v2::kWindow) {
-      if (kvh + 64 > mask_from || kvh <= win_hi) mask_scores_window(sh, kvh, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+      if (kvb + kPositions > mask_from || kvb <= win_hi) mask_scores_window(sc, kvb, lo_lo, lim_lo, lo_hi, lim_hi, lane);
     } else {
-      if (kvh + 64 > mask_from) mask_scores(sh, kvh, lim_lo, lim_hi, lane);
+      if (kvb + kPositions > mask_from) mask_scores(sc, kvb, lim_lo, lim_hi, lane);
     }
-    v2_step(sh, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    v2_step(sc, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
   };
   auto softmax = [&](int t, int live) {  // step t's row arithmetic; a fresh state at a split's first step
     const int kv0 = t * kCols;
     if (!kHalfSoftmax || live == 3) {
-      if constexpr (v2::kSoftCap) cap_scores(s, p);
-      if constexpr (v2::kWindow) {
-        if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
-      } else {
-        if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
-      }
-      v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+      scores_to_p(s, kv0);
     } else if (live == 2) {
-      half_softmax(s_hi, kv0 + 64);
+      scores_to_p(s_hi, kv0 + 64);
     } else {  // the low half (none live: every score masked there too)
-      half_softmax(s_lo, kv0);
+      scores_to_p(s_lo, kv0);
     }
   };
   auto pack = [&](int live) {  // P into the PV's A registers (a half step: the other half's P +0)
