@@ -98,10 +98,9 @@ constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in g
 // consume_v2's half softmax (lever 64): where a window cuts a tile's walk short. Measured (H200, with it on
 // in every library): gpt-oss's window-128 prefill 103.6 -> 99.8 us (0.770 -> 0.801x FA3); elsewhere its
 // branch costs more than it saves (head 128 causal and full 4K 1.2-1.6 % slower, head 64 without a window
-// 3-5 %), so it is meant for the head-64 window libraries only: v2::kWindow && kHead == 64. Off until
-// tests/test_cuda_head_sizes_gpu.py (the head-64 window cases) has passed with it on (the session that
-// measured it had no device time left); with it off every library's SASS is the one before it was written.
-constexpr bool kHalfSoftmax = false;
+// 3-5 %), so it is on in the head-64 window libraries only (there 0.770 -> 0.800x, H200, 2026-11-29;
+// tests/test_cuda_head_sizes_gpu.py passed); every other library's SASS is the one before it was written.
+constexpr bool kHalfSoftmax = v2::kWindow && kHead == 64;
 // consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;
