@@ -101,6 +101,14 @@ constexpr bool kRunGlobal = kSerialOff;    // ... whose running state lives in g
 // 3-5 %), so it is on in the head-64 window libraries only (there 0.770 -> 0.800x, H200, 2026-11-29;
 // tests/test_cuda_head_sizes_gpu.py passed); every other library's SASS is the one before it was written.
 constexpr bool kHalfSoftmax = v2::kWindow && kHead == 64;
+// The wgmma descriptors of a step's k16 slices as the tile's plus an offset (issue_qk's DESC_ADD), and the
+// consumer warpgroup's index warp-uniform (consumer_warpgroup), so that the Q tile's descriptors stay in
+// uniform registers: per consumer, policy off (consume_v2, consume_v2_serial) and constant time
+// (consume_v2_ct). Measured (H200, docs/perf-notes.md lever 65): policy-off prefill 1-1.7 % less time at
+// head 128, 4 % at head 64, gpt-oss's window 128 4.5 %; the constant-time prefill 2-4 %. Not in head
+// 256's constant-time consumer, where ptxas then injected wgmma arrives (C7519) it had not before.
+constexpr bool kDescAddOff = true;
+constexpr bool kDescAddCT = kHead != 256;
 // consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;
@@ -462,32 +470,58 @@ __device__ __forceinline__ void clean_v_ct(const Work& w, uint8_t* smem_ptr, con
 // Accumulator layout of an m64n128 wgmma (per thread): element 4*i + e is row
 // g (+8 for e >= 2) of the warp's 16, column 8*i + 2*(lane % 4) + (e & 1).
 
+// This thread's consumer warpgroup (0, 1, ...; the producer is warpgroup -1 of the kernel's), broadcast from
+// lane 0 so that the compiler knows it is warp-uniform (CUTLASS's canonical_warp_group_idx): the Q tile's
+// wgmma descriptors, which follow it, then stay in uniform registers.
+__device__ __forceinline__ int consumer_warpgroup() {
+  return __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0) - 1;
+}
+
 // Q_HALF: the bytes between the Q tile's 64-column halves (64 rows per consumer warpgroup x 128 B).
-template <bool BF16, int Q_HALF>
+// DESC_ADD: each k16 slice's descriptors as the tile's plus the slice's offset (desc_plus), else each built
+// whole from its address (desc_sw128); the same descriptors either way.
+template <bool BF16, int Q_HALF, bool DESC_ADD = false>
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_base) {
+  const uint64_t qd = desc_sw128(q_base, 16, 1024), kd = desc_sw128(k_base, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < kHead / 16; ++kk) {
     const uint32_t q_off = (kk / 4) * Q_HALF + (kk % 4) * 32, k_off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-    wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + q_off, 16, 1024), desc_sw128(k_base + k_off, 16, 1024), kk > 0);
+    if constexpr (DESC_ADD) {
+      wgmma_m64n128k16_ss<BF16>(s, desc_plus(qd, q_off), desc_plus(kd, k_off), kk > 0);
+    } else {
+      wgmma_m64n128k16_ss<BF16>(s, desc_sw128(q_base + q_off, 16, 1024), desc_sw128(k_base + k_off, 16, 1024), kk > 0);
+    }
+  }
+}
+
+// The descriptor of the V tile at v_base (vd) off bytes further: a k16 slice is 16 positions, 2 KB into
+// each 64-column half.
+template <bool DESC_ADD>
+__device__ __forceinline__ uint64_t v_desc(uint64_t vd, uint32_t v_base, uint32_t off, uint32_t lbo, uint32_t sbo) {
+  if constexpr (DESC_ADD) {
+    return desc_plus(vd, off);
+  } else {
+    return desc_sw128(v_base + off, lbo, sbo);
   }
 }
 
 // O += P V_t.
-template <bool BF16>
+template <bool BF16, bool DESC_ADD = false>
 __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
                                          uint32_t lbo, uint32_t sbo) {
+  const uint64_t vd = desc_sw128(v_base, lbo, sbo);
 #pragma unroll
   for (int j = 0; j < kCols / 16; ++j) {
     const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
     if constexpr (kHead == 256) {  // two m64n128 halves of the accumulator: columns 0-127, 128-255
       float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
       float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
-      wgmma_m64n128k16_rs<BF16>(o_lo, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
-      wgmma_m64n128k16_rs<BF16>(o_hi, a, desc_sw128(v_base + 2 * kHalfBytes + j * 16 * 128, lbo, sbo));
+      wgmma_m64n128k16_rs<BF16>(o_lo, a, v_desc<DESC_ADD>(vd, v_base, j * 16 * 128, lbo, sbo));
+      wgmma_m64n128k16_rs<BF16>(o_hi, a, v_desc<DESC_ADD>(vd, v_base, 2 * kHalfBytes + j * 16 * 128, lbo, sbo));
     } else if constexpr (kHead == 128) {
-      wgmma_m64n128k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+      wgmma_m64n128k16_rs<BF16>(o, a, v_desc<DESC_ADD>(vd, v_base, j * 16 * 128, lbo, sbo));
     } else {
-      wgmma_m64n64k16_rs<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo));
+      wgmma_m64n64k16_rs<BF16>(o, a, v_desc<DESC_ADD>(vd, v_base, j * 16 * 128, lbo, sbo));
     }
   }
 }
@@ -498,18 +532,19 @@ __device__ __forceinline__ void issue_pv(float (&o)[kAcc], const uint32_t (&pa)[
 // for a zero sum whatever its products' and C's signs (device probe, docs/perf-notes.md lever 63), as
 // +0 plus a sum of zeros is in the decode kernel's mma.sync from C = +0. fresh is a step index. consume_v2
 // only (heads 64-128): head 256's serial consumer measured 2.5 % slower with it and keeps the zeroing.
-template <bool BF16>
+template <bool BF16, bool DESC_ADD = false>
 __device__ __forceinline__ void issue_pv_off(float (&o)[kAcc], const uint32_t (&pa)[32], uint32_t v_base,
                                              uint32_t lbo, uint32_t sbo, bool fresh) {
   static_assert((kHead == 128 || kHead == 64) && (BF16 || !BF16), "consume_v2's heads (dependent: checked where used)");
+  const uint64_t vd = desc_sw128(v_base, lbo, sbo);
 #pragma unroll
   for (int j = 0; j < kCols / 16; ++j) {
     const uint32_t a[4] = {pa[4 * j], pa[4 * j + 1], pa[4 * j + 2], pa[4 * j + 3]};
     const int accumulate = j > 0 || !fresh;
     if constexpr (kHead == 128) {
-      wgmma_m64n128k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
+      wgmma_m64n128k16_rs_sd<BF16>(o, a, v_desc<DESC_ADD>(vd, v_base, j * 16 * 128, lbo, sbo), accumulate);
     } else {
-      wgmma_m64n64k16_rs_sd<BF16>(o, a, desc_sw128(v_base + j * 16 * 128, lbo, sbo), accumulate);
+      wgmma_m64n64k16_rs_sd<BF16>(o, a, v_desc<DESC_ADD>(vd, v_base, j * 16 * 128, lbo, sbo), accumulate);
     }
   }
 }
@@ -778,7 +813,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
                                            const Barriers<STAGES>& bar, int kvh) {
   using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
-  const int cw = threadIdx.x / 128 - 1;
+  constexpr bool DESC_ADD = kDescAddOff;
+  const int cw = consumer_warpgroup();
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
@@ -833,7 +869,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     const int st = (t - t0) % STAGES;
     mbar_wait(bar.k_full(st), ((t - t0) / STAGES) & 1);
     wgmma_fence();
-    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    issue_qk<BF16, L::kQHalfBytes, DESC_ADD>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
   };
   auto values = [&](int t) {  // issue O += P V_t (O already scaled by a(t))
@@ -845,7 +881,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
     if (v2::kWindow && t == t0 && lo_tile > t * kCols)
       zero_v_head<kCols, 128, kHalves>(smem_ptr + L::kOffV + st * kTileBytes, min(lo_tile - t * kCols, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv_off<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
+    issue_pv_off<BF16, DESC_ADD>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo, t % kStepsPerSplit == 0);
     wgmma_commit();
   };
   // The row arithmetic on the scores of the positions from kvb: a whole step's 64 a thread (s, 128
@@ -1024,7 +1060,8 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
                                                   const Barriers<STAGES>& bar, int kvh) {
   using L = LayoutOff<STAGES>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
-  const int cw = threadIdx.x / 128 - 1;
+  constexpr bool DESC_ADD = kDescAddOff;
+  const int cw = consumer_warpgroup();
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
@@ -1072,7 +1109,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     mbar_wait(bar.k_full(st), par);
     turns.wait();
     wgmma_fence();
-    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    issue_qk<BF16, L::kQHalfBytes, DESC_ADD>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
     turns.pass();
     if (fold_due) {  // the rest of the fold of the split that ended at step t - 1
@@ -1102,7 +1139,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     if (v2::kWindow && t == t0 && lo_tile > kv0)
       zero_v_head<kCols, 128, kHalves>(v_tile, min(lo_tile - kv0, kCols), tid, kBarVTail + cw);
     wgmma_fence();
-    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    issue_pv<BF16, DESC_ADD>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
     wgmma_wait<0>();
     pin(acc);
@@ -1153,7 +1190,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
                                               const Barriers<STAGES>& bar, int kvh, int g) {
   using L = Layout<STAGES, kConsumersCT>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
-  const int cw = threadIdx.x / 128 - 1;
+  constexpr bool DESC_ADD = kDescAddCT;
+  const int cw = kDescAddCT ? consumer_warpgroup() : static_cast<int>(threadIdx.x / 128) - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of(p, w, cw, warp, lane, kvh);
   const int ctx0 = w.seq_len - w.q_len;
@@ -1295,7 +1333,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
     const int st = t % STAGES;
     mbar_wait(bar.k_full(st), (t / STAGES) & 1);
     wgmma_fence();
-    issue_qk<BF16, L::kQHalfBytes>(s, q_base, smem + L::kOffK + st * kTileBytes);
+    issue_qk<BF16, L::kQHalfBytes, DESC_ADD>(s, q_base, smem + L::kOffK + st * kTileBytes);
     wgmma_commit();
   };
   auto values = [&](int t, float a_lo, float a_hi) {  // O = O * a(t) + P V_t, on V rows the cleaners zeroed
@@ -1308,7 +1346,7 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, ui
       zero_rows(acc, leaving_window(t - 1, lo_lo), leaving_window(t - 1, lo_hi));
     }
     wgmma_fence();
-    issue_pv<BF16>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
+    issue_pv<BF16, DESC_ADD>(acc, pa, smem + L::kOffV + st * kTileBytes, p.v_lbo, p.v_sbo);
     wgmma_commit();
   };
 

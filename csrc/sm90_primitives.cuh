@@ -165,6 +165,16 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo_byte
   return d;
 }
 
+// The descriptor of d's tile off bytes further (off a multiple of 16): the start-address field (bits 0-13)
+// holds the shared address >> 4, and a CTA's shared window is below 2^18 bytes, so the field of the
+// address plus off is the field plus off >> 4 with no carry into the leading offset (bits 16-29): one
+// add to the low word instead of desc_sw128's mask, shift and merge for every k16 slice (CUTLASS's
+// GmmaDescriptor advances its descriptors the same way).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t off) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>

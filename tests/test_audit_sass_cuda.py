@@ -189,8 +189,21 @@ def test_planted_kernel_secret_branches_fail_public_loops_pass(planted_result):
 
 def test_planted_kernel_without_rules_names_every_unexplained_branch(planted_result):
     r = planted_result(())
-    unexplained = [f for f in r["failures"] if f["index"] is not None and "guarded floating-point" not in f["why"]]
+    unexplained = [f for f in r["failures"] if f["index"] is not None and "guarded floating-point" not in f["why"]
+                   and "BAR" not in f["instr"]]
     assert unexplained and all("no rule for planted.cu" in f["why"] for f in unexplained)
+
+
+def test_planted_kernel_barrier_chosen_by_data_fails_by_thread_index_passes(planted_result):
+    """ptxas predicates a bar.arrive under an `if` instead of branching around it: the gate explains a
+    predicated barrier as it does a branch, so one chosen by loaded data fails and one chosen by the thread
+    index passes (by the SASS slice: no rule needed)."""
+    r = planted_result(_PLANTED_RULES)
+    bars = {b["source_text"].split("asm")[0].strip(): b for b in r["branches"] if " BAR." in b["instr"]}
+    secret, public = bars["if (p.x[threadIdx.x] > 1.f)"], bars["if (threadIdx.x < 64)"]
+    assert secret["instr"].startswith("@") and not secret["ok"] and "comes from memory" in secret["detail"]
+    assert public["instr"].startswith("@") and public["ok"] and public["rule"] == "param-guard"
+    assert any(f["index"] == secret["index"] for f in r["failures"])
 
 
 def test_planted_kernel_data_ternary_guarded_arithmetic_fails(planted_result):

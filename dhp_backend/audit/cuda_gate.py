@@ -172,7 +172,10 @@ def audit_function(name: str, funcs: dict, ptx_all: str, inst: CR.Instance, sour
                 failures.append({"index": ins.index, "instr": ins.text,
                                  "source": ins.src.short() if ins.src else "no line info",
                                  "source_text": _source_text(ins.src, source_dirs), "why": why})
-        if not ins.is_control:
+        # A predicated barrier chooses, like a branch, which threads wait at it (ptxas predicates a
+        # bar.sync / bar.arrive under a warp-uniform condition instead of branching around it): explained
+        # the same way.
+        if not (ins.is_control or (ins.predicate and ins.base == "BAR")):
             continue
         text = _source_text(ins.src, source_dirs)
         rec = {"index": ins.index, "offset": f"0x{ins.offset:04x}", "instr": ins.text,

@@ -26,5 +26,9 @@ extern "C" __global__ void planted_kernel(const Params p) {
     }
     acc = acc == v ? 1.f : ex2(acc - v);  // TERNARY: nvcc may branch on data here
   }
+  // SECRET-BARRIER: which threads arrive at a barrier chosen by loaded data (ptxas predicates the
+  // bar.arrive rather than branching around it); PUBLIC-BARRIER: chosen by the thread index.
+  if (p.x[threadIdx.x] > 1.f) asm volatile("bar.arrive 1, 64;" ::: "memory");
+  if (threadIdx.x < 64) asm volatile("bar.arrive 2, 64;" ::: "memory");
   p.out[threadIdx.x] = acc;
 }
