@@ -109,6 +109,12 @@ constexpr bool kHalfSoftmax = v2::kWindow && kHead == 64;
 // 256's constant-time consumer, where ptxas then injected wgmma arrives (C7519) it had not before.
 constexpr bool kDescAddOff = true;
 constexpr bool kDescAddCT = kHead != 256;
+// Head 256's constant-time consumer (one warpgroup, no turns): its walk's step count broadcast from lane 0
+// (uniform_steps), so that ptxas knows the step loop and the split-end branch are warp-uniform; without it
+// ptxas serializes every wgmma of the walk (C7520: each k16 slice's wgmma waited for before the next is
+// issued, 32 waits a step against 2). Off until G4 has measured it (the step count is the bucket's, a public
+// value, and the arithmetic is unchanged: the GPU tests and timing of docs/perf-notes.md lever 66).
+constexpr bool kUniformStepsCT = false;
 // consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;
@@ -1185,9 +1191,23 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
 // consumer warpgroups take turns at issuing S (Turns; named barriers, the same count whatever the
 // lengths). No branch, trip count or address follows the true length: the selections are on bits
 // (ct::select_f32), the split ends and the turns are step indices.
+// w with its step count broadcast from lane 0 (every lane holds the same: the bucket's steps) when ON, so
+// that the compiler treats loops and branches on it as warp-uniform; else w itself.
+template <bool ON>
+__device__ __forceinline__ Work uniform_steps(const Work& w) {
+  if constexpr (!ON) {
+    return w;
+  } else {
+    Work u = w;
+    u.n_steps = __shfl_sync(0xffffffff, w.n_steps, 0);
+    return u;
+  }
+}
+
 template <bool BF16, int STAGES>
-__device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w, uint8_t* smem_ptr, uint32_t smem,
+__device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in, uint8_t* smem_ptr, uint32_t smem,
                                               const Barriers<STAGES>& bar, int kvh, int g) {
+  const Work w = uniform_steps<kUniformStepsCT && kHead == 256>(w_in);
   using L = Layout<STAGES, kConsumersCT>;
   constexpr int kStepsPerSplit = kSplitKV / kCols;
   constexpr bool DESC_ADD = kDescAddCT;
