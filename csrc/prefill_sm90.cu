@@ -799,6 +799,40 @@ __device__ __forceinline__ void running_state_out(const Params& p, const Rows& r
   }
 }
 
+// The policy-off consumers' row bounds (consume_v2, consume_v2_serial): positions <= lim are attended
+// (causal: the row's own; else the request's last), from mask_from on some row of the warpgroup masks a
+// position; with a window, positions <= lo are below the row's window, a step holding one at or below win_hi
+// (the warpgroup's highest lower bound) is masked below too, and lo_tile is the tile's lowest visible
+// position. Not constant-time: they follow the true lengths, as the off walk does.
+struct OffMasks {
+  int ctx0, lim_lo, lim_hi, mask_from, lo_lo, lo_hi, win_hi, lo_tile;
+
+  __device__ OffMasks(const Params& p, const Work& w, const Rows& rw, int cw)
+      : ctx0(w.seq_len - w.q_len),
+        lim_lo(p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1),
+        lim_hi(p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1),
+        mask_from(p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len),
+        lo_lo(lim_lo - p.window),
+        lo_hi(lim_hi - p.window),
+        win_hi(ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window),
+        lo_tile(ctx0 + w.tok0 - p.window + 1) {}
+
+  // The row arithmetic of the scores sc of the positions from kvb (a whole step's 64 a thread, or a half
+  // step's 32): the cap, the masks where the positions reach a bound, v2_step into the split's state.
+  template <int N>
+  __device__ __forceinline__ void to_p(float (&sc)[N], int kvb, const Params& p, int lane, float& m_lo, float& m_hi,
+                                       float& l_lo, float& l_hi, float& a_lo, float& a_hi) const {
+    constexpr int kPositions = 2 * N;
+    if constexpr (v2::kSoftCap) cap_scores(sc, p);
+    if constexpr (v2::kWindow) {
+      if (kvb + kPositions > mask_from || kvb <= win_hi) mask_scores_window(sc, kvb, lo_lo, lim_lo, lo_hi, lim_hi, lane);
+    } else {
+      if (kvb + kPositions > mask_from) mask_scores(sc, kvb, lim_lo, lim_hi, lane);
+    }
+    v2_step(sc, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+  }
+};
+
 // ---- the v2 arithmetic (docs/kernels.md section 7): the routed consumers ---------------
 // Policy off: the contract's row arithmetic (v2_step: 128-position steps, FA3's exponent form,
 // per-lane row sums in step_tree order, the quad's lanes once per split; splits of 512 folded
@@ -823,10 +857,8 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   const int cw = consumer_warpgroup();
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
-  const int ctx0 = w.seq_len - w.q_len;
-  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
-  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
-  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const OffMasks mk(p, w, rw, cw);
+  const int ctx0 = mk.ctx0, lo_tile = mk.lo_tile;
   const uint32_t q_base = smem + 64 * cw * 128;
   const Turns<true, kConsumersOff> turns{cw};
   // Window (feature libraries): the walk starts at step t0 (work_of); a step holding a position
@@ -834,9 +866,6 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   // below too; the V rows below the tile's lowest bound (lo_tile) in step t0 are zeroed, as the
   // tail past seq_len: under vLLM they may be the null block of the pages the window dropped.
   const int t0 = v2::kWindow ? w.t0 : 0;
-  const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
-  const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
-  const int lo_tile = ctx0 + w.tok0 - p.window + 1;
   // Half softmax (kHalfSoftmax: the head-64 window libraries, gpt-oss's window 128; docs/perf-notes.md
   // lever 64): the positions some row of this warpgroup attends lie in [lo_pos, hi_pos] (hi_pos from the
   // warpgroup's last tile row, a bound for rows past the tile's tokens too), so a step's 64-position half
@@ -893,16 +922,7 @@ __device__ __forceinline__ void consume_v2(const Params& p, const Work& w, uint8
   // The row arithmetic on the scores of the positions from kvb: a whole step's 64 a thread (s, 128
   // positions) or a half step's 32 (s_lo / s_hi, 64 positions): cap, mask where the positions reach a
   // bound, v2_step.
-  auto scores_to_p = [&](auto& sc, int kvb) {
-    constexpr int kPositions = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(sc)>>);
-    if constexpr (v2::kSoftCap) cap_scores(sc, p);
-    if constexpr (v2::kWindow) {
-      if (kvb + kPositions > mask_from || kvb <= win_hi) mask_scores_window(sc, kvb, lo_lo, lim_lo, lo_hi, lim_hi, lane);
-    } else {
-      if (kvb + kPositions > mask_from) mask_scores(sc, kvb, lim_lo, lim_hi, lane);
-    }
-    v2_step(sc, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
-  };
+  auto scores_to_p = [&](auto& sc, int kvb) { mk.to_p(sc, kvb, p, lane, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi); };
   auto softmax = [&](int t, int live) {  // step t's row arithmetic; a fresh state at a split's first step
     const int kv0 = t * kCols;
     if (!kHalfSoftmax || live == 3) {
@@ -1070,17 +1090,12 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
   const int cw = consumer_warpgroup();
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const Rows rw = rows_of_packed(p, w, cw, warp, lane, kvh);
-  const int ctx0 = w.seq_len - w.q_len;
-  const int lim_lo = p.causal ? ctx0 + rw.qi_lo : w.seq_len - 1;  // positions <= lim are attended
-  const int lim_hi = p.causal ? ctx0 + rw.qi_hi : w.seq_len - 1;
-  const int mask_from = p.causal ? min(ctx0 + rw.first_qi, w.seq_len) : w.seq_len;
+  const OffMasks mk(p, w, rw, cw);
+  const int lo_tile = mk.lo_tile;
   const uint32_t q_base = smem + 64 * cw * 128;
   const Turns<true, kConsumersOff> turns{cw};
   // Window (feature libraries): as consume_v2.
   const int t0 = v2::kWindow ? w.t0 : 0;
-  const int lo_lo = lim_lo - p.window, lo_hi = lim_hi - p.window;
-  const int win_hi = ctx0 + w.tok0 + (64 * cw + 63) / p.group - p.window;
-  const int lo_tile = ctx0 + w.tok0 - p.window + 1;
 
   float acc[kAcc], s[64];
   uint32_t pa[32];
@@ -1127,13 +1142,7 @@ __device__ __forceinline__ void consume_v2_serial(const Params& p, const Work& w
     wgmma_wait<0>();
     pin(s);
     release(bar.k_empty(st), lane);
-    if constexpr (v2::kSoftCap) cap_scores(s, p);
-    if constexpr (v2::kWindow) {
-      if (kv0 + kCols > mask_from || kv0 <= win_hi) mask_scores_window(s, kv0, lo_lo, lim_lo, lo_hi, lim_hi, lane);
-    } else {
-      if (kv0 + kCols > mask_from) mask_scores(s, kv0, lim_lo, lim_hi, lane);
-    }
-    v2_step(s, v2::score_scale(p.scale_log2), m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
+    mk.to_p(s, kv0, p, lane, m_lo, m_hi, l_lo, l_hi, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
     // acc is +0 at the walk's first step and at a split's first (the fold zeroed it): no rescale there,
     // +0 * a(t) being +0 (as consume_v2; measured neutral here, kept for the one rule)
