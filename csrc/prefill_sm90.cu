@@ -293,6 +293,9 @@ __device__ __forceinline__ void load_stage(uint32_t dst, const CUtensorMap* tm, 
 //     no data-dependent path, the sinks one read per row at sinks + head after the walk;
 // Public facts the code may branch on: the bucket (l_scalar, or the per-request
 // buckets under policy request), num_seqs, the step geometry, block size, group.
+// Shared-memory addresses (the stages, the wgmma descriptors advanced by a slice's offset: desc_plus) follow
+// the step index and the tile's layout only; the step count, when broadcast from lane 0 (uniform_steps), is
+// the bucket's, the same in every lane.
 // The head size is a compile-time constant of the library (v2_arith.cuh kHead, kModelHead): the loops
 // over its 64-column halves (TMA boxes, stores, the Q loader) unroll, the same code for every length;
 // at heads 80 and 96 the zero columns D-127 are the TMA's fill of a public box (no address follows a
