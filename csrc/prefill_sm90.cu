@@ -45,7 +45,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <type_traits>
 #include <cmath>
 
 #include "compat_arith.cuh"
