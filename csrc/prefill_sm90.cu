@@ -111,9 +111,10 @@ constexpr bool kDescAddCT = kHead != 256;
 // Head 256's constant-time consumer (one warpgroup, no turns): its walk's step count broadcast from lane 0
 // (uniform_steps), so that ptxas knows the step loop and the split-end branch are warp-uniform; without it
 // ptxas serializes every wgmma of the walk (C7520: each k16 slice's wgmma waited for before the next is
-// issued, 32 waits a step against 2). Off until G4 has measured it (the step count is the bucket's, a public
-// value, and the arithmetic is unchanged: the GPU tests and timing of docs/perf-notes.md lever 66).
-constexpr bool kUniformStepsCT = false;
+// issued, 32 waits a step against 2). The step count is the bucket's, a public value, and the arithmetic is
+// unchanged; 10-12 % less time (H200, docs/perf-notes.md lever 66); G4 and G1 pass with it
+// (docs/audit/2026-11-29-timing-h200-csrc-h256-uniform.md).
+constexpr bool kUniformStepsCT = true;
 // consume_v2_serial's fold behind the next S, whose 64 score registers are then live: float4 loads in
 // flight per batch (8 left no registers: spill).
 constexpr int kFoldBatchUnderS = 4;

@@ -26,13 +26,6 @@ LIBRARIES = [dict(), dict(head=64, window=True, sinks=True), dict(head=96, windo
              dict(window=True, softcap=True, sinks=True), dict(head=256, window=True, softcap=True)]
 
 
-def _uniform_steps_on() -> bool:
-    src = (cuda_build.csrc_dir() / "prefill_sm90.cu").read_text()
-    m = re.search(r"^constexpr bool kUniformStepsCT = (true|false);", src, re.M)
-    assert m, "kUniformStepsCT not found in csrc/prefill_sm90.cu"
-    return m.group(1) == "true"
-
-
 def _compile(tmp_path, features):
     name, source, flags = cuda_build.feature_library(cuda_build.PREFILL_LIBRARY, **features)
     out = tmp_path / f"{name}.cubin"
@@ -66,14 +59,9 @@ def test_no_prefill_kernel_serializes_its_wgmmas(tmp_path, features):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     cubin, log = _compile(tmp_path, features)
-    # Head 256's constant-time consumer is serialized while lever 66 is off (kUniformStepsCT = false).
-    exempt = "prefill_v2_ct_kernel" if features.get("head") == 256 and not _uniform_steps_on() else None
     warned = [ln for ln in log.splitlines() if any(c in ln for c in SERIALIZED)]
-    assert not [ln for ln in warned if not (exempt and exempt in ln)], warned
+    assert not warned, warned
     waits = _waits_per_kernel(cubin)
     assert any("prefill_v2_kernel" in k for k in waits) and any("prefill_v2_ct_kernel" in k for k in waits)
     for kernel, (w, h) in waits.items():
-        if exempt and exempt in kernel:
-            assert w == h, (kernel, w, h)  # serialized: one wait per wgmma (what lever 66 removes)
-            continue
         assert w <= 4 < h, (kernel, w, h)  # the step's waits (S, PV, the fold), not one per wgmma
