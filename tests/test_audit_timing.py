@@ -716,15 +716,16 @@ def test_resume_measures_only_the_cells_the_report_lacks(tmp_path, monkeypatch, 
 
 
 def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
-    """A run cut short keeps the rows of the groups it finished; a time budget skips what would not fit."""
+    """A run cut short keeps the rows of every pair it finished (the report is written after each, and
+    whole: no '.partial' file is left); a time budget skips what would not fit."""
     import torch
 
     calls = []
 
     def measure(spec, modes, seed, shared):
         calls.append(spec)
-        if spec.shape.bucket == 32768:
-            raise KeyboardInterrupt  # the device's time limit, say
+        if sum(c.shape.bucket == 32768 for c in calls) == 2:
+            raise KeyboardInterrupt  # the device's time limit, say, in the second pair of the L 32768 group
         a = np.random.default_rng(len(calls)).normal(100, 1, spec.rounds)
         return [timing.analyse_streams(a, a + (20 if spec.role == "control" else 0), pair=(spec.a, spec.b),
                                        role=spec.role, mode=m, shape=spec.shape) for m in modes]
@@ -739,7 +740,11 @@ def test_time_budget_and_checkpoints(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         timing.run(ap.parse_args(args))
     doc = json.load(open(tmp_path / "g4-latest.json"))
-    assert {r["bucket"] for r in doc["rows"]} == {4096} and len(doc["rows"]) == 2 * 6  # control, null, 2 + 2 pairs
+    first = calls[[c.shape.bucket for c in calls].index(32768)]
+    # L 4096: control, null, 2 gating + 2 reported pairs, eager and graph; L 32768: the pair before the cut
+    assert sorted(r["bucket"] for r in doc["rows"]) == [4096] * 12 + [32768] * 2
+    assert {(r["pair"], r["bucket"]) for r in doc["rows"]} >= {(f"{first.a} vs {first.b}", 32768)}
+    assert not list(tmp_path.glob("*.partial"))
     # a budget that nothing fits: nothing starts, the run says so and fails (no gating row measured)
     calls.clear()
     assert timing.run(ap.parse_args(args + ["--time-budget", "0.001", "--report-dir", ""])) == 1

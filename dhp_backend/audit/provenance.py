@@ -76,9 +76,13 @@ def report_stem(report_dir: str, gate: str, where: str, date: str | None = None)
 
 def write_report_files(stem: str, data, md_lines: list[str]) -> tuple[str, str]:
     """Write a gate's report pair: ``<stem>.json`` (every number; values JSON cannot
-    hold become strings) and ``<stem>.md`` (the lines). Returns (md path, json path)."""
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md_lines) + "\n")
+    hold become strings) and ``<stem>.md`` (the lines). Returns (md path, json path).
+
+    Each file is written beside its name and then renamed over it, so a run killed while writing (a
+    device's time limit) leaves the previous report whole, never half a file."""
+    for path, write in ((stem + ".json", lambda f: json.dump(data, f, indent=1, default=str)),
+                        (stem + ".md", lambda f: f.write("\n".join(md_lines) + "\n"))):
+        with open(path + ".partial", "w") as f:
+            write(f)
+        os.replace(path + ".partial", path)
     return stem + ".md", stem + ".json"

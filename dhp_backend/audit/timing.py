@@ -201,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no pair whose estimated end lies past this (0 = none; --preset "
                              "subset: 540, under the device's 10-minute command limit); the report is written "
-                             "after every cache group either way")
+                             "after every measured pair either way")
     parser.add_argument("--chunk", type=int, default=128, help="rounds between synchronisations")
     parser.add_argument("--idle-after-us", type=float, default=0.0,
                         help="diagnostic: the GPU idles this long (a spin, outside the timed events) after every "
@@ -517,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": round(seconds, 1),
                 "settings": settings_dict(st) | {"host_pad": timer.pad_note()}}
 
-    def checkpoint(rows, churn):  # after every group: a run cut short by the device's limit keeps its rows
+    def checkpoint(rows, churn):  # after every pair: a run cut short by the device's limit keeps its rows
         if args.report_dir and rows:
             write_reports(args.report_dir, rows, meta(churn, time.time() - t0), merge_from=merge)
 
@@ -577,7 +577,7 @@ def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | 
     """Every group of the plan on the GPU: (rows, churn info per cache size, skipped measurements).
 
     With ``st.time_budget``, a pair whose estimated time (`launch_us`) would end past the budget
-    (counted from ``started``) is not started; ``checkpoint(rows, churn)`` runs after every group.
+    (counted from ``started``) is not started; ``checkpoint(rows, churn)`` runs after every measured pair.
     ``have`` (`measured_cells`): the modes of a pair already measured with at least its rounds are not
     measured again."""
     groups = plan(st)
@@ -610,12 +610,12 @@ def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | 
                     f"(~{pair_estimate_s(spec, modes):.0f} s)")
                 continue
             rows += timer.measure_pair(spec, modes, seed=st.seed, shared=shared)
+            if checkpoint is not None:  # after every pair: a run the device's time limit kills keeps its rows
+                checkpoint(rows, churn)
             el = time.time() - t0
             log(f"  [{done}/{total} measurements, {el / 60:.1f} min; ~{el / done * (total - done) / 60:.1f} min left]")
         del shared
         timer.release()
-        if checkpoint is not None:
-            checkpoint(rows, churn)
     return rows, churn, skipped
 
 
