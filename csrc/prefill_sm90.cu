@@ -82,15 +82,10 @@ constexpr int kRows = 64 * kConsumersCT;            // query rows per constant-t
 constexpr int kRowsLog2 = kRows == 128 ? 7 : 6;     // tokens per constant-time tile: kRows >> group_shift
 constexpr int kThreads = 128 * (kConsumersCT + 1);
 constexpr int kStages = kHead == 256 ? 1 : 2;       // K and V stages of both kernels
-// The constant-time consumer with consume_v2's intra-warpgroup overlap (S(t + 1) issued with PV(t), the
-// softmax of t + 1 under PV(t)). It needs the registers the snapshot below would hold, so it folds after
-// every step. An experiment, not yet timed (docs/perf-notes.md, "Constant-time prefill"): the form to try
-// is kHead != 256 && (kHead == 64 || !v2::kWindow), where it compiles without spills in the step loop.
-constexpr bool kOverlapCT = false;
 // The constant-time consumer keeps the split's state at its last live step in registers (a selection
 // per step) and folds it into the running state once per split (consume_v2_ct); head 256's 128
 // accumulator registers leave no room for the copy, so its binary folds after every step.
-constexpr bool kSnapCT = kHead != 256 && !kOverlapCT;
+constexpr bool kSnapCT = kHead != 256;
 // The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
 // FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
 // softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs.
@@ -1389,97 +1384,24 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
 
   mbar_wait(bar.q_full(), 0);
   turns.start();
-  if constexpr (kOverlapCT) {
-    // step_end in the three parts the overlap puts apart: the state's resets after step t (before the
-    // softmax of t + 1), step t's commit from its state (fm, fl: saved before those resets) and acc after
-    // PV(t), then acc's resets. The same operations on the same values as step_end's (kSnapCT false).
-    auto split_end = [&](int t) { return ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps); };  // public
-    auto reset_state = [&](int t) {
-      if constexpr (v2::kWindow) {
-        const bool lo = leaving_window(t, lo_lo), hi = leaving_window(t, lo_hi);
-        m_lo = select_f32(lo, kMInit, m_lo);
-        l_lo = select_f32(lo, 0.f, l_lo);
-        m_hi = select_f32(hi, kMInit, m_hi);
-        l_hi = select_f32(hi, 0.f, l_hi);
-      }
-      if (split_end(t)) {  // a split's end: a fresh state (step indices only)
-        m_lo = m_hi = kMInit;
-        l_lo = l_hi = 0.f;
-      }
-    };
-    auto commit_step = [&](int t, float fm_lo, float fl_lo, float fm_hi, float fl_hi) {
-      const int kv0 = t * kCols;
-      const bool dead = kv0 >= w.seq_len;
-      const bool below_lo = v2::kWindow && below_window(t, lo_lo), below_hi = v2::kWindow && below_window(t, lo_hi);
-      const bool commit = !dead & (split_end(t) | (kv0 + kCols >= w.seq_len));
-      commit_fold(commit & !below_lo, commit & !below_hi, below_lo, below_hi, fm_lo, fl_lo, fm_hi, fl_hi,
-                  [&](int i) { return acc[i]; });
-    };
-    auto reset_acc = [&](int t) {
-      if constexpr (v2::kWindow) zero_rows(acc, leaving_window(t, lo_lo), leaving_window(t, lo_hi));
-      if (split_end(t)) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-      }
-    };
+  // S, softmax, PV and the step's end in series (with the overlap of consume_v2, or PV(t) and
+  // S(t + 1) issued together and the step's end under S(t + 1), measured slower: perf-notes, lever 53).
+  for (int t = 0; t < w.n_steps; ++t) {
     float a_lo, a_hi;
     turns.wait();
-    scores(0);
+    scores(t);
     turns.pass();
     wgmma_wait<0>();
     pin(s);
-    release(bar.k_empty(0), lane);
-    softmax(0, a_lo, a_hi);
+    release(bar.k_empty(t % STAGES), lane);
+    softmax(t, a_lo, a_hi);
     pack_p<BF16, 64>(s, pa);
-    for (int t = 0; t + 1 < w.n_steps; ++t) {
-      turns.wait();
-      scores(t + 1);          // S(t + 1) runs while ...
-      values(t, a_lo, a_hi);  // ... PV(t) is queued behind it
-      turns.pass();
-      const float fm_lo = m_lo, fl_lo = l_lo, fm_hi = m_hi, fl_hi = l_hi;  // step t's state, for its commit
-      reset_state(t);
-      wgmma_wait<1>();  // S(t + 1) done, PV(t) may still run
-      pin(s);
-      release(bar.k_empty((t + 1) % STAGES), lane);
-      softmax(t + 1, a_lo, a_hi);
-      wgmma_wait<0>();
-      pin(acc);
-      pin(pa);
-      release(bar.v_empty(t % STAGES), lane);
-      commit_step(t, fm_lo, fl_lo, fm_hi, fl_hi);
-      reset_acc(t);
-      pack_p<BF16, 64>(s, pa);
-    }
-    turns.wait();
-    values(w.n_steps - 1, a_lo, a_hi);
-    turns.pass();
+    values(t, a_lo, a_hi);
     wgmma_wait<0>();
     pin(acc);
     pin(pa);
-    release(bar.v_empty((w.n_steps - 1) % STAGES), lane);
-    commit_step(w.n_steps - 1, m_lo, l_lo, m_hi, l_hi);
-    reset_state(w.n_steps - 1);
-    reset_acc(w.n_steps - 1);
-  } else {
-    // S, softmax, PV and the step's end in series (with the overlap of consume_v2, or PV(t) and
-    // S(t + 1) issued together and the step's end under S(t + 1), measured slower: perf-notes, lever 53).
-    for (int t = 0; t < w.n_steps; ++t) {
-      float a_lo, a_hi;
-      turns.wait();
-      scores(t);
-      turns.pass();
-      wgmma_wait<0>();
-      pin(s);
-      release(bar.k_empty(t % STAGES), lane);
-      softmax(t, a_lo, a_hi);
-      pack_p<BF16, 64>(s, pa);
-      values(t, a_lo, a_hi);
-      wgmma_wait<0>();
-      pin(acc);
-      pin(pa);
-      release(bar.v_empty(t % STAGES), lane);
-      step_end(t);
-    }
+    release(bar.v_empty(t % STAGES), lane);
+    step_end(t);
   }
   turns.finish();
   float inv_lo, inv_hi;

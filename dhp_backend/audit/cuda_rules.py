@@ -73,9 +73,9 @@ RULES = (
              r'^if constexpr \(PINGPONG\) asm volatile\("\{\\n\\t\.reg \.pred p;\\n\\tsetp\.eq\.s32 p, %1, 0;\\n\\t@p bar\.sync %0, 256;',
              PUBLIC, "Turns::finish: consumer warpgroup 0 (a thread index) takes the last hand-over of the turns "
                      "the two consumer warpgroups alternate on, once per tile"),
-    CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t (\+ 1 )?< w\.n_steps; \+\+t\) \{$", PUBLIC,
+    CudaRule("step-loop", "prefill_sm90.cu", r"^for \(int t = 0; t < w\.n_steps; \+\+t\) \{$", PUBLIC,
              "ceil(L / 128) KV steps of the public bucket L (l_scalar), for the producer, the V cleaners "
-             "and the consumers alike (the overlapped consumer: all but the last, peeled)"),
+             "and the consumers alike"),
     CudaRule("producer-issue", "prefill_sm90.cu", r"^if \(lane == 0\) load_stage\(.*\);$", PUBLIC,
              "the producer warp waits as one and its lane 0 issues the step's TMA loads (thread index); the "
              "pages are the request's reserved table entries up to the bucket, read by every lane"),
@@ -141,7 +141,7 @@ RULES = (
              PUBLIC, "warp-specialised roles by thread index: barrier init, producer warpgroup (Q rows, the TMA "
                      "thread, the V cleaners), consumers, the lane that releases a stage"),
     CudaRule("v2p-split-end", "prefill_sm90.cu",
-             r"^if \((\(t \+ 1\) % kStepsPerSplit == 0 \|\| t \+ 1 == w\.n_steps|split_end\(t\))\) \{", PUBLIC,
+             r"^if \(\(t \+ 1\) % kStepsPerSplit == 0 \|\| t \+ 1 == w\.n_steps\) \{", PUBLIC,
              "a split's end: the step index and the bucket's step count"),
     CudaRule("v2p-init", "prefill_sm90.cu", r"^for \(int i = 0; i < STAGES; \+\+i\) mbar_init\(", PUBLIC,
              "a constant trip count"),
