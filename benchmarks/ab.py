@@ -131,10 +131,10 @@ def compare(runs: dict[str, list[dict]]) -> dict:
     keys: list[tuple[str, str]] = []
     cell: dict[tuple, dict] = {}
     for v in names:
-        for rnd, bench in enumerate(runs[v]):
+        for bench in runs[v]:
             for r in bench.get("rows", []):
                 k = (r["case"], r["anchor"])
-                if k not in cell and (k[0], k[1]) not in keys:
+                if k not in cell:
                     keys.append(k)
                 c = cell.setdefault(k, {}).setdefault(v, {"times": [], "vs_fa3": [], "status": []})
                 c["status"].append(r.get("status"))
@@ -200,13 +200,16 @@ def markdown(result: dict, header: str = "") -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--variant", action="append", required=True, metavar="SPEC", help=f"repeatable: {ACCEPTED}")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every variant once (default 2)")
     ap.add_argument("--out", default="ab-out", help="output folder (default ./ab-out)")
     # every other option goes to the harness as given, e.g. --cases 'strict prefill' --anchors fa3,dhp_strict
     args, hargs = ap.parse_known_args(argv)
-    log = lambda m: print(m, flush=True)  # noqa: E731
+
+    def log(m: str) -> None:
+        print(m, flush=True)
+
     if args.rounds < 1:
         print(f"benchmarks.ab: --rounds {args.rounds}; accepted: an integer >= 1", file=sys.stderr)
         return 2
