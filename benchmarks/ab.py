@@ -199,6 +199,38 @@ def markdown(result: dict, header: str = "") -> list[str]:
     return out
 
 
+def plot(result: dict, path: pathlib.Path) -> str | None:
+    """ab.png: each DHP row's time against the first variant's, a bar per other variant (needs matplotlib;
+    None without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = result["variants"]
+    rows = [r for r in result["rows"] if r["kind"] == "dhp"]
+    if not rows or len(names) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) * (len(names) - 1) + 1.5))
+    height = 0.8 / (len(names) - 1)
+    for k, v in enumerate(names[1:]):
+        ys = [i + k * height for i in range(len(rows))]
+        xs = [100 * (r["variants"][v]["vs_first"] or 0.0) for r in rows]
+        ax.barh(ys, xs, height=height, label=v)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(rows))])
+    ax.set_yticklabels([f"{r['case']} ({r['anchor']})" for r in rows], fontsize=7)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time against {names[0]}, % (negative: faster; rows without a number at 0)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--variant", action="append", required=True, metavar="SPEC", help=f"repeatable: {ACCEPTED}")
@@ -249,6 +281,8 @@ def main(argv=None) -> int:
     result.update(header=header, errors=errors, device=dev, commit=commit)
     (out / "ab.json").write_text(json.dumps(result, indent=1))
     md = markdown(result, header) + ([""] + [f"- error: {e[:300]}" for e in errors] if errors else [])
+    png = plot(result, out / "ab.png")
+    md += ["", "![time against the first variant](ab.png)" if png else "(no ab.png: matplotlib is not installed here)"]
     (out / "ab.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 1 if errors else 0

@@ -84,6 +84,9 @@ def test_the_loop_on_the_cpu_harness(tmp_path, capsys):
     assert all(r["variants"][v]["median_ms"] > 0 for r in res["rows"] for v in ("base", "cmt"))
     assert "// edited" in (out / "variants" / "cmt" / "csrc" / "prefill_sm90.cu").read_text()
     assert (out / "r1-base" / "bench.json").exists() and (out / "ab.md").exists()
+    md = (out / "ab.md").read_text()  # the chart, or why there is none
+    assert ("![time against the first variant](ab.png)" in md) == (out / "ab.png").exists()
+    assert (out / "ab.png").exists() or "matplotlib is not installed" in md
     assert ab.main(["--variant", "a", "--variant", "b", "--rounds", "0"]) == 2
     assert ab.main(["--variant", "a", "--variant", "b:/no/dir"]) == 2
     assert ab.main(["--variant", "a", "--variant", "b", "--latest", "x.json"]) == 2
