@@ -263,9 +263,22 @@ def test_slice_proves_a_hoisted_loop_guard_public():
     assert ok, why  # R5 is the high half of IMAD.WIDE's pair, from a 64-bit parameter
 
 
+def test_slice_follows_a_broadcast_of_the_thread_index():
+    # consumer_warpgroup(): the warp's index broadcast from lane 0, then a barrier chosen by it
+    ok, why = _slice(["S2R R2, SR_TID.X", "SHF.R.U32.HI R2, RZ, 0x7, R2", "SHFL.IDX PT, R9, R2, RZ, 0x1f",
+                      "ISETP.NE.AND P1, PT, R9, 0x1, PT", "@!P1 BRA `(.L_x_0)"])
+    assert ok and "SHFL.IDX" in why, why
+
+
 @pytest.mark.parametrize("lines,labels,needle", [
     (["LDG.E R5, desc[UR4][R2.64]", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "memory"),
-    (["SHFL.IDX PT, R5, R6, RZ, 0x1f", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "lane"),
+    # a shuffle is followed: of a loaded value, or at a loaded lane, it is not public; of an unknown one, unresolved
+    (["LDG.E R6, desc[UR4][R2.64]", "SHFL.IDX PT, R5, R6, RZ, 0x1f", "ISETP.GT.AND P0, PT, R5, RZ, PT",
+      "@P0 BRA `(.L_x_0)"], None, "memory"),
+    (["S2R R6, SR_TID.X", "LDG.E R7, desc[UR4][R2.64]", "SHFL.IDX PT, R5, R6, R7, 0x1f",
+      "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "memory"),
+    (["SHFL.IDX PT, R5, R6, RZ, 0x1f", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "function entry"),
+    (["VOTE.ANY R5, PT, P1", "ISETP.NE.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "votes or sums"),
     (["LDC R5, c[0x0][0x240]", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], {".L_x_9": 16},
      "basic block"),
     (["FOO R5, R6", "ISETP.GT.AND P0, PT, R5, RZ, PT", "@P0 BRA `(.L_x_0)"], None, "unknown destinations"),

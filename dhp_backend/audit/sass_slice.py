@@ -9,10 +9,13 @@ the predicate depends on must bottom out in kernel parameters (constant bank
 ``c[...]``), special registers (thread / program index), immediates or the zero
 registers.
 
-Conservative by construction: a load from memory, a lane shuffle, an opcode
-whose destinations are not known here, or reaching the start of the basic
-block with something still unresolved all answer "not proven", and the gate
-then fails the branch as before.
+Conservative by construction: a load from memory, a vote or reduction across
+lanes, an opcode whose destinations are not known here, or reaching the start of
+the basic block with something still unresolved all answer "not proven", and the
+gate then fails the branch as before. A lane shuffle (``SHFL``) is followed like
+arithmetic: its value and lane operands must both resolve to public values, and
+then what it returns is public too (another lane's copy of a value every lane
+computes from public inputs, such as a warp's index broadcast from lane 0).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ _ALU = frozenset({
     "SEL", "USEL", "SGXT", "USGXT", "IMNMX", "VIMNMX", "UIMNMX", "VIADDMNMX", "FLO", "UFLO", "POPC", "UPOPC", "BREV", "UBREV",
     "PRMT", "UPRMT", "IABS", "ISCADD", "R2UR", "I2F", "F2I", "IMUL", "UMUL", "BMSK", "UBMSK", "P2R", "R2P",
     "S2R", "S2UR", "CS2R", "LDC", "ULDC", "IDP", "FADD", "FMUL", "FFMA", "FMNMX", "FSEL",
+    "SHFL",  # SHFL.IDX PT, R9, R2, RZ, 0x1f: lane-valid predicate and value written; value, lane, clamp read
 })
-# Definitions from memory or from other lanes: never public here.
+# Definitions from memory, or from other lanes' predicates and sums: never public here. (SHFL is in _ALU's
+# company below: its destinations lead, its value and lane operands are followed.)
 _SECRET_SOURCES = frozenset({
-    "LDG", "LDS", "LDL", "LD", "LDSM", "ATOM", "ATOMS", "ATOMG", "SHFL", "LDGDEPBAR", "TLD", "TEX", "SUATOM",
+    "LDG", "LDS", "LDL", "LD", "LDSM", "ATOM", "ATOMS", "ATOMG", "LDGDEPBAR", "TLD", "TEX", "SUATOM",
     "SULD", "REDUX", "VOTE", "VOTEU", "MATCH",
 })
 # Write no register or predicate (stores, barriers, fences, async copies into shared memory).
@@ -105,7 +110,7 @@ def _is_control_flow_boundary(ins) -> bool:
 def _slice_step(ins, need: set) -> tuple[set, bool] | str:
     """One instruction of a backward slice: the registers still to resolve above ``ins``
     (``need`` below it) and whether ``ins`` defined some of them; or, as a string, why the
-    slice cannot go on (an unknown instruction that mentions one, a load or a shuffle)."""
+    slice cannot go on (an unknown instruction that mentions one, a load, a vote or a reduction)."""
     opcode, ops = _operands(ins.text)
     known = destinations(opcode, ops)
     if known is None:
@@ -118,7 +123,7 @@ def _slice_step(ins, need: set) -> tuple[set, bool] | str:
     if not written:
         return set(need), False
     if opcode.split(".")[0] in _SECRET_SOURCES:
-        return f"#{ins.index} {ins.text}: {sorted(written)} comes from memory or another lane"
+        return f"#{ins.index} {ins.text}: {sorted(written)} comes from memory or from other lanes' votes or sums"
     sources = {r for o in ops[n_dest_operands:] for r in _regs(o)}
     out = set(need)
     if ins.predicate:  # a guarded definition: the old value may survive, and the guard matters
