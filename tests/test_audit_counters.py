@@ -2,6 +2,7 @@
 and the no-GPU exit. The ncu runs themselves happen on the GPU machine."""
 
 import argparse
+import json
 import os
 
 import pytest
@@ -374,3 +375,31 @@ def test_gate_rows_carry_features(tmp_path, monkeypatch):
     assert "| path | kernel |" in md and "| triton | triton |" in md
     plain = C.gate(_args(shapes="B16-L4096-q1", pairs="gating"), progress=lambda m: None)
     assert {r["features"] for r in plain["pairs"]} == {""}
+
+
+def test_a_cut_run_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+    """The report is written after every shape: a run the device's time limit stops in its second shape
+    leaves the first one's pairs, marked not complete (never PASS)."""
+    import torch
+
+    kernels = [_kernel("attention_kernel", **{C.DRAM_METRIC: 1_000_000})]
+    calls = []
+
+    def profile(ncu, shape, cls, launches, timeout):
+        calls.append(shape.key)
+        if len(set(calls)) == 2:
+            raise KeyboardInterrupt  # the device's time limit, say
+        return {"kernels": kernels, "seconds": 1.0, "profiled_kernels": 1, "child": {"path": "triton"}}
+
+    monkeypatch.setattr(C, "profile", profile)
+    monkeypatch.setattr(C, "versions", lambda ncu=None: {"commit": "abc1234"})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    with pytest.raises(KeyboardInterrupt):
+        C.gate(_args(shapes="B16-L4096-q1,B4-L4096-q64", pairs="gating", report_dir=str(tmp_path)),
+               progress=lambda m: None)
+    (md,) = tmp_path.glob("*-counters-*.md")
+    doc = json.loads(md.with_suffix(".json").read_text())
+    assert doc["shapes"] == [calls[0]] and not doc["complete"] and not doc["passed"]
+    assert {r["shape"] for r in doc["pairs"]} == {calls[0]} and len(doc["pairs"]) == 2
+    assert "**NOT COMPLETE** — 1 of 2 shapes" in md.read_text()
+    assert not list(tmp_path.glob("*.partial"))

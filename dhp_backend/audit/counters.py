@@ -470,7 +470,37 @@ def gate(args, progress=print) -> dict:
     total, n = len(shapes) * len(needed), 0
     progress(f"G1 counters: {len(shapes)} shape(s) x {len(needed)} classes = {total} ncu runs, "
              f"{len(pairs)} pairs")
-    for shape in shapes:
+    ver = versions(ncu)
+
+    def summary(done: list) -> dict:
+        """The gate's verdict on the shapes ``done`` (all of them: the run's; fewer: not complete)."""
+        results = []
+        for shape in done:
+            for a, b, gating in pairs:
+                pa, pb = profiles[(shape.key, a)], profiles[(shape.key, b)]
+                r = {"shape": shape.key, "features": shape.features, "a": a, "b": b, "gating": gating}
+                errs = [f"{c}: {p['error']}" for c, p in ((a, pa), (b, pb)) if "error" in p]
+                if errs:
+                    r.update(passed=False, problems=errs, kernels=[])
+                else:
+                    r.update(compare_kernels(pa["kernels"], pb["kernels"], dram_tolerance=tolerance))
+                r["warnings"] = [p["warning"] for p in (pa, pb) if p.get("warning")]
+                results.append(r)
+        gating_results = [r for r in results if r["gating"]]
+        complete = len(done) == len(shapes)
+        scope = f"{len(shapes)} shapes x {len(pairs)} pairs"
+        return {"gate": "G1 counters", "device": torch.cuda.get_device_name(), "versions": ver,
+                "scope": scope if complete else f"{len(done)} of {scope} (not complete: the run stopped here)",
+                "complete": complete, "shapes": [s_.key for s_ in done],
+                "passed": complete and bool(gating_results) and all(r["passed"] for r in gating_results),
+                "gating_failed": sum(not r["passed"] for r in gating_results),
+                "reported_failed": sum(not r["passed"] for r in results if not r["gating"]),
+                "seconds": round(time.time() - t0, 1), "dram_tolerance": tolerance, "metrics": list(METRICS),
+                "pairs": results,
+                "profiles": {f"{k[0]} {k[1]}": {kk: v for kk, v in p.items() if kk != "kernels"} for k, p in
+                             profiles.items()}}
+
+    for i, shape in enumerate(shapes):
         for cls in needed:
             n += 1
             p = profile(ncu, shape, cls, args.launches, args.timeout)
@@ -479,28 +509,9 @@ def gate(args, progress=print) -> dict:
                     f"{len(p['kernels'])} kernel(s) {','.join(k['name'] for k in p['kernels'])}")
             progress(f"[{n}/{total}] {shape.key} {cls}: {what} ({p.get('seconds', '?')} s; "
                      f"{time.time() - t0:.0f} s elapsed)")
-    results = []
-    for shape in shapes:
-        for a, b, gating in pairs:
-            pa, pb = profiles[(shape.key, a)], profiles[(shape.key, b)]
-            r = {"shape": shape.key, "features": shape.features, "a": a, "b": b, "gating": gating}
-            errs = [f"{c}: {p['error']}" for c, p in ((a, pa), (b, pb)) if "error" in p]
-            if errs:
-                r.update(passed=False, problems=errs, kernels=[])
-            else:
-                r.update(compare_kernels(pa["kernels"], pb["kernels"], dram_tolerance=tolerance))
-            r["warnings"] = [p["warning"] for p in (pa, pb) if p.get("warning")]
-            results.append(r)
-    gating_results = [r for r in results if r["gating"]]
-    s = {"gate": "G1 counters", "device": torch.cuda.get_device_name(), "versions": versions(ncu),
-         "scope": f"{len(shapes)} shapes x {len(pairs)} pairs", "shapes": [s_.key for s_ in shapes],
-         "passed": bool(gating_results) and all(r["passed"] for r in gating_results),
-         "gating_failed": sum(not r["passed"] for r in gating_results),
-         "reported_failed": sum(not r["passed"] for r in results if not r["gating"]),
-         "seconds": round(time.time() - t0, 1), "dram_tolerance": tolerance, "metrics": list(METRICS),
-         "pairs": results,
-         "profiles": {f"{k[0]} {k[1]}": {kk: v for kk, v in p.items() if kk != "kernels"} for k, p in
-                      profiles.items()}}
+        if args.report_dir and i + 1 < len(shapes):  # a run the device's time limit cuts keeps its shapes
+            write_reports(args.report_dir, summary(shapes[: i + 1]))
+    s = summary(shapes)
     if args.report_dir:
         s["reports"] = list(write_reports(args.report_dir, s))
     return s
@@ -552,7 +563,8 @@ def write_reports(report_dir: str, s: dict) -> tuple[str, str]:
     stem, date = report_stem(report_dir, "counters", device_slug(s["device"]))
     v = s["versions"]
     md = [f"# G1 counters gate — {date}, {s['device']}", "",
-          f"Result: **{'PASS' if s['passed'] else 'FAIL'}** — {s['scope']}; {s['gating_failed']} gating pair(s) "
+          f"Result: **{'PASS' if s['passed'] else 'FAIL' if s['gating_failed'] or s.get('complete', True) else 'NOT COMPLETE'}**"
+          f" — {s['scope']}; {s['gating_failed']} gating pair(s) "
           f"failed, {s['reported_failed']} reported pair(s) differ; {s['seconds']} s.", "",
           f"Commit {v.get('commit')}, dhp_backend {v.get('dhp_backend')}, torch {v.get('torch')}, Triton "
           f"{v.get('triton')}, vLLM {v.get('vllm')}, driver {v.get('driver')}, {v.get('ncu')}. Produced by "
