@@ -259,6 +259,29 @@ def main(argv=None) -> int:
     log(f"benchmarks.ab: {len(variants)} variants x {args.rounds} rounds, harness {' '.join(hargs) or '(defaults)'}")
     runs: dict[str, list[dict]] = {v.name: [] for v in variants}
     errors = []
+
+    def write(done: int, total: int) -> list[str]:
+        """ab.json / ab.md from the runs so far (after every run: a call cut short keeps what it measured)."""
+        result = compare(runs)
+        heads = [b.get("header", {}) for bs in runs.values() for b in bs if b.get("header")]
+        dev = heads[0].get("device", {}).get("name") if heads and isinstance(heads[0].get("device"), dict) else None
+        commit = heads[0].get("commit") if heads else None
+        header = (f"Device {dev or '?'}; tree {commit or '?'}; variants: "
+                  + "; ".join(f"{v.name}: " + (f"{v.source}" if v.source != CSRC else "this tree's csrc")
+                              + "".join(f", csrc/{f}: {o!r} -> {n!r}" for f, o, n in v.edits) for v in variants)
+                  + f"; {args.rounds} rounds, alternating (ABBA); harness {' '.join(hargs)}")
+        if done < total:
+            header += f"; NOT COMPLETE: {done} of {total} runs"
+        result.update(header=header, errors=errors, device=dev, commit=commit, runs_done=done, runs_total=total)
+        (out / "ab.json").write_text(json.dumps(result, indent=1))
+        md = markdown(result, header) + ([""] + [f"- error: {e[:300]}" for e in errors] if errors else [])
+        png = plot(result, out / "ab.png") if done == total else None
+        md += ["", "![time against the first variant](ab.png)" if png else "(no ab.png: matplotlib is not installed "
+               "here, or the runs are not complete)"]
+        (out / "ab.md").write_text("\n".join(md) + "\n")
+        return md
+
+    done, total = 0, args.rounds * len(variants)
     for rnd in range(args.rounds):
         order = [v.name for v in variants]
         if rnd % 2:
@@ -270,20 +293,10 @@ def main(argv=None) -> int:
                 errors.append(f"{name} round {rnd + 1}: {bench['error']}")
                 bench = {"rows": []}
             runs[name].append(bench)
-    result = compare(runs)
-    heads = [b.get("header", {}) for bs in runs.values() for b in bs if b.get("header")]
-    dev = heads[0].get("device", {}).get("name") if heads and isinstance(heads[0].get("device"), dict) else None
-    commit = heads[0].get("commit") if heads else None
-    header = (f"Device {dev or '?'}; tree {commit or '?'}; variants: "
-              + "; ".join(f"{v.name}: " + (f"{v.source}" if v.source != CSRC else "this tree's csrc")
-                          + "".join(f", csrc/{f}: {o!r} -> {n!r}" for f, o, n in v.edits) for v in variants)
-              + f"; {args.rounds} rounds, alternating (ABBA); harness {' '.join(hargs)}")
-    result.update(header=header, errors=errors, device=dev, commit=commit)
-    (out / "ab.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result, header) + ([""] + [f"- error: {e[:300]}" for e in errors] if errors else [])
-    png = plot(result, out / "ab.png")
-    md += ["", "![time against the first variant](ab.png)" if png else "(no ab.png: matplotlib is not installed here)"]
-    (out / "ab.md").write_text("\n".join(md) + "\n")
+            done += 1
+            if done < total:
+                write(done, total)
+    md = write(done, total)
     print("\n".join(md))
     return 1 if errors else 0
 
