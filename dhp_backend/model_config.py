@@ -8,7 +8,9 @@ downloaded), with the rules the model families use:
 
 - head size: ``head_dim``, else ``hidden_size / num_attention_heads``;
 - window: ``layer_types`` when the config has it (``"sliding_attention"`` layers are windowed: Gemma-2/3,
-  gpt-oss); else ``sliding_window`` on every layer (Mistral-7B-v0.1, Phi-3) unless
+  gpt-oss); else, for the families whose released configs predate ``layer_types`` (Gemma-2 9B / 27B,
+  Gemma-3, Cohere2), the pattern transformers derives on loading them (`FAMILY_PATTERNS`), which is
+  what vLLM then runs; else ``sliding_window`` on every layer (Mistral-7B-v0.1, Phi-3) unless
   ``use_sliding_window`` is false (Qwen2's configs carry a window they do not use); a window at least
   the context (``max_position_embeddings``) is no window (Phi-3.5-mini, Phi-4-mini), as vLLM's check
   (`ops.attention.check_sliding_window`) makes it;
@@ -23,6 +25,29 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+
+# Families whose layers alternate between windowed and full attention, for configs without
+# ``layer_types``: model_type -> (the config key of the period, its default). Layer i is windowed unless
+# (i + 1) is a multiple of the period: transformers' own rule when it loads such a config (Gemma2Config,
+# Gemma3TextConfig, Cohere2Config, GptOssConfig: ``"sliding_attention" if (i + 1) % period else
+# "full_attention"``), so a released Gemma-2 checkpoint (no ``layer_types``) has its even layers windowed.
+FAMILY_PATTERNS = {"gemma2": (None, 2), "gemma3": ("sliding_window_pattern", 6),
+                   "gemma3_text": ("sliding_window_pattern", 6), "cohere2": ("sliding_window_pattern", 4),
+                   "gpt_oss": (None, 2)}
+
+
+def family_layer_types(model_type: str, cfg: dict, num_layers: int) -> list[str] | None:
+    """The layer types transformers gives a config of ``model_type`` that has no ``layer_types`` (None for a
+    family whose layers are all alike)."""
+    if model_type not in FAMILY_PATTERNS:
+        return None
+    key, default = FAMILY_PATTERNS[model_type]
+    period = cfg.get(key, default) if key else default
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        raise ModelConfigError(f"{key} is {period!r} in a {model_type} configuration; accepted: a positive int "
+                               "(every how many layers one has full attention)")
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +117,11 @@ def read(path: str | Path) -> ModelAttention:
                                or (isinstance(context, int) and window >= context)):
         window = None
     layer_types = text.get("layer_types")
+    if layer_types is None:
+        try:
+            layer_types = family_layer_types(str(text.get("model_type") or model_type), text, layers)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{f}: {e}") from None
     if window is not None and isinstance(layer_types, list) and len(layer_types) == layers:
         windows = [window if t == "sliding_attention" else None for t in layer_types]
     else:

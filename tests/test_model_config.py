@@ -43,7 +43,21 @@ ALTERNATING = ["sliding_attention", "full_attention"] * 12
                                                 layer_types=["sliding_attention"] * 5 + ["full_attention"],
                                                 max_position_embeddings=131072)), 128,
      {LayerKind(1024, None, False): 5, LayerKind(None, None, False): 1}),
-], ids=["gpt-oss", "gemma2-9b", "mistral-v0.1", "qwen2", "phi3.5", "gemma3"])
+    # Gemma-2-9B as released (its config.json predates layer_types): transformers' pattern, even layers windowed
+    (dict(model_type="gemma2", num_attention_heads=16, num_hidden_layers=42, head_dim=256, sliding_window=4096,
+          attn_logit_softcapping=50.0, max_position_embeddings=8192), 256,
+     {LayerKind(4096, 50.0, False): 21, LayerKind(None, 50.0, False): 21}),
+    # Gemma-3 12B's language model as released: five windowed layers of six (sliding_window_pattern)
+    (dict(model_type="gemma3_text", num_attention_heads=16, num_hidden_layers=48, head_dim=256, sliding_window=1024,
+          sliding_window_pattern=6, max_position_embeddings=131072), 256,
+     {LayerKind(1024, None, False): 40, LayerKind(None, None, False): 8}),
+    # the multimodal Gemma-3 without a pattern in its text_config: transformers' default period 6
+    (dict(model_type="gemma3", text_config=dict(model_type="gemma3_text", num_attention_heads=8,
+                                                num_hidden_layers=7, head_dim=256, sliding_window=512,
+                                                max_position_embeddings=32768)), 256,
+     {LayerKind(512, None, False): 6, LayerKind(None, None, False): 1}),
+], ids=["gpt-oss", "gemma2-9b", "mistral-v0.1", "qwen2", "phi3.5", "gemma3", "gemma2-released", "gemma3-released",
+        "gemma3-default-pattern"])
 def test_layers_of_each_family(tmp_path, cfg, head, layers):
     m = model_config.read(write(tmp_path, "m", **cfg))
     assert m.head_size == head and m.layers == layers and sum(layers.values()) == m.num_layers
@@ -59,6 +73,32 @@ def test_bad_configurations_say_what_is_accepted(tmp_path):
         model_config.read(write(tmp_path, "vision", model_type="clip"))
     with pytest.raises(model_config.ModelConfigError, match="not a multiple of num_attention_heads 3"):
         model_config.read(write(tmp_path, "odd", num_attention_heads=3, num_hidden_layers=2, hidden_size=100))
+    with pytest.raises(model_config.ModelConfigError, match="sliding_window_pattern is 0 .* accepted: a positive int"):
+        model_config.read(write(tmp_path, "g3", model_type="gemma3_text", num_attention_heads=8, num_hidden_layers=6,
+                                head_dim=256, sliding_window=512, sliding_window_pattern=0))
+
+
+def test_released_configs_read_as_transformers_loads_them(tmp_path):
+    """The end-to-end benchmark's model shapes (released config.json fields, `integration.e2e_throughput`):
+    each layer's window as transformers' loader gives it (its ``layer_types``), the soft-cap where the
+    config has one."""
+    transformers = pytest.importorskip("transformers")
+    from integration import e2e_throughput as et
+
+    for kind in ("mistral-7b", "gemma2-9b", "gemma3-12b", "llama3-8b"):
+        d = et.write_model(kind, "bfloat16", tmp_path / kind)
+        m = model_config.read(d)
+        cfg = transformers.AutoConfig.from_pretrained(d)
+        types = getattr(cfg, "layer_types", None) or ["sliding_attention" if getattr(cfg, "sliding_window", None)
+                                                      else "full_attention"] * cfg.num_hidden_layers
+        want: dict = {}
+        cap = getattr(cfg, "attn_logit_softcapping", None)
+        for t in types:
+            k = LayerKind(cfg.sliding_window if t == "sliding_attention" else None, cap, False)
+            want[k] = want.get(k, 0) + 1
+        assert m.layers == want and m.head_size == cfg.head_dim, kind
+    assert model_config.read(tmp_path / "gemma2-9b").layers == {LayerKind(4096, 50.0, False): 21,
+                                                                LayerKind(None, 50.0, False): 21}
 
 
 def test_build_model_makes_exactly_the_libraries_its_layers_load(tmp_path, fake_nvcc, capsys):
@@ -75,16 +115,17 @@ def test_build_model_makes_exactly_the_libraries_its_layers_load(tmp_path, fake_
     gemma = write(tmp_path, "gemma2", model_type="gemma2", num_attention_heads=16, num_hidden_layers=2, head_dim=256,
                   sliding_window=4096, attn_logit_softcapping=50.0, max_position_embeddings=8192)
     assert cli.main(["build", "--json", "--model", str(gemma)]) == 0  # head 256: the head-256 libraries
-    assert sorted(r["library"] for r in json.loads(capsys.readouterr().out)) == [  # (no layer_types: every layer)
-        "dhp_decode_sm90_window_softcap_h256", "dhp_prefill_sm90_window_softcap_h256"]
-    assert len(fake_nvcc()) == 6
+    assert sorted(r["library"] for r in json.loads(capsys.readouterr().out)) == [  # (no layer_types: Gemma-2's
+        "dhp_decode_sm90_softcap_h256", "dhp_decode_sm90_window_softcap_h256",  # alternating layers)
+        "dhp_prefill_sm90_softcap_h256", "dhp_prefill_sm90_window_softcap_h256"]
+    assert len(fake_nvcc()) == 8
     # Phi-3-mini-4k (head 96, a window of 2047 on every layer): the head-96 window library, head-128 tiles
     phi3 = write(tmp_path, "phi3", model_type="phi3", num_attention_heads=32, num_hidden_layers=32, hidden_size=3072,
                  sliding_window=2047, max_position_embeddings=4096)
     assert cli.main(["build", "--json", "--model", str(phi3)]) == 0
     assert sorted(r["library"] for r in json.loads(capsys.readouterr().out)) == [
         "dhp_decode_sm90_window_h96", "dhp_prefill_sm90_window_h96"]
-    assert len(fake_nvcc()) == 8
+    assert len(fake_nvcc()) == 10
     assert cli.main(["build", "--model", str(oss), "--head", "64"]) == 2
     assert "accepted: --model alone" in capsys.readouterr().err
     assert cli.main(["build", "--model", str(tmp_path / "nowhere")]) == 2
