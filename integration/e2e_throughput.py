@@ -1,7 +1,8 @@
 """End-to-end generation throughput: DHP (each policy) vs vLLM's own attention backends.
 
 Times ``LLM.generate`` of one fixed, seeded workload on a Llama-3-8B-shaped model
-with ``load_format="dummy"`` (random weights: fine for speed, meaningless text),
+(``--model-config``: or Mistral-7B-v0.1's, Gemma-2 9B's or Gemma-3 12B's shape, with their sliding
+windows and soft-caps, issue 31) with ``load_format="dummy"`` (random weights: fine for speed, meaningless text),
 once per configuration, each configuration in its own process (a fresh engine;
 ``VLLM_BATCH_INVARIANT`` and friends are read at import time):
 
@@ -105,7 +106,37 @@ MODEL_CONFIGS = {
     "tiny": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=1, head_dim=128, vocab_size=512, rope_theta=500000.0,
                  max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+    # The models of issue 31 (attention with a model feature), their released config.json's fields:
+    # Mistral-7B-v0.1: a window of 4096 on every layer (head 128; context 32768).
+    "mistral-7b": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu",
+                       hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=10000.0,
+                       max_position_embeddings=32768, sliding_window=4096, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    # Gemma-2 9B: head 256, the logits soft-cap 50 on every layer, a window of 4096 on every other
+    # layer (the first windowed), the final logits capped at 30; context 8192.
+    "gemma2-9b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                      hidden_activation="gelu_pytorch_tanh", hidden_size=3584, intermediate_size=14336,
+                      num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                      vocab_size=256000, rope_theta=10000.0, max_position_embeddings=8192, sliding_window=4096,
+                      query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=True, bos_token_id=2,
+                      eos_token_id=1, pad_token_id=0),
+    # Gemma-3 12B's language model (Gemma3ForCausalLM, text only): head 256, a window of 1024 on five
+    # layers of six (the sixth full), no soft-cap; context 131072.
+    "gemma3-12b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                       hidden_activation="gelu_pytorch_tanh", hidden_size=3840, intermediate_size=15360,
+                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                       vocab_size=262208, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                       rope_scaling={"factor": 8.0, "rope_type": "linear"}, max_position_embeddings=131072,
+                       sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                       attn_logit_softcapping=None, final_logit_softcapping=None, rms_norm_eps=1e-6,
+                       attention_bias=False, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+                       pad_token_id=0),
 }
+# The fields a Llama config.json gets besides its shape (the two Llama entries above).
+LLAMA_FIELDS = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False}
 
 
 class ConfigError(ValueError):
@@ -143,11 +174,11 @@ def parse_configs(text: str, device: str) -> list[dict]:
 # --------------------------------------------------------------------------- workload
 
 def write_model(kind: str, dtype: str, directory: Path) -> Path:
-    """A config.json-only Llama checkpoint (load_format="dummy" needs no weights)."""
+    """A config.json-only checkpoint of ``kind`` (load_format="dummy" needs no weights): a Llama, or one
+    of the released configurations above with their attention features (window, soft-cap)."""
     shape = MODEL_CONFIGS[kind]
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False,
-           "torch_dtype": dtype, **shape}
+    base = {} if "architectures" in shape else LLAMA_FIELDS
+    cfg = {**base, **shape, "torch_dtype": dtype}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return directory
