@@ -37,6 +37,11 @@ GPU machine (``. /root/gpu-stack/env.sh`` sourced, ``pip install -e .`` done):
     python -m integration.e2e_throughput --out /tmp/e2e.json --time-budget-s 470 \\
         --configs fa3,dhp-off,fa3-bi,dhp-strict-bi,dhp-strict,triton,flashinfer
 
+The models of issue 31 (``docs/bench/e2e-features-h200.md``; ``dhp-backend build --model DIR`` on the
+checkpoint that `write_model` writes builds their csrc libraries before the engines start):
+
+    python -m integration.e2e_throughput --model-config gemma2-9b --configs fa3,dhp-off --out /tmp/g2.json
+
 CPU smoke (what CI runs): ``--device cpu --model-config tiny --configs cpu-attn,dhp-off``.
 
 Where the time goes: ``--profile-kernels`` adds, after the timed run, one more
