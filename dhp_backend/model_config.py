@@ -37,6 +37,10 @@ FAMILY_PATTERNS = {"gemma2": (None, 2), "gemma3": ("sliding_window_pattern", 6),
                    "gpt_oss": (None, 2)}
 
 
+# The attention layer kinds a config's ``layer_types`` may name (the csrc and Triton kernels run both).
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 def family_layer_types(model_type: str, cfg: dict, num_layers: int) -> list[str] | None:
     """The layer types transformers gives a config of ``model_type`` that has no ``layer_types`` (None for a
     family whose layers are all alike)."""
@@ -122,7 +126,14 @@ def read(path: str | Path) -> ModelAttention:
             layer_types = family_layer_types(str(text.get("model_type") or model_type), text, layers)
         except ModelConfigError as e:
             raise ModelConfigError(f"{f}: {e}") from None
-    if window is not None and isinstance(layer_types, list) and len(layer_types) == layers:
+    if layer_types is not None:  # one attention layer of a known kind per hidden layer, or the config is wrong
+        bad = sorted({repr(t) for t in layer_types if t not in LAYER_TYPES}) if isinstance(layer_types, list) else []
+        if not isinstance(layer_types, list) or len(layer_types) != layers or bad:
+            what = (f"has {len(layer_types)} entries for {layers} layers" if isinstance(layer_types, list)
+                    and not bad else f"holds {', '.join(bad)}" if bad else f"is {layer_types!r}")
+            raise ModelConfigError(f"{f}: layer_types {what}; accepted: one of {', '.join(LAYER_TYPES)} per layer "
+                                   "(num_hidden_layers of them)")
+    if window is not None and layer_types is not None:
         windows = [window if t == "sliding_attention" else None for t in layer_types]
     else:
         windows = [window] * layers

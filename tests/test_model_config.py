@@ -78,6 +78,18 @@ def test_bad_configurations_say_what_is_accepted(tmp_path):
                                 head_dim=256, sliding_window=512, sliding_window_pattern=0))
 
 
+@pytest.mark.parametrize("types, why", [
+    (["sliding_attention", "full_attention"] * 20 + ["full_attention"], "has 41 entries for 42 layers"),
+    (["sliding_attention", "chunked_attention"] * 21, "holds 'chunked_attention'"),
+    ("sliding_attention", "is 'sliding_attention'"),
+])
+def test_a_wrong_layer_types_is_refused_not_read_as_every_layer_windowed(tmp_path, types, why):
+    with pytest.raises(model_config.ModelConfigError, match=f"layer_types {why}; accepted: one of sliding_attention, "
+                                                            "full_attention per layer"):
+        model_config.read(write(tmp_path, "g2", model_type="gemma2", num_attention_heads=16, num_hidden_layers=42,
+                                head_dim=256, sliding_window=4096, layer_types=types))
+
+
 def test_released_configs_read_as_transformers_loads_them(tmp_path):
     """The end-to-end benchmark's model shapes (released config.json fields, `integration.e2e_throughput`):
     each layer's window as transformers' loader gives it (its ``layer_types``), the soft-cap where the
