@@ -1101,3 +1101,21 @@ def test_g4_merge_joins_the_pieces_of_a_multi_gpu_call_and_refuses_what_does_not
     _report_with(doc, seed, str(tmp_path / "empty" / "audit0"))
     assert merge([str(tmp_path / "seed"), str(tmp_path / "empty"), "--out", str(tmp_path / "out4")]) == 1
     assert not (tmp_path / "out4").exists()
+
+
+@pytest.mark.parametrize("features, measured_s", [
+    ("heads=64x8x64,window=128,sinks", (81, 85)),          # H200, 2026-11-29 (docs/audit/README.md)
+    ("heads=16x8x256,window=1024,softcap=50", (110, 134)),
+])
+def test_the_estimate_of_a_data_pair_meets_its_h200_runs(features, measured_s):
+    """The wall time the plan gives random vs random2 (their data copied every round) lies within 15 % of
+    the H200 runs it was fitted to; short vs long stays the launch model's (41-54 s measured)."""
+    ap = argparse.ArgumentParser()
+    timing.add_arguments(ap)
+    st = timing.settings_from_args(ap.parse_args([
+        "--features", features, "--steps", "prefill", "--lengths", "4096", "--policies", "strict", "--layouts",
+        "churned", "--modes", "graph", "--pairs", "gating", "--no-null", "--no-control"]))
+    est = {(sp.a, sp.b): timing.pair_estimate_s(sp, st.modes) for g in timing.plan(st) for sp in g.specs}
+    lo, hi = measured_s
+    assert 0.85 * lo <= est[("random", "random2")] <= 1.15 * hi
+    assert 41 * 0.85 <= est[("short", "long")] <= 54 * 1.15
