@@ -436,18 +436,22 @@ def launch_us(shape) -> float:
 # `classes.data_copy_bytes` plus DATA_FIXED_US, fitted to the H200's data pairs of 2026-11-29 (csrc
 # constant-time prefill B4 q64 L 4096, graph, 10^5 rounds: 81-85 s for 35.7 MB a launch at head 64, 110-134 s
 # for 136 MB at head 256, where short vs long took 41-54 s). The first model (a copy at ~3.3 TB/s and a
-# 2 x 50 MB flush) said 53 s and 65 s.
+# 2 x 50 MB flush) said 53 s and 65 s. Decode's data pairs keep that first model: `--preset subset` (decode B16
+# L 4096, its data pairs included) took 440 s on an H200 against ~480 s estimated.
 DATA_US_PER_MB, DATA_FIXED_US = 1.95, 105.0
 
 
 def pair_estimate_s(spec: PairSpec, modes) -> float:
     """Estimated seconds of one pair in ``modes`` (`launch_us`, `ROUND_OVERHEAD_US`; classes with their own
-    data add their untimed data copy and L2 flush, `DATA_US_PER_MB`)."""
+    data add their untimed data copy and L2 flush: `DATA_US_PER_MB` for prefill chunks)."""
     from dhp_backend.audit import classes
 
     k = launch_us(spec.shape) * (0.56 if spec.role == "control" else 1.0)  # short under off: almost free
     if classes.data_key(spec.a) != classes.data_key(spec.b):
-        k += DATA_US_PER_MB * classes.data_copy_bytes(spec.shape) / 1e6 + DATA_FIXED_US
+        if spec.shape.q_len > 1:  # prefill chunks: the H200 fit above
+            k += DATA_US_PER_MB * classes.data_copy_bytes(spec.shape) / 1e6 + DATA_FIXED_US
+        else:  # decode: a copy read and written at ~3.3 TB/s, and the L2 flush after it (2 x 50 MB)
+            k += 2 * classes.data_copy_bytes(spec.shape) / 3.3e6 + 2 * 50e6 / 3.3e6
     return sum(spec.rounds * (2 * k + ROUND_OVERHEAD_US[m]) * 1e-6 for m in modes)
 
 
