@@ -228,7 +228,7 @@ ASSUMED_KV_CACHE_BLOCKS = 10_000
 
 def _reservation(policy: Policy, args: argparse.Namespace) -> dict:
     """The address rule's price for this policy, max_model_len, block size and KV-cache size."""
-    from dhp_backend.vllm.reservation import reservation_price
+    from dhp_backend.reservation_price import reservation_price
 
     blocks, source = args.kv_cache_blocks, "given by --kv-cache-blocks"
     if blocks is None and args.kv_cache_tokens is not None:
@@ -244,7 +244,7 @@ def _reservation(policy: Policy, args: argparse.Namespace) -> dict:
 
 
 def _print_info(r: dict) -> None:
-    from dhp_backend.vllm.reservation import price_table
+    from dhp_backend.reservation_price import price_table
 
     print("\n".join(r["startup_report"]))
     print()

@@ -7,7 +7,7 @@ step of each kind (decode, prefill, mixed) the kernel it runs on and how that
 kernel came to be (built now, found in the build cache, Triton's JIT, the
 reference, and why not a csrc kernel); the CUDA-graph mode; the KV-page
 reservation the policy makes, how many requests the KV cache holds at once,
-and what the other policies would give (`dhp_backend.vllm.reservation`).
+and what the other policies would give (`dhp_backend.reservation_price`).
 
 Two callers, one renderer (`render`): the engine, which collects the facts as
 they arrive in each of its processes and emits one block per process
@@ -78,7 +78,7 @@ class StartupReport:
     vllm: str | None = None
     layer_kinds: tuple[LayerKind, ...] | None = None  # None: another process's block has them
     cuda_graphs: str | None = None                     # `describe_cuda_graphs`; None: another process's
-    reservation: dict | None = None                    # `reservation.reservation_price`; None: another's
+    reservation: dict | None = None                    # `reservation_price.reservation_price`; None: another's
     notes: tuple[str, ...] = ()  # what another process's block says instead; where a figure came from
     version: str = __version__
 
@@ -179,7 +179,8 @@ def _shape(spec) -> str:
 
 def render(report: StartupReport) -> str:
     """The block, one line per fact (a multi-line log record in the engine; stdout in ``dhp-backend info``)."""
-    from dhp_backend.vllm.reservation import price_lines
+    # here, not at the top: dhp_backend.ops (under reservation_price) imports torch, which this module need not
+    from dhp_backend.reservation_price import price_lines
 
     cfg = report.config
     vllm = f"vLLM {report.vllm}" if report.vllm else "vLLM not installed"

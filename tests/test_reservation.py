@@ -41,8 +41,8 @@ from dhp_backend.vllm.reservation import (  # noqa: E402
     ReservationUnavailable,
     ReservingAllocateSlots,
     lookahead_tokens,
-    reservation_price,
 )
+from dhp_backend.reservation_price import reservation_price  # noqa: E402
 
 MML, BS = 256, 16  # max_model_len, block size: strict holds 16 blocks per request
 NUM_KV_HEADS, HEAD_SIZE = 2, 64

@@ -13,7 +13,7 @@ import pytest
 from dhp_backend import startup_report
 from dhp_backend.config import DHPConfig, Policy
 from dhp_backend.ops import ProblemSpec, cuda_build, plan
-from dhp_backend.vllm.reservation import reservation_price
+from dhp_backend.reservation_price import reservation_price
 
 H100 = ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
                    block_size=16, causal=True, device_capability=(9, 0))

@@ -38,6 +38,7 @@ import threading
 import weakref
 
 from dhp_backend import startup_report
+from dhp_backend.vllm.logs import log_through_vllm
 from dhp_backend.config import DHPConfig
 
 logger = logging.getLogger("dhp_backend")
@@ -100,8 +101,6 @@ def _emit(vllm_config, role: str, *, device, price, notes) -> None:
         layers, graphs = dict(_LAYERS), dict(_CUDA_GRAPHS)
         _LAYERS.clear()
         _CUDA_GRAPHS.clear()
-    from dhp_backend.plugin import log_through_vllm
-
     log_through_vllm()  # an in-process engine's handlers may postdate the plugin's registration
     text = startup_report.render(build(vllm_config, role, layers, graphs, device, price, notes))
     with sibling_output_lock():
