@@ -147,7 +147,17 @@ def block():
     for i in range(12):  # as vLLM's worker prefix: the prefix and the line in separate writes
         os.write(fd, f"({name}) ".encode()); time.sleep(0.002)
         os.write(fd, f"line {i}\n".encode()); time.sleep(0.002)
-while time.time() < start:  # both children start writing at the same moment
+# both children start writing at the same moment: each says it is ready (imports done), waits for the
+# other (on a loaded machine a child that imported slowly would otherwise start after the other had
+# finished, and the control would show no mixing); past the common start time, both take the later
+# ready file's time + 0.3 s, which both read alike
+open(out + ".ready-" + name.split()[0], "w").close()
+readies = []
+while len(readies) < 2:
+    readies = [f for f in os.listdir(os.path.dirname(out)) if f.startswith(os.path.basename(out) + ".ready-")]
+    time.sleep(0.001)
+start = max(start, max(os.path.getmtime(os.path.join(os.path.dirname(out), f)) for f in readies) + 0.3)
+while time.time() < start:
     time.sleep(0.001)
 if locked:
     with sibling_output_lock(os.path.dirname(out)):
