@@ -11,6 +11,8 @@
 #   harness   benchmarks/harness.py (all anchors incl. FlashInfer; HARNESS_ARGS, e.g. --quick or --cases decode;
 #             --cases features: windows/soft-cap/sinks vs FA3, only when named, FlashInfer not needed)
 #   e2ethr    integration/e2e_throughput.py: vLLM generation throughput per backend/policy (E2E_ARGS)
+#   e2efeat   the same on issue 31's models (E2EFEAT_MODELS, default gemma2-9b mistral-7b: one call; gemma3-12b in
+#             another, it takes ~270 s; E2EFEAT_CONFIGS, default fa3,dhp-off; E2EFEAT_S, the step's time, default 500)
 #   sustain   decode vs FA3 in bursts and under sustained (power-capped) load (benchmarks/sustained.py; SUSTAIN_ARGS)
 #   e2e       integration/gpu_e2e.py (DHP vs FLASH_ATTN through vLLM)
 #   serve     the OpenAI server with DHP (strict, off) driven by the openai client (tests/test_server_gpu.py),
@@ -97,6 +99,21 @@ for step in "$@"; do
                python3 -m benchmarks.harness ${HARNESS_ARGS:-} --out "$OUT/bench" ) 2>&1 | tee "$OUT/harness.log" | tail -60 ;;
     e2ethr)  python3 -m integration.e2e_throughput --device cuda ${E2E_ARGS:---max-cudagraph-capture-size 256 --time-budget-s 520 --configs fa3,dhp-off,fa3-bi,dhp-strict-bi} \
                --out "$OUT/e2e_throughput.json" 2>&1 | tee "$OUT/e2ethr.log" | tail -40 ;;
+    e2efeat) # issue 31's models end to end (docs/bench/e2e-features-h200.md): each model's csrc libraries built
+             # first, all models in parallel (dhp-backend build --model on the checkpoint e2e_throughput writes),
+             # then E2EFEAT_CONFIGS per model, each run's time budget an equal share of E2EFEAT_S
+             models=${E2EFEAT_MODELS:-gemma2-9b mistral-7b}; pids=""
+             for m in $models; do
+               python3 -c "from pathlib import Path; from integration import e2e_throughput as et; et.write_model('$m', 'bfloat16', Path('/tmp/e2efeat/$m'))" \
+                 && { python3 -m dhp_backend.cli build --model /tmp/e2efeat/$m > "$OUT/e2efeat-build-$m.log" 2>&1 & pids="$pids $!"; }
+             done
+             wait $pids; head -qn1 "$OUT"/e2efeat-build-*.log
+             n=$(echo $models | wc -w)
+             for m in $models; do
+               python3 -m integration.e2e_throughput --model-config $m --configs ${E2EFEAT_CONFIGS:-fa3,dhp-off} \
+                 --time-budget-s $(( ${E2EFEAT_S:-500} / n )) --out "$OUT/e2e-$m.json" 2>&1 | tee "$OUT/e2efeat-$m.log" \
+                 | grep -E "^\| (fa3|dhp)" || true
+             done ;;
     sustain) python3 -m benchmarks.sustained ${SUSTAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/sustain.log" | tail -40 ;;
     serve)   # SIGINT, not TERM, at the time limit: pytest then tears its fixtures down, which ends the
              # servers' sessions (they run in sessions of their own, out of timeout's reach).
