@@ -127,10 +127,15 @@ def read(path: str | Path) -> ModelAttention:
         except ModelConfigError as e:
             raise ModelConfigError(f"{f}: {e}") from None
     if layer_types is not None:  # one attention layer of a known kind per hidden layer, or the config is wrong
-        bad = sorted({repr(t) for t in layer_types if t not in LAYER_TYPES}) if isinstance(layer_types, list) else []
-        if not isinstance(layer_types, list) or len(layer_types) != layers or bad:
-            what = (f"has {len(layer_types)} entries for {layers} layers" if isinstance(layer_types, list)
-                    and not bad else f"holds {', '.join(bad)}" if bad else f"is {layer_types!r}")
+        if not isinstance(layer_types, list):
+            what = f"is {layer_types!r}"
+        elif bad := sorted({repr(t) for t in layer_types if t not in LAYER_TYPES}):
+            what = f"holds {', '.join(bad)}"
+        elif len(layer_types) != layers:
+            what = f"has {len(layer_types)} entries for {layers} layers"
+        else:
+            what = None
+        if what:
             raise ModelConfigError(f"{f}: layer_types {what}; accepted: one of {', '.join(LAYER_TYPES)} per layer "
                                    "(num_hidden_layers of them)")
     if window is not None and layer_types is not None:

@@ -94,10 +94,10 @@ def price_lines(price: dict) -> list[str]:
                       for r in price["rows"][:4])
     rule = "(the address rule: the kernels read every page up to the bucket)"
     if policy == "strict":
+        plural = "" if price["strict_requests_at_once"] == 1 else "s"
         return [f"KV reservation: policy 'strict' holds max_model_len={mml} tokens = {strict_blocks} blocks of "
                 f"{bs} per request from its first step, whatever its length {rule}",
-                f"capacity: {cache} -> at most {strict_fit} request{'' if strict_fit == '1' else 's'} at once at this "
-                "max_model_len",
+                f"capacity: {cache} -> at most {strict_fit} request{plural} at once at this max_model_len",
                 f"instead: policy 'request' would hold each request's next power of two of its length (at most "
                 f"2x the length; its log2 becomes public to timing): {bands} at once"]
     if policy == "request":
