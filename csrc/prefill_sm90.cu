@@ -86,6 +86,17 @@ constexpr int kStages = kHead == 256 ? 1 : 2;       // K and V stages of both ke
 // per step) and folds it into the running state once per split (consume_v2_ct); head 256's 128
 // accumulator registers leave no room for the copy, so its binary folds after every step.
 constexpr bool kSnapCT = kHead != 256;
+// The constant-time consumer's dead steps, per row (kDeadPastLimitCT): a step with every position past
+// the row's own causal limit runs unmasked and is dropped by the snapshot's selection, as a step past
+// the true length does. Such a step is an exact no-op when masked (m unchanged, alpha 1, P +0), so the
+// bits are the same. Why: under `request` a short request's query chunk may end one position into a
+// step (2049 of a 4096 bucket), and that step was then live but wholly masked for most of its rows;
+// in gpt-oss's head-64 window-128 library, whose rows attend 2-3 steps each, that made short vs long
+// fail G4 (H200, 2026-11-29: +0.027 % / +0.023 %, t -9.2 / -7.7 at 2 x 10^5 rounds; the bisect put
+// the whole difference between true lengths 2049 and 2176). The plain library and the head-128 window
+// + cap + sinks library pass the same pair without it (t +0.51, +0.57), so only head 64's window
+// libraries take it (docs/audit/2026-11-29-timing-h200-csrc-h64-straddle.md).
+constexpr bool kDeadPastLimitCT = kSnapCT && v2::kWindow && kHead == 64;
 // The policy-off kernel's consumer warpgroups: 2 (128-row tiles), or 3 at head 64 (192-row tiles, as
 // FA3's hdim-64 kernel): at head 64 a step's two GEMMs take half head 128's tensor time while its
 // softmax takes the same, so a third warpgroup's softmax runs under the other two's GEMMs.
@@ -1248,6 +1259,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
   // with the state reset to zeros after every such step). Rows outside the request (lim = -1) are never
   // below: they stay masked (their count is public). below and leaving feed selects only.
   auto below_window = [&](int t, int lo) { return t * kCols + kCols - 1 <= lo; };
+  // kDeadPastLimitCT: step t lies wholly past a request row's causal limit (a dead step for that row)
+  auto past_limit = [&](int t, int lim, int qi) { return (t * kCols > lim) & (qi < w.q_len); };
   auto leaving_window = [&](int t, int lo) { return below_window(t, lo) & !below_window(t + 1, lo); };
 
   float acc[kAcc], s[64];
@@ -1314,13 +1327,16 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
     // window libraries: step t lay wholly below the row's window (never committed, the filler instead)
     const bool below_lo = v2::kWindow && below_window(t, lo_lo), below_hi = v2::kWindow && below_window(t, lo_hi);
     if constexpr (kSnapCT) {
-      // a dead step's product goes on into acc and is never read
+      // a dead step's product goes on into acc and is never read; accumulator value i belongs to the
+      // thread's low row when i % 4 < 2 (commit_fold's x, y)
+      const bool dead_lo = kDeadPastLimitCT ? past_limit(t, lim_lo, rw.qi_lo) : dead;
+      const bool dead_hi = kDeadPastLimitCT ? past_limit(t, lim_hi, rw.qi_hi) : dead;
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) snap[i] = select_f32(!dead, acc[i], snap[i]);
-      sm_lo = select_f32(!dead, m_lo, sm_lo);
-      sl_lo = select_f32(!dead, l_lo, sl_lo);
-      sm_hi = select_f32(!dead, m_hi, sm_hi);
-      sl_hi = select_f32(!dead, l_hi, sl_hi);
+      for (int i = 0; i < kAcc; ++i) snap[i] = select_f32(!(i % 4 < 2 ? dead_lo : dead_hi), acc[i], snap[i]);
+      sm_lo = select_f32(!dead_lo, m_lo, sm_lo);
+      sl_lo = select_f32(!dead_lo, l_lo, sl_lo);
+      sm_hi = select_f32(!dead_hi, m_hi, sm_hi);
+      sl_hi = select_f32(!dead_hi, l_hi, sl_hi);
     } else {
       // a fold after every step, kept at a split's last live step
       const bool split_end = ((t + 1) % kStepsPerSplit == 0) | (t + 1 == w.n_steps);  // public
@@ -1333,8 +1349,14 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
       // the snapshot's fold, kept when the split held a live step (below the window: the filler; the
       // split's last step below the window means every step of it is)
       if constexpr (kSnapCT) {
-        const bool commit = (t / kStepsPerSplit) * kSplitKV < w.seq_len;
-        commit_fold(commit & !below_lo, commit & !below_hi, below_lo, below_hi, sm_lo, sl_lo, sm_hi, sl_hi,
+        // kDeadPastLimitCT: per row, the split holds a position at or before the row's limit (its first
+        // step is then not dead, so the snapshot is this split's); a row outside the request (limit -1)
+        // never commits and keeps the neutral state it would have folded
+        const int split0 = (t / kStepsPerSplit) * kSplitKV;
+        const bool commit = split0 < w.seq_len;
+        const bool c_lo = kDeadPastLimitCT ? split0 <= lim_lo : commit;
+        const bool c_hi = kDeadPastLimitCT ? split0 <= lim_hi : commit;
+        commit_fold(c_lo & !below_lo, c_hi & !below_hi, below_lo, below_hi, sm_lo, sl_lo, sm_hi, sl_hi,
                     [&](int i) { return snap[i]; });
       }
 #pragma unroll
@@ -1351,7 +1373,8 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
     const bool dead = kv0 >= w.seq_len;
     if constexpr (v2::kSoftCap) cap_scores(s, p);
     if constexpr (v2::kWindow) {
-      const bool dead_lo = dead & (rw.qi_lo < w.q_len), dead_hi = dead & (rw.qi_hi < w.q_len);
+      const bool dead_lo = kDeadPastLimitCT ? past_limit(t, lim_lo, rw.qi_lo) : dead & (rw.qi_lo < w.q_len);
+      const bool dead_hi = kDeadPastLimitCT ? past_limit(t, lim_hi, rw.qi_hi) : dead & (rw.qi_hi < w.q_len);
       const bool open_lo = dead_lo | below_window(t, lo_lo), open_hi = dead_hi | below_window(t, lo_hi);
       mask_scores_window(s, kv0, select_int(open_lo, INT_MIN, lo_lo), select_int(dead_lo, INT_MAX, lim_lo),
                          select_int(open_hi, INT_MIN, lo_hi), select_int(dead_hi, INT_MAX, lim_hi), lane);

@@ -151,6 +151,31 @@ def test_constant_time_walks_have_the_policy_off_bits(name, feats, shape, bs, D)
 
 
 @pytest.mark.parametrize("D", HEADS)
+def test_constant_time_walks_keep_the_bits_where_a_chunk_ends_one_position_into_a_step(D):
+    """The timing gate's request classes (a 64-token chunk ending at 2049, 2176 and 4096 of a 4096 bucket):
+    at 2049 the chunk's last step holds one real position, so that step lies wholly past the causal
+    limit of every row but the last (kDeadPastLimitCT: such a step runs as a dead step for those rows
+    in head 64's window libraries). The model's windowed layer and a plain one, both policies: off's bits."""
+    m = MODELS[D]
+    rng = random.Random(2049 + D)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 1 << 30))
+    for feats in (m["local"], dict()):
+        ft = feature_tensors(feats, m["H"], 7, torch.bfloat16)
+        reqs = [make_request(64, s, H=m["H"], Hkv=m["Hkv"], D=D, dtype=torch.bfloat16, gen=gen)
+                for s in (2049, 2176, 4096, 129)]
+        for policy in ("strict", "request"):
+            step = reserved_step(reqs, policy, block_size=16, width=4096 // 16 + 1, gen=gen, pad_tokens=3)
+            off = bits(prefill(step, ft)[: step.num_tokens])
+            bucket = step.capacity if policy == "strict" else torch.tensor(
+                [min(step.capacity, next_pow2(r.seq_len)) for r in reqs], dtype=torch.int32, device="cuda")
+            got = prefill(step, ft, variant=V2_CT, bucket=bucket)
+            assert torch.equal(bits(got[: step.num_tokens]), off), f"v2_ct {sorted(feats)} {policy}"
+            for mode in (None, "fold"):
+                dec = decode(step, ft, mode=mode, bucket=bucket)
+                assert torch.equal(bits(dec[: step.num_tokens]), off), f"decode CT/{mode} {sorted(feats)} {policy}"
+
+
+@pytest.mark.parametrize("D", HEADS)
 def test_null_pages_below_the_window_change_no_bit(D):
     rng = random.Random(D)
     m = MODELS[D]
