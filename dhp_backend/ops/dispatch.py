@@ -101,7 +101,13 @@ def choose_path(
             raise ValueError(f"path='triton' was requested but the Triton kernels do not cover this problem: {why_not}")
         return PathChoice(TRITON, True, "requested explicitly")
     if requested == "auto" and ok:
-        return PathChoice(TRITON, True, "shape covered by the constant-time Triton kernels")
+        # The family's name is Triton's (the setting path=triton forces those kernels), but under "auto" each
+        # step is routed further (plan.step_kernel): to a csrc Hopper kernel where one applies. Said here, since
+        # readers of a start-up report or a trace took "triton" for the kernel that ran.
+        return PathChoice(TRITON, True, "shape covered by the GPU kernels: each step runs a csrc Hopper kernel "
+                                        "where one applies (sm_90 with nvcc), else the constant-time Triton "
+                                        "kernel; the step lines (start-up report) and 'kernel' events (trace) "
+                                        "name it")
 
     reason = "requested explicitly" if requested == REFERENCE else f"fallback: {why_not}"
     choice = PathChoice(REFERENCE, False, reason)
