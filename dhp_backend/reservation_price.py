@@ -81,7 +81,8 @@ def price_lines(price: dict) -> list[str]:
     if price["num_blocks"] is None:
         cache = "KV cache size not given"
     else:
-        cache = (f"KV cache: {_n(price['num_blocks'])} blocks of {bs} tokens ({_n(price['usable_blocks'])} "
+        blocks = "block" if price["num_blocks"] == 1 else "blocks"
+        cache = (f"KV cache: {_n(price['num_blocks'])} {blocks} of {bs} tokens ({_n(price['usable_blocks'])} "
                  "usable; block 0 is vLLM's null block)")
     if price.get("groups", 1) > 1:
         cache += (f"; {price['groups']} KV-cache groups (a hybrid model): the figures are for the first one, "
@@ -97,7 +98,11 @@ def price_lines(price: dict) -> list[str]:
         plural = "" if price["strict_requests_at_once"] == 1 else "s"
         return [f"KV reservation: policy 'strict' holds max_model_len={mml} tokens = {strict_blocks} blocks of "
                 f"{bs} per request from its first step, whatever its length {rule}",
-                f"capacity: {cache} -> at most {strict_fit} request{plural} at once at this max_model_len",
+                f"capacity: {cache} -> " + (
+                    f"at most {strict_fit} request{plural} at once at this max_model_len"
+                    if price["strict_requests_at_once"] != 0 else
+                    "not one request fits at this max_model_len (vLLM refuses to start with a KV cache smaller "
+                    "than max_model_len: lower max_model_len or give the cache more memory)"),
                 f"instead: policy 'request' would hold each request's next power of two of its length (at most "
                 f"2x the length; its log2 becomes public to timing): {bands} at once"]
     if policy == "request":

@@ -413,6 +413,18 @@ def test_price_arithmetic():
     assert odd["strict_requests_at_once"] is None
 
 
+def test_price_lines_say_when_not_one_request_fits():
+    """A cache of one block (the null block) holds no request under strict: the line says so and why the
+    engine would not start, in the singular where the count is one."""
+    from dhp_backend.reservation_price import price_lines
+
+    none = price_lines(reservation_price("strict", max_model_len=8192, block_size=16, num_blocks=1))
+    assert "KV cache: 1 block of 16 tokens (0 usable" in none[1]
+    assert "not one request fits at this max_model_len" in none[1] and "at most 0" not in none[1]
+    one = price_lines(reservation_price("strict", max_model_len=8192, block_size=16, num_blocks=513))
+    assert "513 blocks of 16" in one[1] and "at most 1 request at once" in one[1]
+
+
 def test_cli_info_shows_the_reservation(capsys):
     from dhp_backend.cli import main as cli_main
 
