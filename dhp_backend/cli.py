@@ -95,7 +95,11 @@ def info(args: argparse.Namespace) -> dict:
     from dhp_backend.ops.attention import check_sliding_window
     from dhp_backend.ops.dispatch import FallbackRefused
 
-    additional = json.loads(args.additional_config) if args.additional_config else None
+    try:
+        additional = json.loads(args.additional_config) if args.additional_config else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--additional-config: not JSON ({e}); accepted: a JSON object as vLLM takes it, e.g. "
+                         '\'{"dhp": {"policy": "request"}}\'') from None
     if args.policy:
         # --policy overrides the section's policy, after the section itself was checked.
         additional = {**(additional or {}), "dhp": {**dhp_section(additional), "policy": args.policy}}

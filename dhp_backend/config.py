@@ -118,9 +118,21 @@ def _parse_bool(value: Any, source: str) -> bool:
 
 
 def _parse_file(value: Any, source: str) -> str:
-    if isinstance(value, str) and value.strip():
-        return value.strip()
-    raise ValueError(f"{source}: got {value!r}; accepted: a non-empty path")
+    """A file to append to: checked here, at start-up, so that a wrong path is an error naming the setting
+    rather than an OSError in the first forward pass of an engine."""
+    if not (isinstance(value, str) and value.strip()):
+        raise ValueError(f"{source}: got {value!r}; accepted: a non-empty path")
+    path = value.strip()
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{source}: {path!r} is a directory; accepted: a file path (appended to, created if missing)")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{source}: the directory of {path!r} ({parent}) does not exist; accepted: a file path "
+                         "in an existing, writable directory")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise ValueError(f"{source}: {path!r} is not writable; accepted: a file path in an existing, writable "
+                         "directory")
+    return path
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,6 +159,9 @@ def test_info_rejects_bad_arguments(capsys):
     assert e.value.code == 2
     assert cli_main(["info", "--additional-config", '{"dhp": {"policy": "x"}}']) == 2
     assert "unknown DHP policy" in capsys.readouterr().err
+    assert cli_main(["info", "--additional-config", '{dhp']) == 2
+    err = capsys.readouterr().err
+    assert "--additional-config: not JSON" in err and "accepted: a JSON object" in err and "Traceback" not in err
 
 
 def test_console_script_installed():
@@ -271,6 +274,12 @@ def test_every_setting_is_in_the_table_and_env_only_ones_say_so():
         config.from_env("override_cpu_attn", {"DHP_OVERRIDE_CPU_ATTN": "maybe"})
     with pytest.raises(ValueError, match=r"DHP_TRACE_FILE: got ' '; accepted: a non-empty path"):
         DHPConfig.from_sources(None, environ={"DHP_TRACE_FILE": " "})
+    # a trace file the engine could not open is refused at start-up, not in its first forward pass
+    with pytest.raises(ValueError, match=r"DHP_TRACE_FILE: the directory of '/nonexistent-dhp/t.jsonl' "
+                                         r"\(/nonexistent-dhp\) does not exist; accepted: a file path"):
+        DHPConfig.from_sources(None, environ={"DHP_TRACE_FILE": "/nonexistent-dhp/t.jsonl"})
+    with pytest.raises(ValueError, match=r"trace_file'\]: '/tmp' is a directory; accepted: a file path"):
+        DHPConfig.from_sources({"dhp": {"trace_file": "/tmp"}}, environ={})
     # no product module reads a DHP_ variable but through the table
     names = {s.env for s in config.SETTINGS}
     root = Path(__file__).resolve().parents[1] / "dhp_backend"
