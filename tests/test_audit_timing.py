@@ -524,6 +524,63 @@ def test_timing_loop_pairs_rounds_correctly():
             k += 1
 
 
+def test_a_borderline_gating_pair_runs_its_rounds_again(monkeypatch):
+    """`Timer._extend`: a gating pair that ends with |t| (or paired |z|) in [EXTEND_AT, 4.5) is timed for as many
+    rounds again and decided on all of them (the head-64 window row passed twice at t -3.78 / -2.44 with 10^5
+    rounds and failed at 2 x 10^5); a clear pass, a reported pair, the option off or a time budget that ends
+    first are not extended."""
+    from types import SimpleNamespace
+
+    def stream(n, shift, seed, t_target=None):
+        g = np.random.default_rng(seed)
+        a, b = g.normal(100.0, 1.0, n), g.normal(100.0, 1.0, n)
+        if t_target is not None:  # shift b so that Welch's t is exactly t_target
+            se = math.sqrt(a.var(ddof=1) / n + b.var(ddof=1) / n)
+            b += t_target * se - (b.mean() - a.mean())
+        return a, b + shift
+
+    def timer(batches, extend=True, deadline=None):
+        t = object.__new__(timing.Timer)
+        t.progress, t.extend_borderline, t.deadline = [].append, extend, deadline
+        t.calls = []
+
+        def fake_time(fns, rounds, rng, ps, label):
+            t.calls.append(label)
+            a, b = batches[len(t.calls) - 1]
+            ps.add(a, b)
+            ps.checkpoint()
+        t._time = fake_time
+        return t
+
+    spec = SimpleNamespace(role="gating", label="short vs long", rounds=2000)
+    first = stream(2000, 0.0, 1, t_target=-3.6)  # borderline: the gate would pass it
+    ps = timing.PairStats()
+    ps.add(*first)
+    assert timing.stats.verdict(ps.welch.n, ps.welch.t, ps.checkpoint()) == "too few samples"  # below 10^5
+    assert timing.borderline(ps.welch.t, ps.trace["z"][-1])
+    # the same difference again: decided on 4000 rounds per class, where it fails
+    t = timer([first, stream(2000, 0.0, 2, t_target=-3.6)])
+    ps = timing.PairStats()
+    t._time(None, spec.rounds, None, ps, "short vs long [graph]")
+    assert t._extend(spec, "graph", None, None, ps) is True
+    row = ps.result({"role": "gating"})
+    assert t.calls == ["short vs long [graph]", "short vs long [graph] extended"]
+    assert row["extended"] is True and row["n"] == [4000, 4000] and abs(row["t"]) > 4.5 and row["verdict"] == "FAIL"
+    # a clear pass, a reported pair, the option off, a budget that ends first: one batch, not extended
+    for batch, sp, kw in ((stream(2000, 0.0, 3, t_target=0.5), spec, {}),
+                          (first, SimpleNamespace(role="reported", label="random vs zeros", rounds=2000), {}),
+                          (first, spec, {"extend": False}),
+                          (first, spec, {"deadline": 0.0})):
+        monkeypatch.setattr(timing, "pair_estimate_s", lambda s, modes: 10.0)
+        t = timer([batch], **kw)
+        ps = timing.PairStats()
+        t._time(None, sp.rounds, None, ps, "x")
+        assert t._extend(sp, "graph", None, None, ps) is False and len(t.calls) == 1
+        assert ps.result({"role": sp.role})["extended"] is False
+    assert not timing.borderline(float("nan"), 1.0) and not timing.borderline(4.5, 0.0)
+    assert timing.borderline(3.0, 0.0) and timing.borderline(0.2, -4.49)
+
+
 def test_slot_staging_copies_each_class_values_from_the_launch_slot():
     """`timing.SlotStaging`: a launch's lengths come from its slot of one staging tensor (its address follows
     the launch's position, not its class); slot None copies the class's own tensors (the one-off checks)."""

@@ -138,12 +138,19 @@ PRESETS = {
                "modes": "graph", "time_budget": 540.0},
 }
 LATEST = "g4-latest"
+# A gating pair that ends with |t| or paired |z| in [EXTEND_AT, THRESHOLD) runs as many rounds again and is
+# decided on all of them (`borderline`, --no-extend-borderline turns it off). Why: gpt-oss's head-64 window
+# library's request short vs long passed twice at 10^5 rounds with t -3.78 and -2.44 (H200, 2026-11-29) and
+# failed at 2 x 10^5 (t -9.20, -7.65): a real difference of 0.02 %, near the gate's resolution at 10^5.
+# Extending only ever adds samples to a pair already near the threshold, so it can turn a pass into a FAIL
+# that more data supports, and costs device time only there.
+EXTEND_AT = 3.0
 DIAGNOSTIC = "g4-idle-diagnostic"  # the report of an --idle-after-us run
 ROW_KEYS = ("pair", "layout", "num_blocks", "mode", "step", "policy", "bucket", "lengths", "n_per_class",
             "diff_pct", "t")
 RESULT_KEYS = ROW_KEYS + ("features", "a", "b", "role", "shape", "path", "n", "mean_us", "std_us", "median_us", "df",
                           "cropped_t_max", "cropped_quantile", "paired", "verdict", "passed", "detected", "chunks",
-                          "starved_chunks", "trace", "plots", "error")
+                          "starved_chunks", "trace", "plots", "error", "extended")
 REPORT_KEYS = ("gate", "date", "device", "commit", "source", "versions", "settings", "churn", "summary", "rows")
 SUMMARY_KEYS = ("passed", "complete", "missing", "control_detected", "floor_clean", "gating_passed", "failures",
                 "messages", "seconds", "rows")
@@ -222,6 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip every measurement that the report this run merges into (--merge) already holds "
                              "for this code and device with at least this run's samples: a grid filled over several "
                              "device calls measures no cell twice")
+    parser.add_argument("--extend-borderline", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"a gating pair whose |t| or paired |z| ends in [{EXTEND_AT:g}, 4.5) runs as many "
+                             "rounds again and is decided on all of them (default on; not under --quick)")
     parser.add_argument("--plots", action="store_true", help="also write PNG plots to <report-dir>/timing-plots/")
     parser.add_argument("--save-samples", action="store_true",
                         help=f"also write every raw sample to <report-dir>/{LATEST}-samples.npz")
@@ -258,6 +268,7 @@ class Settings:
     features: feats.Features = feats.Features()  # every shape's (--features); none: plain attention
     idle_after_us: float = 0.0  # diagnostic (--idle-after-us): GPU idle after each timed launch
     null: bool = True  # the null pair per step kind, bucket and policy (--null)
+    extend_borderline: bool = True  # a borderline gating pair runs its rounds again (--extend-borderline)
 
     def lengths_of(self, step: str) -> tuple:
         """The buckets of ``step`` this run measures: ``--lengths`` when given, else the gate's."""
@@ -338,7 +349,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         time_budget=float(getattr(args, "time_budget", None) if getattr(args, "time_budget", None) is not None
                           else preset.get("time_budget", 0.0)),
         features=feats.parse(getattr(args, "features", "")),
-        idle_after_us=float(getattr(args, "idle_after_us", 0.0) or 0.0))
+        idle_after_us=float(getattr(args, "idle_after_us", 0.0) or 0.0),
+        extend_borderline=bool(getattr(args, "extend_borderline", True)) and not quick)
     if not 0 <= st.idle_after_us <= 1e5:
         raise ValueError(f"--idle-after-us: {st.idle_after_us:g} us; accepted: 0 (none) to 100000")
     if st.time_budget < 0:
@@ -482,7 +494,9 @@ def describe_plan(st: Settings, out=print) -> None:
         blocks = f", {shape.blocks} blocks" if shape else ""
         out(f"  {name}{blocks}: {len(g.specs)} pairs, ~{s / 60:.1f} min")
     out(f"  estimated wall time on an H100: ~{est['total_s'] / 60:.1f} min (incl. ~{FIRST_COMPILE_S:.0f} s "
-        "first compile; a device command may run 10 min)")
+        "first compile; a device command may run 10 min)"
+        + (f"; a borderline gating pair (|t| or paired |z| in [{EXTEND_AT:g}, {stats.THRESHOLD:g})) runs its "
+           "rounds twice" if st.extend_borderline else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -599,6 +613,8 @@ def measure_plan(timer, st: Settings, log, *, checkpoint=None, started: float | 
     have = have or {}
     t0 = time.time()
     started = t0 if started is None else started
+    timer.extend_borderline = st.extend_borderline
+    timer.deadline = started + st.time_budget if st.time_budget else None
     for gi, g in enumerate(groups, 1):
         shape0 = g.specs[0].shape if g.specs else None
         if shape0 is None:
@@ -653,6 +669,7 @@ class PairStats:
         self._b: list[np.ndarray] = []
         self.trace = {"n": [], "t": [], "z_n": [], "z": []}
         self.chunks = self.starved = 0
+        self.extended = False  # a borderline gating pair ran its rounds twice (`borderline`)
 
     def add(self, ta, tb, starved: bool = False) -> None:
         ta, tb = np.asarray(ta, np.float64), np.asarray(tb, np.float64)
@@ -706,7 +723,15 @@ class PairStats:
                 "cropped_t_max": ct, "cropped_quantile": cq, "paired": p, "verdict": verdict,
                 "passed": (verdict == "pass") if role == "gating" else None, "detected": detected,
                 "chunks": self.chunks, "starved_chunks": self.starved, "trace": thin_trace(self.trace), "plots": [],
-                "error": None, "_samples": (a, b)}
+                "error": None, "extended": self.extended, "_samples": (a, b)}
+
+
+def borderline(t: float, z_paired: float, *, extend_at: float = EXTEND_AT, threshold: float = stats.THRESHOLD) -> bool:
+    """Whether a gating pair ended near the threshold without reaching it: the larger of |t| and paired |z| in
+    [extend_at, threshold). A nan is not borderline (such a pair fails: `stats.verdict`)."""
+    if t != t or z_paired != z_paired:
+        return False
+    return extend_at <= max(abs(t), abs(z_paired)) < threshold
 
 
 TRACE_POINTS = 100  # Welch t over samples, kept in the report: enough for its plot, not one point per chunk
@@ -763,7 +788,7 @@ def error_result(spec: PairSpec, mode: str, why: str) -> dict:
     return {**d, **{k: None for k in RESULT_KEYS if k not in d}, "n": [0, 0], "n_per_class": 0, "verdict": "error",
             "passed": False if spec.role == "gating" else None,
             "detected": False if spec.role == "control" else None, "trace": {"n": [], "t": [], "z_n": [], "z": []},
-            "plots": [], "error": why}
+            "plots": [], "error": why, "extended": False}
 
 
 # ---------------------------------------------------------------- GPU measurement
@@ -792,6 +817,8 @@ class Timer:
     SLEEP_MARGIN = 1.5
     MAX_SLEEP_MS = 250.0
     idle_after_ms = 0.0  # GPU idle queued after every timed launch (--idle-after-us; a diagnostic)
+    extend_borderline = False  # set by measure_plan from the settings (--extend-borderline)
+    deadline: float | None = None  # wall-clock end of the time budget: no extension estimated past it
 
     def __init__(self, chunk: int = 128, warmup: int = 50, progress=print, idle_after_us: float = 0.0) -> None:
         import torch
@@ -1065,6 +1092,26 @@ class Timer:
                               f"({time.time() - t0:.0f}s)")
                 next_report = math.floor(10 * done / rounds + 1) / 10
 
+    def _extend(self, spec: PairSpec, mode: str, fns, rng, ps: PairStats) -> bool:
+        """A borderline gating pair (`borderline`) runs its rounds again, into the same statistics, unless
+        the time budget's end (``deadline``) would come first."""
+        if not (self.extend_borderline and spec.role == "gating"):
+            return False
+        z = ps.trace["z"][-1] if ps.trace["z"] else ps.checkpoint()
+        t = ps.welch.t
+        if not borderline(t, z):
+            return False
+        label = f"{spec.label} [{mode}]"
+        if self.deadline is not None and time.time() + pair_estimate_s(spec, (mode,)) > self.deadline:
+            self.progress(f"    {label}: borderline (t {t:+.2f}, paired |z| {z:.2f}); not extended: the time "
+                          "budget ends first")
+            return False
+        self.progress(f"    {label}: borderline (t {t:+.2f}, paired |z| {z:.2f}): {spec.rounds} rounds more, "
+                      f"decided on all {2 * spec.rounds}")
+        self._time(fns, spec.rounds, rng, ps, f"{label} extended")
+        ps.extended = True
+        return True
+
     def release(self) -> None:
         """Give the cache's memory back between groups."""
         gc.collect()
@@ -1093,6 +1140,7 @@ class Timer:
                 ps = PairStats()
                 rng = np.random.default_rng([seed, mi, zlib.crc32(spec.label.encode())])
                 self._time(fns, spec.rounds, rng, ps, f"{spec.label} [{mode}]")
+                self._extend(spec, mode, fns, rng, ps)
                 row = ps.result(row_fields(spec, mode, self.path_of(spec.shape)))
                 row["buffers"] = ("per class" if not self.shares_buffers(inputs) else
                                   "shared" if self.same_data(inputs) else "shared, data copied")
@@ -1288,7 +1336,7 @@ def print_summary(s: dict, rows: list[dict], out=print) -> None:
         z = r["paired"]["z_max"] if r.get("paired") else None
         out(f"  {r['role']:9} {r['pair']:18} {r['step']:7} {r['bucket']:>6} {r.get('features') or '-':12} "
             f"{r['policy']:8} {r['layout']:11} {r['mode']:6} {r['n_per_class']:>7} {_f(r['diff_pct'], '+.3f'):>8} "
-            f"{_f(r['t']):>8} {_f(z, '.2f'):>8}  {r['verdict']}")
+            f"{_f(r['t']):>8} {_f(z, '.2f'):>8}  {r['verdict']}{' (extended: borderline)' if r.get('extended') else ''}")
     for m in s["messages"]:
         out(f"  NOTE: {m}")
     for f in s["failures"]:
@@ -1546,6 +1594,7 @@ def _markdown(doc: dict) -> list[str]:
                       f"{r['num_blocks']} | {r['mode']} | {r['n_per_class']} | {_f(ma, '.3f')} | {_f(mb, '.3f')} | "
                       f"{_f(r['diff_pct'], '+.3f')} | {_f(r['t'])} | {_f(r.get('cropped_t_max'), '.2f')} | "
                       f"{_f(p.get('z_max'), '.2f')} | {r.get('starved_chunks')}/{r.get('chunks')} | {r['verdict']}"
+                      f"{' (extended: borderline)' if r.get('extended') else ''}"
                       f"{' — ' + r['error'] if r.get('error') else ''} |")
         md.append("")
     if s["missing"]:
