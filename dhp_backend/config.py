@@ -118,11 +118,15 @@ def _parse_bool(value: Any, source: str) -> bool:
 
 
 def _parse_file(value: Any, source: str) -> str:
-    """A file to append to: checked here, at start-up, so that a wrong path is an error naming the setting
-    rather than an OSError in the first forward pass of an engine."""
-    if not (isinstance(value, str) and value.strip()):
-        raise ValueError(f"{source}: got {value!r}; accepted: a non-empty path")
-    path = value.strip()
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"{source}: got {value!r}; accepted: a non-empty path")
+
+
+def _parse_trace_file(value: Any, source: str) -> str:
+    """The trace file, appended to by every process: checked here, at start-up, so that a wrong path is an
+    error naming the setting rather than an OSError in an engine's first forward pass."""
+    path = _parse_file(value, source)
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{source}: {path!r} is a directory; accepted: a file path (appended to, created if missing)")
@@ -166,7 +170,7 @@ SETTINGS: tuple[Setting, ...] = (
             "true/false",
             "check every step's offsets, lengths, block ids and the address rule on the host before "
             "it runs (a device sync per layer; debugging only)"),
-    Setting("trace_file", "DHP_TRACE_FILE", None, _parse_file,
+    Setting("trace_file", "DHP_TRACE_FILE", None, _parse_trace_file,
             "a file path",
             "append one JSON line per process the first time DHP's forward runs, and per kernel its "
             "steps ran on (tests use it to prove the worker ran DHP)"),
