@@ -1259,7 +1259,9 @@ __device__ __forceinline__ void consume_v2_ct(const Params& p, const Work& w_in,
   // with the state reset to zeros after every such step). Rows outside the request (lim = -1) are never
   // below: they stay masked (their count is public). below and leaving feed selects only.
   auto below_window = [&](int t, int lo) { return t * kCols + kCols - 1 <= lo; };
-  // kDeadPastLimitCT: step t lies wholly past a request row's causal limit (a dead step for that row)
+  // kDeadPastLimitCT: step t lies wholly past a request row's causal limit (a dead step for that row). The
+  // limit follows the true length (secret): the result feeds selects only (the mask's bounds, the snapshot,
+  // the commit), never a branch, a trip count or an address; qi < q_len compares public tile geometry.
   auto past_limit = [&](int t, int lim, int qi) { return (t * kCols > lim) & (qi < w.q_len); };
   auto leaving_window = [&](int t, int lo) { return below_window(t, lo) & !below_window(t + 1, lo); };
 
