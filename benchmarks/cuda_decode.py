@@ -80,13 +80,15 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
-# cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split]: fold mode's schedule forced off (grid order) or on
-# (longest first), split mode's splits per CTA forced to N, or the mode itself forced (fold: each CTA
-# walks and folds its row's splits, no merge launch; split: split states, then the merge) (timing
-# only; same bits).
+# cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]]: fold mode's schedule forced
+# off (grid order) or on (longest first), split mode's splits per CTA forced to N, the mode itself forced
+# (fold: each CTA walks and folds its row's splits, no merge launch; split: split states, then the
+# merge), split mode's fixed dealing (the plan's chunks: no dealing on the device), or the device's
+# dealing over N slots with the model's CTA cost (negative: one wave) (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
 MODES_FORCED = ("fold", "split")
-ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>[:grid|:lpt|:spp<N>|:fold|:split], "
+ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>"
+                 "[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]], "
                  f"and with --bucket triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
 
 
@@ -94,11 +96,12 @@ def kv_bytes(reqs) -> int:
     return sum(s for _, s in reqs) * cp.HKV * cp.D * 2 * 2
 
 
-def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None):
+def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None, deal=None, deal_cost=None):
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
-    kw = dict(scale=cp.SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp)
+    kw = dict(scale=cp.SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp,
+              deal=deal, deal_cost=deal_cost)
     decode_sm90(*args, **kw)  # the metadata checked once
     return lambda: decode_sm90(*args, **kw, check=False)
 
@@ -147,17 +150,22 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 
 
 def _cuda_variant(name: str):
-    """``cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split]`` -> (variant, order, spp, mode), or None for
-    another name."""
+    """``cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]]`` -> (variant,
+    `cuda_fn` keywords), or None for another name."""
     v, _, o = name[5:].partition(":")
     known = v in VARIANTS or v == AUTO
     if not (name.startswith("cuda_") and known):
         return None
     if re.fullmatch(r"spp[1-9][0-9]*", o):
-        return v, None, int(o[3:]), None
+        return v, dict(spp=int(o[3:]))
+    if o == "fixed":
+        return v, dict(deal=0)
+    m = re.fullmatch(r"deal([1-9][0-9]*)(?:c(-?[0-9]+(?:\.[0-9]+)?))?", o)
+    if m:
+        return v, dict(deal=int(m[1]), deal_cost=None if m[2] is None else float(m[2]))
     if o in MODES_FORCED:
-        return v, None, None, o
-    return (v, ORDERS[o], None, None) if o in ORDERS else None
+        return v, dict(mode=o)
+    return (v, dict(order=ORDERS[o])) if o in ORDERS else None
 
 
 def _ct_variant(name: str):
@@ -288,8 +296,8 @@ def main(argv=None):
                 elif _ct_variant(name):
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 else:  # cuda_<variant>[:...] (main refused any other name)
-                    variant, order, spp, mode = _cuda_variant(name)
-                    fns = [cuda_fn(s, variant, mode=mode, order=order, spp=spp) for s in sets]
+                    variant, kw = _cuda_variant(name)
+                    fns = [cuda_fn(s, variant, **kw) for s in sets]
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:
                     row["kernels_us"] = dict(profiled)

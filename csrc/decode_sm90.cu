@@ -180,6 +180,11 @@ struct Params {
   int window;
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
+  // Policy off, split mode: the dealt schedule (dealt_item) when deal_rows > 0: the CTA rows of one
+  // wave per KV head (the plan's slots / num_kv_heads), and a CTA's cost in splits (the model's;
+  // geometry.CTA_COST_IN_SPLITS; < 0: the finest dealing that fits one wave, no model).
+  int deal_rows;
+  float deal_cost;
 };
 
 template <int STAGES>
@@ -207,7 +212,8 @@ struct Work {
 // state depends only on its own positions, so the bits do not change.
 
 // req: token t's request when the caller knows it (the longest-first schedule), else -1.
-__device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, bool write_partials) {
+// chunks: the row's chunk count in split mode (gridDim.z, or the dealt schedule's k_r).
+__device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, int chunks, bool write_partials) {
   // r = the last index in [0, num_seqs] with query_start_loc[r] <= t (non-decreasing).
   // Decode steps of one token per request have query_start_loc[t] == t: two
   // independent loads settle it, where the binary search is ~log2(num_seqs)
@@ -254,9 +260,136 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   // holding ext - W (docs/kernels.md section 7, "Features").
   const int s_first = v2::kWindow ? max(0, w.ext - p.window) / kSplitKV : 0;
   w.s_lo = s_first + (write_partials ? chunk : 0);
-  w.s_stride = write_partials ? static_cast<int>(gridDim.z) : 1;
+  w.s_stride = write_partials ? chunks : 1;
   w.s_end = min(w.n_split, p.n_split_grid);
   return w;
+}
+
+// ---- the dealt schedule (policy off, split mode: p.deal_rows > 0) -----------------------
+// The fixed split schedule deals every row's splits to gridDim.z chunks chosen on the host from
+// public values (the table's width: a CUDA graph replays one grid for every batch of its size).
+// That dealing suits a batch of uniform lengths and not one of mixed lengths, where the short
+// rows' CTAs finish early and the long rows' few chunks run on a few SMs (B16, 4K-32K in a 32K
+// table: 0.91x FA3 with the plan's two chunks, 1.07x with eight; uniform 32K: 0.97x with two,
+// 0.94x with eight; docs/perf-notes.md lever 68). Under policy off the lengths are not secret, so
+// the dealing is made here, per step, from the true lengths (as FA3's prepare_varlen_num_blocks):
+// the grid is (KV heads, items), item i is chunk c of token t, and every token of request r has
+// its splits dealt round robin to k_r chunks (chunk c: s_first + c, + k_r, ...). Each split's state
+// depends only on its positions and the merge folds every split of the row in order whoever stored
+// it, so the bits are those of any other dealing (tests/test_cuda_decode_gpu.py). Every warp of
+// the CTA computes the same dealing from the same loads (no shared memory, no barrier).
+//
+// k_r = the items of the request's walked positions w_r (from the split holding its last token's
+// window start, to its end) at S splits an item: ceil((w_r - kDealTolerance) / (512 S)), at least
+// 1 (kDealTolerance: an item may hold one step past S splits, so that a table just past a split
+// boundary is not dealt twice the splits a CTA: perf-notes lever 60). S is chosen for the step by
+// a model of the waves of deal_rows CTA rows: with C(S) items and U the positions in splits,
+//   time(S) = min(ceil(C / rows) S, U / rows + S) + deal_cost C / rows,
+// the first term whole waves of equal items (uniform lengths), the second greedy list scheduling's
+// bound (items of mixed sizes start as others end), the last each CTA's start and end. Candidates:
+// S = 1, 2, 4, ..., n_split_grid and the finest S whose items fit one wave; ties to the larger S
+// (fewer CTAs). With deal_cost < 0: that one-wave S. The grid has num_tokens + rows items: C <= rows
+// (one wave) or C <= num_tokens (S at n_split_grid: one item a token); items past C exit at once.
+constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (ops.cuda_decode.DEAL_MAX_REQS)
+constexpr int kDealPerLane = kDealMaxReqs / 32;
+constexpr int kDealTolerance = kStep;
+
+struct DealtItem {
+  int t, req, chunk, chunks;  // chunks == 0: past the step's items (the CTA exits)
+};
+
+__device__ __forceinline__ int deal_items(int pos, int cap) {  // items of pos positions at cap a item
+  return pos <= 0 ? 0 : pos <= kDealTolerance ? 1 : (pos - kDealTolerance + cap - 1) / cap;
+}
+
+__device__ __forceinline__ DealtItem dealt_item(const Params& p, int item) {
+  const int lane = threadIdx.x % 32;
+  const int nb = (p.num_seqs + 31) / 32;  // <= kDealPerLane (the host's DEAL_MAX_REQS)
+  int q_len[kDealPerLane], pos[kDealPerLane], q0s[kDealPerLane];
+  float units = 0.f, units_tol = 0.f;  // this lane's requests' positions, in splits (less the tolerance)
+#pragma unroll
+  for (int j = 0; j < kDealPerLane; ++j) {
+    q_len[j] = pos[j] = q0s[j] = 0;
+    const int r = 32 * j + lane;
+    if (j < nb && r < p.num_seqs) {
+      const int q0 = p.query_start_loc[r], q1 = min(p.query_start_loc[r + 1], p.num_tokens);
+      const int ext = p.seq_lens[r];  // the request's last token's extent (work_of: causal or not)
+      const int first = v2::kWindow ? max(0, ext - p.window) / kSplitKV * kSplitKV : 0;
+      q0s[j] = q0;
+      q_len[j] = max(0, q1 - q0);
+      pos[j] = max(0, min(ext, p.n_split_grid * kSplitKV) - first);
+      units += static_cast<float>(q_len[j]) * (static_cast<float>(pos[j]) / kSplitKV);
+      units_tol += static_cast<float>(q_len[j]) * (static_cast<float>(max(0, pos[j] - kDealTolerance)) / kSplitKV);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    units += __shfl_xor_sync(0xffffffff, units, o);
+    units_tol += __shfl_xor_sync(0xffffffff, units_tol, o);
+  }
+  const int rows = p.deal_rows;
+  auto count = [&](int s) {  // items at s splits an item, the warp's sum
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < kDealPerLane; ++j)
+      if (j < nb) c += q_len[j] * deal_items(pos[j], s * kSplitKV);
+    return __reduce_add_sync(0xffffffff, c);
+  };
+  // The finest S whose items fit one wave: from the bound up (C(S) >= units_tol / S: S below
+  // units_tol / rows does not fit).
+  int lo = max(1, static_cast<int>(units_tol / rows)), hi = p.n_split_grid;
+  if (lo > hi) lo = hi;
+  if (count(lo) > rows) {
+    ++lo;
+    while (lo < hi) {  // C is non-increasing in S
+      const int mid = (lo + hi) / 2;
+      if (count(mid) <= rows) hi = mid; else lo = mid + 1;
+    }
+  }
+  int s_best = lo;
+  if (p.deal_cost >= 0.f) {
+    const float u_rows = units / rows;
+    auto model = [&](int s, int c) {
+      const float waves = static_cast<float>((c + rows - 1) / rows);
+      return fminf(waves * s, u_rows + s) + p.deal_cost * c / rows;
+    };
+    float t_best = model(s_best, count(s_best));
+    for (int s = 1; s < p.n_split_grid * 2; s *= 2) {
+      const int sc = min(s, p.n_split_grid);
+      const float ts = model(sc, count(sc));
+      if (ts < t_best - 1e-6f || (ts <= t_best + 1e-6f && sc > s_best)) {
+        t_best = ts;
+        s_best = sc;
+      }
+    }
+  }
+  // Item -> (request, token, chunk): the prefix of q_len_r k_r in request order.
+  DealtItem d{0, 0, 0, 0};
+  int before = 0;
+#pragma unroll
+  for (int j = 0; j < kDealPerLane; ++j) {
+    if (j < nb) {
+      const int k = deal_items(pos[j], s_best * kSplitKV), v = q_len[j] * k;
+      int incl = v;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int x = __shfl_up_sync(0xffffffff, incl, o);
+        if (lane >= o) incl += x;
+      }
+      const unsigned hit = __ballot_sync(0xffffffff, v > 0 && item >= before + incl - v && item < before + incl);
+      if (d.chunks == 0 && hit != 0) {
+        const int src = __ffs(hit) - 1;
+        const int off = item - (before + __shfl_sync(0xffffffff, incl - v, src));
+        const int kr = __shfl_sync(0xffffffff, k, src);
+        d.req = 32 * j + src;
+        d.t = __shfl_sync(0xffffffff, q0s[j], src) + off / kr;
+        d.chunk = off % kr;
+        d.chunks = kr;
+      }
+      before += __shfl_sync(0xffffffff, incl, 31);
+    }
+  }
+  return d;
 }
 
 // ---- constant-time walk (CT binaries: policies strict / request) -----------------
@@ -735,7 +868,7 @@ __global__ void __launch_bounds__(kHead) merge_kernel(const Params p) {
     // its dependent loads (query_start_loc, then seq_lens) run under the decode grid's tail rather
     // than after it. The constant-time merges (WALK 1, 2) keep their order (their SASS is the one
     // G4 measured).
-    const Work w = work_of(p, t, -1, 0, true);
+    const Work w = work_of(p, t, -1, 0, 1, true);
     n_split = w.n_split;
     if constexpr (v2::kWindow) s_first = w.s_lo;
   }
@@ -1276,8 +1409,18 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   uint8_t* smem_ptr = smem_raw + pad;
   const uint32_t smem = raw + pad;
   const Barriers<STAGES> bar{smem + L::kOffBar};
-  const int kvh = blockIdx.x, chunk = blockIdx.z;
-  int t = blockIdx.y, req = -1;
+  const int kvh = blockIdx.x;
+  int t = blockIdx.y, req = -1, chunk = blockIdx.z, chunks = gridDim.z;
+  if constexpr (kWalk<OPT> == 0 && WRITE_PARTIALS) {
+    if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is an item
+      const DealtItem d = dealt_item(p, blockIdx.y);
+      if (d.chunks == 0) return;  // past the step's items: the whole CTA, before any barrier
+      t = d.t;
+      req = d.req;
+      chunk = d.chunk;
+      chunks = d.chunks;
+    }
+  }
   if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule (order_kernel)
     const int2 e = reinterpret_cast<const int2*>(p.order)[blockIdx.y];
     t = e.x;
@@ -1291,7 +1434,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     // fast path has it (token t is request t), under work_of's loads instead of after them (the
     // producer's split_ids waits on work_of's request). A hint: another request or split only
     // misses as before. Token t < num_seqs has a table row; chunk < the table's splits.
-    if (threadIdx.x == 128 && p.order == nullptr && t < p.num_seqs)
+    if (threadIdx.x == 128 && p.order == nullptr && p.deal_rows == 0 && t < p.num_seqs)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(p.block_table + static_cast<int64_t>(t) * p.bt_stride +
                                                  chunk * (kSplitKV / p.block_size)));
   }
@@ -1299,7 +1442,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   if constexpr (kWalk<OPT> != 0)
     w = work_ct<kWalk<OPT>>(p, t, chunk, WRITE_PARTIALS);
   else
-    w = work_of(p, t, req, chunk, WRITE_PARTIALS);
+    w = work_of(p, t, req, chunk, chunks, WRITE_PARTIALS);
   // Whole 128-position steps: the walk's 64-position stages rounded up to an even count
   // (off: of the true length; CT: of the bucket, a public count). A split (512) is four
   // steps, so n_split, the split schedule and the merge are unchanged; the producer reads
@@ -1390,6 +1533,11 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // request's table line must hold its reserved pages up to its bucket (the address
 // rule: ops.paged_attention checks it); order_ws is ignored; -8 when num_seqs < 1 or
 // a bucket argument is out of range. Off variants ignore these.
+// deal_slots (policy off, split mode; CT variants and fold mode ignore it): > 0 deals the splits
+// on the device from the true lengths (dealt_item) for that many resident CTAs, with deal_cost a
+// CTA's cost in splits (< 0: the one-wave dealing); spp then only sizes nothing (the grid is
+// num_tokens + deal_slots / num_kv_heads items); 0 keeps the fixed schedule; -12 when
+// deal_slots < 0 or a dealt launch has more than kDealMaxReqs requests.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -1398,7 +1546,8 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                int num_heads, int num_kv_heads, int block_size, float qk_scale, int causal,
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
                                int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
-                               int window, float cap_pre, float cap_post, const float* sinks, void* stream) {
+                               int window, float cap_pre, float cap_post, const float* sinks, int deal_slots,
+                               float deal_cost, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1455,11 +1604,16 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   ct::set_walk_params(p, l_scalar, bucket, max_blocks);
   if (ct && (num_seqs < 1 || max_blocks < 1 || ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
     return -8;
-  const int chunks = split ? (n_split_grid + spp - 1) / spp : 1;
+  // The dealt schedule (policy off, split mode): num_tokens + rows items (dealt_item).
+  const bool dealt = split && !ct && deal_slots > 0;
+  if (deal_slots < 0 || (dealt && num_seqs > kDealMaxReqs)) return -12;
+  p.deal_rows = dealt ? (deal_slots / num_kv_heads > 0 ? deal_slots / num_kv_heads : 1) : 0;
+  p.deal_cost = deal_cost;
+  const int chunks = dealt ? 1 : split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
-  if (num_tokens > 65535 || chunks > 65535) return -6;
+  if (num_tokens > 65535 || chunks > 65535 || num_tokens + p.deal_rows > 65535) return -6;
   if (split && (reinterpret_cast<uintptr_t>(ws_acc) & 15)) return -9;  // the merge's 16-byte cp.async
-  const dim3 grid(num_kv_heads, num_tokens, chunks);
+  const dim3 grid(num_kv_heads, num_tokens + p.deal_rows, chunks);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (is_bf16)
     return split ? launch_variant<true, true>(variant, tq, tk, tv, p, grid, st)
@@ -1471,3 +1625,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
 // The head size this library's binaries take (128; 64, 80 or 96 in the libraries built with -DDHP_HEAD):
 // ops.cuda_decode checks it when it loads a library.
 extern "C" int dhp_decode_sm90_head_size() { return dhp::kModelHead; }
+
+// The most requests a dealt launch reads (kDealMaxReqs): ops.cuda_decode routes larger steps to the
+// fixed schedule.
+extern "C" int dhp_decode_sm90_deal_max_reqs() { return dhp::kDealMaxReqs; }

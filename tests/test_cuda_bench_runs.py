@@ -73,6 +73,8 @@ def test_benches_refuse_without_gpu(bench, argv, capsys):
     (cuda_prefill, ["--bucket", "2048", "--shapes", "causal-4k"], "--bucket 2048 is shorter than shape causal-4k"),
     (cuda_decode, ["--variants", "fa3,exp_v2,cuda_p2x2_pv_ef"], "unknown variant(s) ['exp_v2', 'cuda_p2x2_pv_ef']; "
                                                                 "accepted: fa3, triton_off, cuda_<auto|v2>"),
+    (cuda_decode, ["--variants", "cuda_auto:deal0,cuda_auto:dealx"], "unknown variant(s) ['cuda_auto:deal0', "
+                                                                     "'cuda_auto:dealx']"),
     (cuda_decode, ["--variants", "cuda_ct_v2"], "variant(s) ['cuda_ct_v2'] without --bucket"),
 ])
 def test_benches_refuse_unknown_rows_before_the_gpu(bench, argv, why, capsys):
@@ -151,3 +153,18 @@ def test_sustained_table_and_plot(tmp_path):
     else:
         assert why is None and (tmp_path / "s.png").stat().st_size > 1000
         assert "no DHP row" in sustained.plot(rows[:1], str(tmp_path / "t.png"))
+
+
+def test_decode_rows_name_the_dealing():
+    """``cuda_<variant>:...`` rows of benchmarks.cuda_decode: the keywords each passes to decode_sm90."""
+    v = cuda_decode._cuda_variant
+    assert v("cuda_auto") == ("auto", dict(order=None))
+    assert v("cuda_auto:fixed") == ("auto", dict(deal=0))
+    assert v("cuda_auto:deal264") == ("auto", dict(deal=264, deal_cost=None))
+    assert v("cuda_auto:deal528c-1") == ("auto", dict(deal=528, deal_cost=-1.0))
+    assert v("cuda_v2:deal132c0.5") == ("v2", dict(deal=132, deal_cost=0.5))
+    assert v("cuda_auto:spp8") == ("auto", dict(spp=8))
+    assert v("cuda_auto:fold") == ("auto", dict(mode="fold"))
+    assert v("cuda_auto:lpt") == ("auto", dict(order=True))
+    for bad in ("cuda_auto:deal0", "cuda_auto:deal", "cuda_auto:deal5c", "cuda_x:fixed", "fa3"):
+        assert v(bad) is None, bad

@@ -49,6 +49,12 @@ def test_variant_and_mode_refused(monkeypatch):
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match=r"spp is .*; accepted: None or an int >= 1"):
             decode_sm90(*cpu_step(), scale=0.1, spp=bad)
+    for bad in (-1, 2.0, True, "264"):
+        with pytest.raises(ValueError, match=r"deal is .*; accepted: None or an int >= 0"):
+            decode_sm90(*cpu_step(), scale=0.1, deal=bad)
+    for bad in (float("nan"), float("inf"), False, "0.1"):
+        with pytest.raises(ValueError, match=r"deal_cost is .*; accepted: None or a finite number"):
+            decode_sm90(*cpu_step(), scale=0.1, deal_cost=bad)
 
 
 SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
@@ -88,6 +94,27 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
     assert not longest_first(fold, 133, 8)  # past 4 waves the tail is short: not worth the launch
     assert not longest_first(fold, 33, 8)  # 264 CTAs: one wave, nothing to reorder
     assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking
+
+
+def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read():
+    """The device's dealing (csrc dealt_item) runs policy-off split-mode launches whose dealing is not
+    forced, over the plan's slots with the model's CTA cost; the fixed dealing elsewhere; a forced
+    dealing of a step with more requests than a dealt launch reads is refused, naming the limit."""
+    from dhp_backend.ops.cuda_decode import deal_args
+    from dhp_backend.ops.geometry import CTA_COST_IN_SPLITS
+
+    split, fold = {"split": True, "slots": 264}, {"split": False, "slots": 264}
+    assert deal_args(split, False, None, 16, 256, None, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, 256, 256, None, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, 257, 256, None, None) == (0, 0.0)  # more requests than it reads
+    assert deal_args(split, True, None, 16, 256, None, None) == (0, 0.0)  # constant time: no true lengths
+    assert deal_args(split, False, 8, 16, 256, None, None) == (0, 0.0)  # spp forced: the fixed dealing
+    assert deal_args(fold, False, None, 16, 256, None, None) == (0, 0.0)  # fold mode: one CTA a row
+    assert deal_args(split, False, None, 16, 256, 0, None) == (0, 0.0)  # forced off
+    assert deal_args(split, False, None, 16, 256, 100, -1.0) == (100, -1.0)
+    with pytest.raises(ValueError, match=r"deal is 100 for a step of 300 requests; accepted: None or 0 for "
+                                         r"steps of more than 256 requests"):
+        deal_args(split, False, None, 300, 256, 100, None)
 
 
 def _select_ex2(a, m):

@@ -294,6 +294,79 @@ def test_longest_first_schedule_keeps_the_bits():
 
 
 
+def test_dealt_schedule_keeps_the_bits():
+    """Split mode's dealing on the device from the true lengths (csrc dealt_item) moves timing only:
+    mixed lengths (a short walk beside 32K ones, one just past a split boundary, drafts, an empty
+    request, padding tokens), every slot count and CTA cost of the model (1 slot: one item a token;
+    many: one split an item), the fixed dealing and fold mode give the prefill kernel's bits. The
+    split area is filled with NaN before each launch, so a split that no item stored would show; a
+    CUDA graph replayed with new lengths deals them anew with the same bits."""
+    from dhp_backend.ops import workspace as wsp
+
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    shape = [(1, 32768), (1, 4000), (3, 20000), (1, 8208), (1, 512), (2, 2), (1, 32000), (0, 0), (1, 17000)]
+    reqs = [make_request(q, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for q, s in shape]
+    step = assemble(reqs, block_size=16, gen=gen, pad_tokens=3, extra_rows=3)
+    n = int(step.query_start_loc[-1])
+    want = bits(run_prefill(step)[: step.num_tokens])
+    ws, _, _ = wsp.reserve_workspace("cuda")
+
+    def dealt(deal=None, deal_cost=None, mode="split", spp=None, out=None, check=True):
+        if check:  # a split no item stored reads NaN in the merge
+            ws.fill_(float("nan"))
+        out = torch.full_like(step.query, float("nan")) if out is None else out
+        return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
+                           deal=deal, deal_cost=deal_cost, spp=spp, check=check)
+
+    ref = reference(step, scale=SCALE, causal=True)
+    runs = [dict(), dict(deal=0), dict(mode="fold"), dict(spp=3)]
+    runs += [dict(deal=d, deal_cost=c) for d in (1, 8, 33, 132, 264, 528, 4096) for c in (None, -1.0, 0.0, 5.0)]
+    for kw in runs:
+        out = dealt(**kw)
+        assert rel_err(out, ref, n) < TOL[torch.bfloat16], kw
+        assert (out[n: step.num_tokens] == 0).all(), f"{kw}: padding rows must be zero"
+        assert torch.isnan(out[step.num_tokens:].float()).all(), f"{kw}: rows at/after num_tokens were written"
+        assert torch.equal(bits(out[: step.num_tokens]), want), f"{kw}: bits differ from the prefill kernel's"
+    out = torch.full_like(step.query, float("nan"))
+    dealt(out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dealt(out=out, check=False)
+    for trial in range(3):  # new lengths in place (each request keeps its tokens and pages)
+        q_lens = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
+        caps = [s for s in step.seq_lens.tolist()]
+        new = [c if q == 0 else random.Random(trial * 100 + i).randint(q, max(q, c)) for i, (q, c) in
+               enumerate(zip(q_lens, caps))]
+        step.seq_lens.copy_(torch.tensor(new, dtype=torch.int32, device="cuda"))
+        ws.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out[: step.num_tokens]), bits(run_prefill(step)[: step.num_tokens])), (
+            f"replay {trial}, lengths {new}")
+
+
+def test_dealt_schedule_with_more_requests_than_it_reads():
+    """A split-mode step of more requests than a dealt launch reads (csrc kDealMaxReqs) keeps the fixed
+    dealing (deal_args), with the prefill kernel's bits; a forced dealing there is refused, naming it."""
+    from dhp_backend.ops.cuda_decode import _deal_max_reqs, deal_args, plan
+
+    limit = _deal_max_reqs()
+    assert limit == 256
+    rng = random.Random(29)
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    step = decode_step(rng, gen, limit + 4, 8, 1, torch.bfloat16, 16,
+                       lens=[rng.randint(1, 3000) for _ in range(limit + 4)])
+    p = plan(step.num_tokens, limit + 4, 8, 1, step.block_table.shape[1] * 16, "bfloat16", "v2", "split")
+    assert deal_args(p, False, None, limit + 4, limit, None, None) == (0, 0.0)
+    want = bits(run_prefill(step)[: step.num_tokens])
+    out = run(step, mode="split")
+    assert torch.equal(bits(out[: step.num_tokens]), want)
+    with pytest.raises(ValueError, match="deal is 264"):
+        decode_sm90(*step.args(), torch.full_like(step.query, float("nan")), scale=SCALE, causal=True,
+                    num_tokens=step.num_tokens, mode="split", deal=264)
+
+
 # ---- the constant-time walk (bucket given: CT binaries) -----------------------------
 
 def next_pow2(n):

@@ -18,6 +18,11 @@ request's rows do not depend on which kernel, batch or policy computed them.
   "fold" mode folds inside each CTA) — both give the same bits.
 - Fold-mode launches of 1-4 waves run the step's walks longest first (a
   counting sort on the device; `longest_first`): timing only, same bits.
+- Split-mode launches deal the splits to CTAs on the device from the step's true
+  lengths (csrc ``dealt_item``: per request a chunk count, chosen by a model of the
+  waves; FA3 does the same in ``prepare_varlen_num_blocks``): the plan's fixed
+  dealing, made from the table's width, suits uniform batches and not mixed ones
+  (docs/perf-notes.md lever 68). Timing only, same bits.
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
   (the public length bucket of strict / request), the CT binaries walk the
   Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
@@ -108,9 +113,17 @@ def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, hea
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
                    i32, p, i32,  # CT: l_scalar, bucket, max_blocks
                    i32, ctypes.c_float, ctypes.c_float, p,  # features: window, cap_pre, cap_post, sinks
+                   i32, ctypes.c_float,  # the dealt schedule: deal_slots, deal_cost
                    p]
     fn.restype = i32
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _deal_max_reqs(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128) -> int:
+    """The most requests a dealt launch reads (csrc kDealMaxReqs, exported by the library)."""
+    return load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap, sinks=sinks,
+                                 head=head)).dhp_decode_sm90_deal_max_reqs()
 
 
 def validate(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, num_tokens) -> None:
@@ -163,6 +176,22 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
+def deal_args(p: dict, ct: bool, spp: int | None, num_reqs: int, max_reqs: int, deal: int | None,
+              deal_cost: float | None) -> tuple[int, float]:
+    """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``dealt_item``) for policy-off
+    split-mode launches of at most ``max_reqs`` requests whose dealing is not forced (``spp``), over
+    the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`; (0, 0.0) keeps the fixed dealing.
+    ``deal`` / ``deal_cost`` force the slots (0: the fixed dealing) and the model's CTA cost (< 0:
+    the finest dealing that fits one wave); timing hooks, same bits."""
+    if deal and num_reqs > max_reqs:
+        _fail("deal", f"{deal} for a step of {num_reqs} requests",
+              f"None or 0 for steps of more than {max_reqs} requests (the most a dealt launch reads)")
+    if not p["split"] or ct or spp is not None or num_reqs > max_reqs:
+        return 0, 0.0
+    slots = p["slots"] if deal is None else deal
+    return slots, (geometry.CTA_COST_IN_SPLITS if deal_cost is None else float(deal_cost)) if slots else 0.0
+
+
 def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
                  mode: str | None) -> str:
     """The "auto" variant of a launch: `V2`, the one binary family (policy off). The
@@ -175,6 +204,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True,
                 bucket: int | torch.Tensor | None = None, spp: int | None = None,
+                deal: int | None = None, deal_cost: float | None = None,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
@@ -195,6 +225,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     ``spp``: split mode's splits per CTA, forced (None: `plan`'s choice; a launch
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
+    ``deal`` / ``deal_cost``: the dealt schedule's slots (0: the plan's fixed dealing) and its
+    model's CTA cost (< 0: one wave), forced (None: `deal_args`'s choice; timing only, same bits).
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: as `cuda_prefill.prefill_sm90` (the feature
     library's binaries; policy off walks and merges the splits from the one holding the window's
     first position on).
@@ -209,6 +241,11 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("order", repr(order), "None (by longest_first), True, False")
     if spp is not None and (isinstance(spp, bool) or not isinstance(spp, int) or spp < 1):
         _fail("spp", repr(spp), "None or an int >= 1 (split mode's splits per CTA)")
+    if deal is not None and (isinstance(deal, bool) or not isinstance(deal, int) or deal < 0):
+        _fail("deal", repr(deal), "None or an int >= 0 (the dealt schedule's resident CTAs; 0: the fixed dealing)")
+    if deal_cost is not None and (isinstance(deal_cost, bool) or not isinstance(deal_cost, (int, float))
+                                  or not math.isfinite(deal_cost)):
+        _fail("deal_cost", repr(deal_cost), "None or a finite number (a CTA's cost in splits; < 0: one wave)")
     library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap,
                                           sinks, query)
     ct = bucket is not None
@@ -257,6 +294,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws, _, _ = wsp.reserve_workspace(query.device)
             order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
         code = VARIANTS[variant][0]
+        deal_slots, deal_c = deal_args(p, ct, spp, num_reqs, _deal_max_reqs(**library), deal, deal_cost)
         ct_args = (0, null, 0)
         if ct:
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
@@ -269,7 +307,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                       int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
                       ws_l, p["n_split_grid"], spp_arg, order_ws, *ct_args, *feature_pointers(feature_tail),
-                      stream)
+                      deal_slots, deal_c, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out
