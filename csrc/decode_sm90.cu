@@ -48,6 +48,7 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 
@@ -181,9 +182,10 @@ struct Params {
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
   // Policy off, split mode: the dealt schedule (dealt_item) when deal_rows > 0: the CTA rows of one
-  // wave per KV head (the plan's slots / num_kv_heads), and a CTA's cost in splits (the model's;
-  // geometry.CTA_COST_IN_SPLITS; < 0: the finest dealing that fits one wave, no model).
+  // wave per KV head (the plan's slots / num_kv_heads), the plan's splits per chunk, and a CTA's cost
+  // in splits (the model's; geometry.CTA_COST_IN_SPLITS).
   int deal_rows;
+  int deal_spp;  // the plan's splits per chunk (its fixed dealing)
   float deal_cost;
 };
 
@@ -212,8 +214,11 @@ struct Work {
 // state depends only on its own positions, so the bits do not change.
 
 // req: token t's request when the caller knows it (the longest-first schedule), else -1.
-// chunks: the row's chunk count in split mode (gridDim.z, or the dealt schedule's k_r).
-__device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, int chunks, bool write_partials) {
+// chunks: the row's chunk count in split mode (gridDim.z, or the dealt schedule's k_r). kq0 >= 0: req's
+// query_start_loc[req] (kq0), [req + 1] (kq1) and seq_lens[req] (klen) as the caller loaded them (the dealt
+// schedule).
+__device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chunk, int chunks, bool write_partials,
+                                        int kq0 = -1, int kq1 = 0, int klen = 0) {
   // r = the last index in [0, num_seqs] with query_start_loc[r] <= t (non-decreasing).
   // Decode steps of one token per request have query_start_loc[t] == t: two
   // independent loads settle it, where the binary search is ~log2(num_seqs)
@@ -225,6 +230,12 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   // loads follow the true lengths: work_of is the policy-off walk's only (the constant-time
   // binaries locate their token with work_ct, the same loads whatever the lengths).
   int lo = req, q0 = 0, q1 = 0, len_t = 0;
+  const bool known = kq0 >= 0;
+  if (known) {
+    q0 = kq0;
+    q1 = kq1;
+    len_t = klen;
+  }
   if (lo < 0 && t < p.num_seqs) {
     q0 = p.query_start_loc[t];
     q1 = p.query_start_loc[t + 1];
@@ -244,12 +255,12 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   Work w;
   w.req = lo;
   const bool pad = lo == p.num_seqs;
-  if (q0 != lo || q1 != lo + 1) {  // not the one-token fast path: read the request's span
+  if (!known && (q0 != lo || q1 != lo + 1)) {  // not the one-token fast path: read the request's span
     q0 = p.query_start_loc[lo];
     q1 = pad ? p.num_tokens : p.query_start_loc[lo + 1];
   }
   const int q_len = q1 - q0;
-  w.seq_len = pad ? 0 : fast ? len_t : p.seq_lens[lo];
+  w.seq_len = pad ? 0 : (fast || known) ? len_t : p.seq_lens[lo];
   const int limit = p.causal ? w.seq_len - q_len + (t - q0) + 1 : w.seq_len;
   w.ext = max(0, min(w.seq_len, limit));
   w.n_kv = (w.ext + kStep - 1) / kStep;
@@ -270,52 +281,59 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // public values (the table's width: a CUDA graph replays one grid for every batch of its size).
 // That dealing suits a batch of uniform lengths and not one of mixed lengths, where the short
 // rows' CTAs finish early and the long rows' few chunks run on a few SMs (B16, 4K-32K in a 32K
-// table: 0.91x FA3 with the plan's two chunks, 1.07x with eight; uniform 32K: 0.97x with two,
-// 0.94x with eight; docs/perf-notes.md lever 68). Under policy off the lengths are not secret, so
-// the dealing is made here, per step, from the true lengths (as FA3's prepare_varlen_num_blocks):
-// the grid is (KV heads, items), item i is chunk c of token t, and every token of request r has
-// its splits dealt round robin to k_r chunks (chunk c: s_first + c, + k_r, ...). Each split's state
-// depends only on its positions and the merge folds every split of the row in order whoever stored
-// it, so the bits are those of any other dealing (tests/test_cuda_decode_gpu.py). Every warp of
-// the CTA computes the same dealing from the same loads (no shared memory, no barrier).
+// table: 0.91-0.94x FA3 with the plan's two chunks; docs/perf-notes.md lever 68). Under policy off
+// the lengths are not secret, so the dealing is made here, per step, from the true lengths (as
+// FA3's prepare_varlen_num_blocks): the grid is (KV heads, items), item i is chunk c of token t,
+// and every token of request r has its splits dealt round robin to k_r chunks (chunk c: s_first
+// + c, + k_r, ...). Each split's state depends only on its positions and the merge folds every
+// split of the row in order whoever stored it, so the bits are those of any other dealing
+// (tests/test_cuda_decode_gpu.py). Every warp of the CTA computes the same dealing from the same
+// loads (no shared memory, no barrier), and hands its request's metadata to work_of (no second
+// round trip).
 //
 // k_r = the items of the request's walked positions w_r (from the split holding its last token's
 // window start, to its end) at S splits an item: ceil((w_r - kDealTolerance) / (512 S)), at least
 // 1 (kDealTolerance: an item may hold one step past S splits, so that a table just past a split
-// boundary is not dealt twice the splits a CTA: perf-notes lever 60). S is chosen for the step by
-// a model of the waves of deal_rows CTA rows: with C(S) items and U the positions in splits,
+// boundary is not dealt two splits a CTA: perf-notes lever 60). Two candidates for S:
+//   - the finest S whose C(S) items fit one wave of deal_rows CTA rows (mixed lengths: the long
+//     rows get more chunks, the short ones one);
+//   - the plan's S (deal_spp: its chunks for a row at the table's width; uniform lengths whose
+//     rows do not fill one wave evenly, e.g. B12 and B24 at 32K, take several waves of equal items).
+// chosen by a model of the waves: with U the positions in splits and rows = deal_rows,
 //   time(S) = min(ceil(C / rows) S, U / rows + S) + deal_cost C / rows,
-// the first term whole waves of equal items (uniform lengths), the second greedy list scheduling's
-// bound (items of mixed sizes start as others end), the last each CTA's start and end. Candidates:
-// S = 1, 2, 4, ..., n_split_grid and the finest S whose items fit one wave; ties to the larger S
-// (fewer CTAs). With deal_cost < 0: that one-wave S. The grid has num_tokens + rows items: C <= rows
-// (one wave) or C <= num_tokens (S at n_split_grid: one item a token); items past C exit at once.
-constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (ops.cuda_decode.DEAL_MAX_REQS)
+// whole waves of equal items, or greedy list scheduling's bound (items of mixed sizes start as
+// others end), plus each CTA's start and end; ties to the one-wave S. The grid holds
+// max(rows, num_tokens x the plan's chunks) items: C of either candidate fits. The items are the
+// grid's LAST C rows and the first ones exit at once: an empty CTA dispatched after the real ones
+// would hold back the merge's programmatic launch until a slot frees (measured: +7 us at B16 32K).
+constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (dhp_decode_sm90_deal_max_reqs)
 constexpr int kDealPerLane = kDealMaxReqs / 32;
 constexpr int kDealTolerance = kStep;
 
 struct DealtItem {
-  int t, req, chunk, chunks;  // chunks == 0: past the step's items (the CTA exits)
+  int t, req, chunk, chunks;  // chunks == 0: no item (the CTA exits)
+  int q0, q1, seq_len;        // the request's metadata (work_of)
 };
 
-__device__ __forceinline__ int deal_items(int pos, int cap) {  // items of pos positions at cap a item
+__device__ __forceinline__ int deal_items(int pos, int cap) {  // items of pos positions at cap an item
   return pos <= 0 ? 0 : pos <= kDealTolerance ? 1 : (pos - kDealTolerance + cap - 1) / cap;
 }
 
-__device__ __forceinline__ DealtItem dealt_item(const Params& p, int item) {
+__device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
   const int lane = threadIdx.x % 32;
-  const int nb = (p.num_seqs + 31) / 32;  // <= kDealPerLane (the host's DEAL_MAX_REQS)
-  int q_len[kDealPerLane], pos[kDealPerLane], q0s[kDealPerLane];
-  float units = 0.f, units_tol = 0.f;  // this lane's requests' positions, in splits (less the tolerance)
+  const int nb = (p.num_seqs + 31) / 32;  // <= kDealPerLane (the host's check)
+  int q_len[kDealPerLane], pos[kDealPerLane], q0s[kDealPerLane], lens[kDealPerLane];
+  float units = 0.f, units_tol = 0.f;  // the lane's requests' positions, in splits (less the tolerance)
 #pragma unroll
   for (int j = 0; j < kDealPerLane; ++j) {
-    q_len[j] = pos[j] = q0s[j] = 0;
+    q_len[j] = pos[j] = q0s[j] = lens[j] = 0;
     const int r = 32 * j + lane;
     if (j < nb && r < p.num_seqs) {
       const int q0 = p.query_start_loc[r], q1 = min(p.query_start_loc[r + 1], p.num_tokens);
       const int ext = p.seq_lens[r];  // the request's last token's extent (work_of: causal or not)
       const int first = v2::kWindow ? max(0, ext - p.window) / kSplitKV * kSplitKV : 0;
       q0s[j] = q0;
+      lens[j] = ext;
       q_len[j] = max(0, q1 - q0);
       pos[j] = max(0, min(ext, p.n_split_grid * kSplitKV) - first);
       units += static_cast<float>(q_len[j]) * (static_cast<float>(pos[j]) / kSplitKV);
@@ -335,41 +353,40 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int item) {
       if (j < nb) c += q_len[j] * deal_items(pos[j], s * kSplitKV);
     return __reduce_add_sync(0xffffffff, c);
   };
-  // The finest S whose items fit one wave: from the bound up (C(S) >= units_tol / S: S below
-  // units_tol / rows does not fit).
-  int lo = max(1, static_cast<int>(units_tol / rows)), hi = p.n_split_grid;
-  if (lo > hi) lo = hi;
-  if (count(lo) > rows) {
-    ++lo;
-    while (lo < hi) {  // C is non-increasing in S
-      const int mid = (lo + hi) / 2;
-      if (count(mid) <= rows) hi = mid; else lo = mid + 1;
+  // The finest S whose items fit one wave: S below units_tol / rows does not (C(S) >= units_tol / S),
+  // and C is non-increasing in S. None fits when the tokens outnumber the rows: then one item a token.
+  int lo = min(max(1, static_cast<int>(units_tol / rows)), p.n_split_grid), hi = p.n_split_grid;
+  int c_lo = count(lo);
+  if (c_lo > rows) {
+    int ok = hi, c_ok = count(hi);
+    while (lo + 1 < ok) {  // invariant: count(lo) > rows; ok fits, or is n_split_grid
+      const int mid = (lo + ok) / 2, c_mid = count(mid);
+      if (c_mid <= rows) { ok = mid; c_ok = c_mid; } else lo = mid;
     }
+    lo = ok;
+    c_lo = c_ok;
   }
-  int s_best = lo;
-  if (p.deal_cost >= 0.f) {
+  int s = lo, c = c_lo;
+  {  // the plan's S, by the model
+    const int sp = min(p.deal_spp, p.n_split_grid), cp = count(sp);
     const float u_rows = units / rows;
-    auto model = [&](int s, int c) {
-      const float waves = static_cast<float>((c + rows - 1) / rows);
-      return fminf(waves * s, u_rows + s) + p.deal_cost * c / rows;
+    auto model = [&](int sc, int cc) {
+      return fminf(static_cast<float>((cc + rows - 1) / rows) * sc, u_rows + sc) + p.deal_cost * cc / rows;
     };
-    float t_best = model(s_best, count(s_best));
-    for (int s = 1; s < p.n_split_grid * 2; s *= 2) {
-      const int sc = min(s, p.n_split_grid);
-      const float ts = model(sc, count(sc));
-      if (ts < t_best - 1e-6f || (ts <= t_best + 1e-6f && sc > s_best)) {
-        t_best = ts;
-        s_best = sc;
-      }
+    if (cp <= static_cast<int>(gridDim.y) && model(sp, cp) < model(s, c)) {
+      s = sp;
+      c = cp;
     }
   }
+  DealtItem d{0, 0, 0, 0, 0, 0, 0};
+  const int item = grid_row - (static_cast<int>(gridDim.y) - c);  // the last c grid rows
+  if (item < 0) return d;
   // Item -> (request, token, chunk): the prefix of q_len_r k_r in request order.
-  DealtItem d{0, 0, 0, 0};
   int before = 0;
 #pragma unroll
   for (int j = 0; j < kDealPerLane; ++j) {
     if (j < nb) {
-      const int k = deal_items(pos[j], s_best * kSplitKV), v = q_len[j] * k;
+      const int k = deal_items(pos[j], s * kSplitKV), v = q_len[j] * k;
       int incl = v;
 #pragma unroll
       for (int o = 1; o < 32; o *= 2) {
@@ -382,7 +399,10 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int item) {
         const int off = item - (before + __shfl_sync(0xffffffff, incl - v, src));
         const int kr = __shfl_sync(0xffffffff, k, src);
         d.req = 32 * j + src;
-        d.t = __shfl_sync(0xffffffff, q0s[j], src) + off / kr;
+        d.q0 = __shfl_sync(0xffffffff, q0s[j], src);
+        d.q1 = d.q0 + __shfl_sync(0xffffffff, q_len[j], src);
+        d.seq_len = __shfl_sync(0xffffffff, lens[j], src);
+        d.t = d.q0 + off / kr;
         d.chunk = off % kr;
         d.chunks = kr;
       }
@@ -1411,14 +1431,18 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const Barriers<STAGES> bar{smem + L::kOffBar};
   const int kvh = blockIdx.x;
   int t = blockIdx.y, req = -1, chunk = blockIdx.z, chunks = gridDim.z;
+  int kq0 = -1, kq1 = 0, klen = 0;  // the dealt schedule's request metadata (work_of)
   if constexpr (kWalk<OPT> == 0 && WRITE_PARTIALS) {
-    if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is an item
+    if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is a grid row of items
       const DealtItem d = dealt_item(p, blockIdx.y);
-      if (d.chunks == 0) return;  // past the step's items: the whole CTA, before any barrier
+      if (d.chunks == 0) return;  // before the step's items: the whole CTA, before any barrier
       t = d.t;
       req = d.req;
       chunk = d.chunk;
       chunks = d.chunks;
+      kq0 = d.q0;
+      kq1 = d.q1;
+      klen = d.seq_len;
     }
   }
   if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule (order_kernel)
@@ -1442,7 +1466,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   if constexpr (kWalk<OPT> != 0)
     w = work_ct<kWalk<OPT>>(p, t, chunk, WRITE_PARTIALS);
   else
-    w = work_of(p, t, req, chunk, chunks, WRITE_PARTIALS);
+    w = work_of(p, t, req, chunk, chunks, WRITE_PARTIALS, kq0, kq1, klen);
   // Whole 128-position steps: the walk's 64-position stages rounded up to an even count
   // (off: of the true length; CT: of the bucket, a public count). A split (512) is four
   // steps, so n_split, the split schedule and the merge are unchanged; the producer reads
@@ -1535,9 +1559,9 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // a bucket argument is out of range. Off variants ignore these.
 // deal_slots (policy off, split mode; CT variants and fold mode ignore it): > 0 deals the splits
 // on the device from the true lengths (dealt_item) for that many resident CTAs, with deal_cost a
-// CTA's cost in splits (< 0: the one-wave dealing); spp then only sizes nothing (the grid is
-// num_tokens + deal_slots / num_kv_heads items); 0 keeps the fixed schedule; -12 when
-// deal_slots < 0 or a dealt launch has more than kDealMaxReqs requests.
+// CTA's cost in splits and spp the plan's dealing (one of its two candidates); 0 keeps the fixed
+// schedule (spp splits a chunk); -12 when deal_slots < 0 or a dealt launch has more than
+// kDealMaxReqs requests.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -1604,16 +1628,21 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   ct::set_walk_params(p, l_scalar, bucket, max_blocks);
   if (ct && (num_seqs < 1 || max_blocks < 1 || ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
     return -8;
-  // The dealt schedule (policy off, split mode): num_tokens + rows items (dealt_item).
+  // The dealt schedule (policy off, split mode): max(rows, num_tokens x the plan's chunks) grid rows
+  // (dealt_item: either candidate's items fit).
   const bool dealt = split && !ct && deal_slots > 0;
   if (deal_slots < 0 || (dealt && num_seqs > kDealMaxReqs)) return -12;
+  const int plan_chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   p.deal_rows = dealt ? (deal_slots / num_kv_heads > 0 ? deal_slots / num_kv_heads : 1) : 0;
+  p.deal_spp = spp;
   p.deal_cost = deal_cost;
-  const int chunks = dealt ? 1 : split ? (n_split_grid + spp - 1) / spp : 1;
   if (num_tokens <= 0) return 0;
-  if (num_tokens > 65535 || chunks > 65535 || num_tokens + p.deal_rows > 65535) return -6;
+  const int64_t rows_y = dealt ? std::max<int64_t>(p.deal_rows, static_cast<int64_t>(num_tokens) * plan_chunks)
+                               : num_tokens;
+  const int chunks = dealt ? 1 : plan_chunks;
+  if (rows_y > 65535 || chunks > 65535) return -6;
   if (split && (reinterpret_cast<uintptr_t>(ws_acc) & 15)) return -9;  // the merge's 16-byte cp.async
-  const dim3 grid(num_kv_heads, num_tokens + p.deal_rows, chunks);
+  const dim3 grid(num_kv_heads, static_cast<unsigned>(rows_y), chunks);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (is_bf16)
     return split ? launch_variant<true, true>(variant, tq, tk, tv, p, grid, st)

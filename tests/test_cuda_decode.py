@@ -103,18 +103,19 @@ def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read():
     from dhp_backend.ops.cuda_decode import deal_args
     from dhp_backend.ops.geometry import CTA_COST_IN_SPLITS
 
-    split, fold = {"split": True, "slots": 264}, {"split": False, "slots": 264}
-    assert deal_args(split, False, None, 16, 256, None, None) == (264, CTA_COST_IN_SPLITS)
-    assert deal_args(split, False, None, 256, 256, None, None) == (264, CTA_COST_IN_SPLITS)
-    assert deal_args(split, False, None, 257, 256, None, None) == (0, 0.0)  # more requests than it reads
-    assert deal_args(split, True, None, 16, 256, None, None) == (0, 0.0)  # constant time: no true lengths
-    assert deal_args(split, False, 8, 16, 256, None, None) == (0, 0.0)  # spp forced: the fixed dealing
-    assert deal_args(fold, False, None, 16, 256, None, None) == (0, 0.0)  # fold mode: one CTA a row
-    assert deal_args(split, False, None, 16, 256, 0, None) == (0, 0.0)  # forced off
-    assert deal_args(split, False, None, 16, 256, 100, -1.0) == (100, -1.0)
+    split, fold = {"split": True, "slots": 264, "chunks": 2}, {"split": False, "slots": 264, "chunks": 1}
+    assert deal_args(split, False, None, 16, 16, 256, None, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, 256, 256, 256, None, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, 257, 257, 256, None, None) == (0, 0.0)  # more requests than it reads
+    assert deal_args(split, False, None, 40000, 200, 256, None, None) == (0, 0.0)  # 80000 grid rows
+    assert deal_args(split, True, None, 16, 16, 256, None, None) == (0, 0.0)  # constant time: no true lengths
+    assert deal_args(split, False, 8, 16, 16, 256, None, None) == (0, 0.0)  # spp forced: the fixed dealing
+    assert deal_args(fold, False, None, 16, 16, 256, None, None) == (0, 0.0)  # fold mode: one CTA a row
+    assert deal_args(split, False, None, 16, 16, 256, 0, None) == (0, 0.0)  # forced off
+    assert deal_args(split, False, None, 16, 16, 256, 100, 0.5) == (100, 0.5)
     with pytest.raises(ValueError, match=r"deal is 100 for a step of 300 requests; accepted: None or 0 for "
                                          r"steps of more than 256 requests"):
-        deal_args(split, False, None, 300, 256, 100, None)
+        deal_args(split, False, None, 300, 300, 256, 100, None)
 
 
 def _select_ex2(a, m):

@@ -176,17 +176,19 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
-def deal_args(p: dict, ct: bool, spp: int | None, num_reqs: int, max_reqs: int, deal: int | None,
-              deal_cost: float | None) -> tuple[int, float]:
-    """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``dealt_item``) for policy-off
-    split-mode launches of at most ``max_reqs`` requests whose dealing is not forced (``spp``), over
-    the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`; (0, 0.0) keeps the fixed dealing.
-    ``deal`` / ``deal_cost`` force the slots (0: the fixed dealing) and the model's CTA cost (< 0:
-    the finest dealing that fits one wave); timing hooks, same bits."""
+def deal_args(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int,
+              deal: int | None, deal_cost: float | None) -> tuple[int, float]:
+    """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``dealt_item``: the finest
+    dealing of the step's true lengths that fits one wave, or the plan's, by a model of the waves)
+    for policy-off split-mode launches of at most ``max_reqs`` requests whose dealing is not forced
+    (``spp``), over the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`; (0, 0.0) keeps the
+    plan's fixed dealing. ``deal`` / ``deal_cost`` force the slots (0: the fixed dealing) and the
+    model's CTA cost; timing hooks, same bits."""
     if deal and num_reqs > max_reqs:
         _fail("deal", f"{deal} for a step of {num_reqs} requests",
               f"None or 0 for steps of more than {max_reqs} requests (the most a dealt launch reads)")
-    if not p["split"] or ct or spp is not None or num_reqs > max_reqs:
+    # (the dealt grid holds num_tokens x the plan's chunks rows: csrc's grid limit)
+    if not p["split"] or ct or spp is not None or num_reqs > max_reqs or num_tokens * p["chunks"] > 65535:
         return 0, 0.0
     slots = p["slots"] if deal is None else deal
     return slots, (geometry.CTA_COST_IN_SPLITS if deal_cost is None else float(deal_cost)) if slots else 0.0
@@ -226,7 +228,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
     ``deal`` / ``deal_cost``: the dealt schedule's slots (0: the plan's fixed dealing) and its
-    model's CTA cost (< 0: one wave), forced (None: `deal_args`'s choice; timing only, same bits).
+    model's CTA cost, forced (None: `deal_args`'s choice; timing only, same bits).
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: as `cuda_prefill.prefill_sm90` (the feature
     library's binaries; policy off walks and merges the splits from the one holding the window's
     first position on).
@@ -245,7 +247,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         _fail("deal", repr(deal), "None or an int >= 0 (the dealt schedule's resident CTAs; 0: the fixed dealing)")
     if deal_cost is not None and (isinstance(deal_cost, bool) or not isinstance(deal_cost, (int, float))
                                   or not math.isfinite(deal_cost)):
-        _fail("deal_cost", repr(deal_cost), "None or a finite number (a CTA's cost in splits; < 0: one wave)")
+        _fail("deal_cost", repr(deal_cost), "None or a finite number (the dealing model's CTA cost, in splits)")
     library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap,
                                           sinks, query)
     ct = bucket is not None
@@ -294,7 +296,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
             ws, _, _ = wsp.reserve_workspace(query.device)
             order_ws = ws[: 2 * num_tokens].view(torch.int32).data_ptr()
         code = VARIANTS[variant][0]
-        deal_slots, deal_c = deal_args(p, ct, spp, num_reqs, _deal_max_reqs(**library), deal, deal_cost)
+        deal_slots, deal_c = deal_args(p, ct, spp, num_tokens, num_reqs, _deal_max_reqs(**library), deal,
+                                       deal_cost)
         ct_args = (0, null, 0)
         if ct:
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
