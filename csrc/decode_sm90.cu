@@ -185,7 +185,7 @@ struct Params {
   // wave per KV head (the plan's slots / num_kv_heads), the plan's splits per chunk, and a CTA's cost
   // in splits (the model's; geometry.CTA_COST_IN_SPLITS).
   int deal_rows;
-  int deal_spp, deal_chunks;  // the plan's splits per chunk and chunks (its fixed dealing)
+  int deal_spp;  // the plan's splits per chunk (its fixed dealing)
   float deal_cost;
 };
 
@@ -294,37 +294,32 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // k_r = the items of the request's walked positions w_r (from the split holding its last token's
 // window start, to its end) at S splits an item: ceil((w_r - kDealTolerance) / (512 S)), at least
 // 1 (kDealTolerance: an item may hold one step past S splits, so that a table just past a split
-// boundary is not dealt two splits a CTA: perf-notes lever 60). Two candidates:
+// boundary is not dealt two splits a CTA: perf-notes lever 60). Two candidates for S:
 //   - the finest S whose C(S) items fit one wave of deal_rows CTA rows (mixed lengths: the long
 //     rows get more chunks, the short ones one);
-//   - the plan's fixed dealing (S = deal_spp, deal_chunks chunks a token: uniform lengths whose rows
-//     do not fill one wave evenly, e.g. B12 and B24 at 32K, take several waves of equal items), run as
-//     the fixed schedule runs it (plan_item: its CTA order, work_of's fast path, the table prefetch);
+//   - the plan's S (deal_spp: its chunks for a row at the table's width; uniform lengths whose
+//     rows do not fill one wave evenly, e.g. B12 and B24 at 32K, take several waves of equal items).
 // chosen by a model of the waves: with U the positions in splits and rows = deal_rows,
 //   time(S) = min(ceil(C / rows) S, U / rows + S) + deal_cost C / rows,
 // whole waves of equal items, or greedy list scheduling's bound (items of mixed sizes start as
-// others end), plus each CTA's start and end. The plan's dealing wins ties within one split: at the
-// same work the fixed schedule's order measured 1-3 % faster than the dealt one (H200, uniform B1-B24,
-// 4K-32K; docs/perf-notes.md lever 69). The grid holds max(rows, num_tokens x deal_chunks) rows:
-// either candidate fits. The items are the grid's LAST rows and the first ones exit at once: an empty
-// CTA dispatched after the real ones would hold back the merge's programmatic launch until a slot
-// frees (measured: +7 us at B16 32K).
+// others end), plus each CTA's start and end; ties to the one-wave S. The grid holds
+// max(rows, num_tokens x the plan's chunks) items: C of either candidate fits. The items are the
+// grid's LAST C rows and the first ones exit at once: an empty CTA dispatched after the real ones
+// would hold back the merge's programmatic launch until a slot frees.
+//
+// Not routed (ops.cuda_decode.ROUTE_DEALT; benchmarks and tests force it): on an H200 it runs mixed
+// lengths at B8-B16 at 1.05-1.22x FA3 where the fixed dealing runs 0.91-1.13x, but at the SAME
+// dealing on uniform lengths this kernel takes 4-11 us longer (1.5-3 %; 1.5-4 us at one request),
+// with the merge unchanged, and neither the fixed schedule's CTA order nor its table prefetch took
+// that back (docs/perf-notes.md lever 69, docs/bench/decode-dealt-h200.md).
 constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (dhp_decode_sm90_deal_max_reqs)
 constexpr int kDealPerLane = kDealMaxReqs / 32;
 constexpr int kDealTolerance = kStep;
 
 struct DealtItem {
   int t, req, chunk, chunks;  // chunks == 0: no item (the CTA exits)
-  int q0, q1, seq_len;        // the request's metadata (work_of; q0 < 0: the plan's dealing, work_of reads it)
+  int q0, q1, seq_len;        // the request's metadata (work_of)
 };
-
-// The plan's dealing on the dealt grid: the fixed schedule's CTAs (token t, chunk c of deal_chunks, chunk
-// major: its launch order) on the grid's last num_tokens x deal_chunks rows.
-__device__ __forceinline__ DealtItem plan_item(const Params& p, int grid_row) {
-  const int i = grid_row - (static_cast<int>(gridDim.y) - p.num_tokens * p.deal_chunks);
-  if (i < 0) return DealtItem{0, 0, 0, 0, -1, 0, 0};
-  return DealtItem{i % p.num_tokens, -1, i / p.num_tokens, p.deal_chunks, -1, 0, 0};
-}
 
 __device__ __forceinline__ int deal_items(int pos, int cap) {  // items of pos positions at cap an item
   return pos <= 0 ? 0 : pos <= kDealTolerance ? 1 : (pos - kDealTolerance + cap - 1) / cap;
@@ -377,14 +372,17 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
     lo = ok;
     c_lo = c_ok;
   }
-  const int s = lo, c = c_lo;
-  {  // the plan's dealing, by the model
+  int s = lo, c = c_lo;
+  {  // the plan's S, by the model
     const int sp = min(p.deal_spp, p.n_split_grid), cp = count(sp);
     const float u_rows = units / rows;
     auto model = [&](int sc, int cc) {
       return fminf(static_cast<float>((cc + rows - 1) / rows) * sc, u_rows + sc) + p.deal_cost * cc / rows;
     };
-    if (model(sp, cp) <= model(s, c) + 1.f) return plan_item(p, grid_row);
+    if (cp <= static_cast<int>(gridDim.y) && model(sp, cp) < model(s, c)) {
+      s = sp;
+      c = cp;
+    }
   }
   DealtItem d{0, 0, 0, 0, 0, 0, 0};
   const int item = grid_row - (static_cast<int>(gridDim.y) - c);  // the last c grid rows
@@ -1440,25 +1438,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const int kvh = blockIdx.x;
   int t = blockIdx.y, req = -1, chunk = blockIdx.z, chunks = gridDim.z;
   int kq0 = -1, kq1 = 0, klen = 0;  // the dealt schedule's request metadata (work_of)
-  if constexpr (kWalk<OPT> == 0 && !v2::kWindow) {
-    // Policy off: warm L2 with the block-table line of the producer's first split as the decode
-    // fast path has it (token t is request t), under work_of's loads instead of after them (the
-    // producer's split_ids waits on work_of's request). A hint: another request or split only
-    // misses as before. Token t < num_seqs has a table row; chunk < the table's splits. The dealt
-    // schedule: the line of this grid row's CTA under the plan's dealing (plan_item), under the
-    // dealing's loads.
-    if (threadIdx.x == 128 && p.order == nullptr) {
-      int pt = t, pc = chunk;
-      if (WRITE_PARTIALS && p.deal_rows > 0) {
-        const DealtItem g = plan_item(p, blockIdx.y);
-        pt = g.chunks ? g.t : p.num_seqs;
-        pc = g.chunk;
-      }
-      if (pt < p.num_seqs)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p.block_table + static_cast<int64_t>(pt) * p.bt_stride +
-                                                   pc * (kSplitKV / p.block_size)));
-    }
-  }
   if constexpr (kWalk<OPT> == 0 && WRITE_PARTIALS) {
     if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is a grid row of items
       const DealtItem d = dealt_item(p, blockIdx.y);
@@ -1479,6 +1458,15 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     if (static_cast<unsigned>(t) >= static_cast<unsigned>(p.num_tokens) ||
         static_cast<unsigned>(req) > static_cast<unsigned>(p.num_seqs))
       return;
+  }
+  if constexpr (kWalk<OPT> == 0 && !v2::kWindow) {
+    // Policy off: warm L2 with the block-table line of the producer's first split as the decode
+    // fast path has it (token t is request t), under work_of's loads instead of after them (the
+    // producer's split_ids waits on work_of's request). A hint: another request or split only
+    // misses as before. Token t < num_seqs has a table row; chunk < the table's splits.
+    if (threadIdx.x == 128 && p.order == nullptr && p.deal_rows == 0 && t < p.num_seqs)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p.block_table + static_cast<int64_t>(t) * p.bt_stride +
+                                                 chunk * (kSplitKV / p.block_size)));
   }
   Work w;
   if constexpr (kWalk<OPT> != 0)
@@ -1653,7 +1641,6 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   const int plan_chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   p.deal_rows = dealt ? (deal_slots / num_kv_heads > 0 ? deal_slots / num_kv_heads : 1) : 0;
   p.deal_spp = spp;
-  p.deal_chunks = plan_chunks;
   p.deal_cost = deal_cost;
   if (num_tokens <= 0) return 0;
   const int64_t rows_y = dealt ? std::max<int64_t>(p.deal_rows, static_cast<int64_t>(num_tokens) * plan_chunks)

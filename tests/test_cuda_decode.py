@@ -96,12 +96,20 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
     assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking
 
 
-def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read():
+def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read(monkeypatch):
     """The device's dealing (csrc dealt_item) runs policy-off split-mode launches whose dealing is not
-    forced, over the plan's slots with the model's CTA cost; the fixed dealing elsewhere; a forced
-    dealing of a step with more requests than a dealt launch reads is refused, naming the limit."""
+    forced, over the plan's slots with the model's CTA cost, when routed (ROUTE_DEALT) or asked for;
+    the fixed dealing elsewhere; a forced dealing of a step with more requests than a dealt launch
+    reads is refused, naming the limit."""
+    from dhp_backend.ops import cuda_decode
     from dhp_backend.ops.cuda_decode import deal_args
     from dhp_backend.ops.geometry import CTA_COST_IN_SPLITS
+
+    assert cuda_decode.ROUTE_DEALT is False  # measured slower on uniform batches (perf-notes lever 69)
+    assert deal_args({"split": True, "slots": 264, "chunks": 2}, False, None, 16, 16, 256, None, None) == (0, 0.0)
+    assert deal_args({"split": True, "slots": 264, "chunks": 2}, False, None, 16, 16, 256, 264, None) == (
+        264, CTA_COST_IN_SPLITS)
+    monkeypatch.setattr(cuda_decode, "ROUTE_DEALT", True)
 
     split, fold = {"split": True, "slots": 264, "chunks": 2}, {"split": False, "slots": 264, "chunks": 1}
     assert deal_args(split, False, None, 16, 16, 256, None, None) == (264, CTA_COST_IN_SPLITS)

@@ -18,11 +18,12 @@ request's rows do not depend on which kernel, batch or policy computed them.
   "fold" mode folds inside each CTA) — both give the same bits.
 - Fold-mode launches of 1-4 waves run the step's walks longest first (a
   counting sort on the device; `longest_first`): timing only, same bits.
-- Split-mode launches deal the splits to CTAs on the device from the step's true
+- Split-mode launches can deal the splits to CTAs on the device from the step's true
   lengths (csrc ``dealt_item``: per request a chunk count, chosen by a model of the
   waves; FA3 does the same in ``prepare_varlen_num_blocks``): the plan's fixed
   dealing, made from the table's width, suits uniform batches and not mixed ones
-  (docs/perf-notes.md lever 68). Timing only, same bits.
+  (docs/perf-notes.md levers 68, 69). Timing only, same bits; not routed yet
+  (`ROUTE_DEALT`).
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
   (the public length bucket of strict / request), the CT binaries walk the
   Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
@@ -176,19 +177,30 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
+# Whether split-mode launches take the dealt schedule unless told (`deal_args`). Measured on an H200
+# (docs/bench/decode-dealt-h200.md, perf-notes lever 69): 1.05-1.22x FA3 on mixed lengths at B8-B16
+# where the fixed dealing runs 0.91-1.13x, but at the same dealing on uniform lengths the decode
+# kernel takes 1.5-3 % longer (7-10 % at one request; neither the fixed schedule's CTA order nor its
+# table prefetch took it back): below issue 30's decode targets (>= 1.0x at B1, >= 0.97x at B >= 16,
+# measured on uniform lengths), so not routed until that cost is found. ``deal`` forces it.
+ROUTE_DEALT = False
+
+
 def deal_args(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int,
               deal: int | None, deal_cost: float | None) -> tuple[int, float]:
     """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``dealt_item``: the finest
     dealing of the step's true lengths that fits one wave, or the plan's, by a model of the waves)
     for policy-off split-mode launches of at most ``max_reqs`` requests whose dealing is not forced
-    (``spp``), over the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`; (0, 0.0) keeps the
-    plan's fixed dealing. ``deal`` / ``deal_cost`` force the slots (0: the fixed dealing) and the
-    model's CTA cost; timing hooks, same bits."""
+    (``spp``), over the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`, when `ROUTE_DEALT` or
+    ``deal`` says so; (0, 0.0) keeps the plan's fixed dealing. ``deal`` / ``deal_cost`` force the
+    slots (0: the fixed dealing) and the model's CTA cost; timing hooks, same bits."""
     if deal and num_reqs > max_reqs:
         _fail("deal", f"{deal} for a step of {num_reqs} requests",
               f"None or 0 for steps of more than {max_reqs} requests (the most a dealt launch reads)")
     # (the dealt grid holds num_tokens x the plan's chunks rows: csrc's grid limit)
     if not p["split"] or ct or spp is not None or num_reqs > max_reqs or num_tokens * p["chunks"] > 65535:
+        return 0, 0.0
+    if deal is None and not ROUTE_DEALT:
         return 0, 0.0
     slots = p["slots"] if deal is None else deal
     return slots, (geometry.CTA_COST_IN_SPLITS if deal_cost is None else float(deal_cost)) if slots else 0.0
