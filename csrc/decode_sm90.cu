@@ -1636,7 +1636,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
     return -8;
   // The dealt schedule (policy off, split mode): max(rows, num_tokens x the plan's chunks) grid rows
   // (dealt_item: either candidate's items fit).
-  const bool dealt = split && !ct && deal_slots > 0;
+  const bool dealt = split && !ct && deal_slots > 0 && n_split_grid > 0;  // (no splits: nothing to deal)
   if (deal_slots < 0 || (dealt && num_seqs > kDealMaxReqs)) return -12;
   const int plan_chunks = split ? (n_split_grid + spp - 1) / spp : 1;
   p.deal_rows = dealt ? (deal_slots / num_kv_heads > 0 ? deal_slots / num_kv_heads : 1) : 0;
