@@ -30,7 +30,8 @@
 #   g2cuda    G2 for the csrc CUDA kernels, built with this machine's nvcc (audit sass-cuda)
 #   build     every csrc library (heads 128, 64 and 96, plain and each feature set: BUILD_HEADS, BUILD_FEATURES)
 #             into the cache, in parallel, before GPU tests that would build them one by one
-#   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS)
+#   ncudec    ncu sections + per-SASS stalls of the decode kernel vs FA3 (NCUDEC_SHAPE, NCUDEC_TARGETS: csrc
+#             variants, benchmarks.cuda_decode rows such as cuda_auto:fixed cuda_auto:deal264, or fa3)
 #   ncuprobe  ncu per-opcode and per-instruction counts of the CT prefill kernel (PROBE_SHAPE)
 # Carry: .gpu-stack/bin .gpu-stack/send/core [.gpu-stack/send/flashinfer] [.gpu-stack/send/moe, in a later call]
 set -uo pipefail
@@ -154,13 +155,14 @@ for step in "$@"; do
              # (csrc variants or fa3) on NCUDEC_SHAPE; per-SASS-line stall samples of the first target;
              # NCU_HEADS="16,8,256" for another head geometry (scripts/ncu_decode.py)
              S=${NCUDEC_SHAPE:-B16-32k}; first=1
-             for tg in ${NCUDEC_TARGETS:-v2 fa3}; do
+             for tg0 in ${NCUDEC_TARGETS:-v2 fa3}; do
+               tg=${tg0//:/-}  # (file names without ':')
                if [ "$tg" = fa3 ]; then K="--kernel-name-base demangled --kernel-name regex:FlashAttnFwd"
                else K="--kernel-name regex:decode_v2_kernel"; fi
                timeout 240 ncu --clock-control none $K --launch-skip 2 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
                  --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-                 --section SourceCounters -o "$OUT/ncudec-$tg" -f python3 scripts/ncu_decode.py $S $tg \
+                 --section SourceCounters -o "$OUT/ncudec-$tg" -f python3 scripts/ncu_decode.py $S $tg0 \
                  > "$OUT/ncudec-$tg.log" 2>&1; tail -2 "$OUT/ncudec-$tg.log"
                ncu --import "$OUT/ncudec-$tg.ncu-rep" --page details > "$OUT/ncudec-$tg-details.txt" 2>&1
                grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Warp Cycles Per Issued|Issued Warp|No Eligible|Registers Per|Achieved Occupancy|Block Limit|Stall|Mem Busy|Max Bandwidth" \
