@@ -308,7 +308,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // would hold back the merge's programmatic launch until a slot frees.
 //
 // Not routed (ops.cuda_decode.ROUTE_DEALT; benchmarks and tests force it): on an H200 it runs mixed
-// lengths at B8-B16 at 1.05-1.22x FA3 where the fixed dealing runs 0.91-1.13x, but at the SAME
+// lengths at B8-B16 at 1.04-1.22x FA3 where the fixed dealing runs 0.91-1.15x, but at the SAME
 // dealing on uniform lengths this kernel takes 4-11 us longer (1.5-3 %; 1.5-4 us at one request),
 // with the merge unchanged, and neither the fixed schedule's CTA order nor its table prefetch took
 // that back (docs/perf-notes.md lever 69, docs/bench/decode-dealt-h200.md).

@@ -178,8 +178,8 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
 
 
 # Whether split-mode launches take the dealt schedule unless told (`deal_args`). Measured on an H200
-# (docs/bench/decode-dealt-h200.md, perf-notes lever 69): 1.05-1.22x FA3 on mixed lengths at B8-B16
-# where the fixed dealing runs 0.91-1.13x, but at the same dealing on uniform lengths the decode
+# (docs/bench/decode-dealt-h200.md, perf-notes lever 69): 1.04-1.22x FA3 on mixed lengths at B8-B16
+# where the fixed dealing runs 0.91-1.15x, but at the same dealing on uniform lengths the decode
 # kernel takes 1.5-3 % longer (7-10 % at one request; neither the fixed schedule's CTA order nor its
 # table prefetch took it back): below issue 30's decode targets (>= 1.0x at B1, >= 0.97x at B >= 16,
 # measured on uniform lengths), so not routed until that cost is found. ``deal`` forces it.
