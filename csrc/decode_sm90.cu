@@ -7,8 +7,9 @@
 // The off binary is NOT constant-time, on purpose: the KV trip count follows
 // the true length (n_kv from seq_len and the causal diagonal), the mask and V-tail
 // branches and the row-guarded stores too, and so do the splits a CTA walks and
-// stores (split_schedule) and the number of splits merge_kernel folds. That is the
-// contract of policy `off` only.
+// stores (split_schedule; with the dealt schedule also which token and chunk a grid
+// row runs: dealt_item reads every request's length) and the number of splits
+// merge_kernel folds. That is the contract of policy `off` only.
 // The CT binaries (option kConstTime, GROUP <= 16) run decode steps of the
 // constant-time policies on the walk of the Triton CONST_TIME binaries, with the off
 // binary's bits (see "constant-time walk" below and consume_v2).
@@ -1439,6 +1440,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const int kvh = blockIdx.x;
   int t = blockIdx.y, req = -1, chunk = blockIdx.z, chunks = gridDim.z;
   int kq0 = -1, kq1 = 0, klen = 0;  // the dealt schedule's request metadata (work_of)
+  // The dealt schedule reads the true lengths: policy-off split binaries only (kWalk 0); the CT
+  // binaries do not compile it, their grid row is their token as before (work_ct).
   if constexpr (kWalk<OPT> == 0 && WRITE_PARTIALS) {
     if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is a grid row of items
       const DealtItem d = dealt_item(p, blockIdx.y);
