@@ -313,7 +313,7 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // dealing on uniform lengths this kernel takes 4-11 us longer (1.5-3 %; 1.5-4 us at one request),
 // with the merge unchanged, and neither the fixed schedule's CTA order nor its table prefetch took
 // that back (docs/perf-notes.md lever 69, docs/bench/decode-dealt-h200.md). The cost followed the
-// search's probes of count below; a cheaper search with the same result (commit e66d5eb) awaits a GPU run.
+// search's probes; the search below is the cheaper one written after those runs (not yet measured).
 constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (dhp_decode_sm90_deal_max_reqs)
 constexpr int kDealPerLane = kDealMaxReqs / 32;
 constexpr int kDealTolerance = kStep;
@@ -332,11 +332,18 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
   const int nb = (p.num_seqs + 31) / 32;  // <= kDealPerLane (the host's check)
   int q_len[kDealPerLane], pos[kDealPerLane], q0s[kDealPerLane], lens[kDealPerLane];
   float units = 0.f, units_tol = 0.f;  // the lane's requests' positions, in splits (less the tolerance)
+  int n_work = 0;                      // the lane's tokens with positions: C(n_split_grid), one item each
+  // (The loops over the lanes' request blocks stop at nb: unrolled, the arrays stay in registers, and
+  // a step of B <= 32 requests runs one block, not kDealPerLane predicated ones.)
 #pragma unroll
   for (int j = 0; j < kDealPerLane; ++j) {
     q_len[j] = pos[j] = q0s[j] = lens[j] = 0;
+  }
+#pragma unroll
+  for (int j = 0; j < kDealPerLane; ++j) {
+    if (j >= nb) break;
     const int r = 32 * j + lane;
-    if (j < nb && r < p.num_seqs) {
+    if (r < p.num_seqs) {
       const int q0 = p.query_start_loc[r], q1 = min(p.query_start_loc[r + 1], p.num_tokens);
       const int ext = p.seq_lens[r];  // the request's last token's extent (work_of: causal or not)
       const int first = v2::kWindow ? max(0, ext - p.window) / kSplitKV * kSplitKV : 0;
@@ -346,6 +353,7 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
       pos[j] = max(0, min(ext, p.n_split_grid * kSplitKV) - first);
       units += static_cast<float>(q_len[j]) * (static_cast<float>(pos[j]) / kSplitKV);
       units_tol += static_cast<float>(q_len[j]) * (static_cast<float>(max(0, pos[j] - kDealTolerance)) / kSplitKV);
+      n_work += pos[j] > 0 ? q_len[j] : 0;
     }
   }
 #pragma unroll
@@ -353,21 +361,37 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
     units += __shfl_xor_sync(0xffffffff, units, o);
     units_tol += __shfl_xor_sync(0xffffffff, units_tol, o);
   }
+  n_work = __reduce_add_sync(0xffffffff, n_work);
   const int rows = p.deal_rows;
   auto count = [&](int s) {  // items at s splits an item, the warp's sum
     int c = 0;
 #pragma unroll
-    for (int j = 0; j < kDealPerLane; ++j)
-      if (j < nb) c += q_len[j] * deal_items(pos[j], s * kSplitKV);
+    for (int j = 0; j < kDealPerLane; ++j) {
+      if (j >= nb) break;
+      c += q_len[j] * deal_items(pos[j], s * kSplitKV);
+    }
     return __reduce_add_sync(0xffffffff, c);
   };
   // The finest S whose items fit one wave: S below units_tol / rows does not (C(S) >= units_tol / S),
-  // and C is non-increasing in S. None fits when the tokens outnumber the rows: then one item a token.
-  int lo = min(max(1, static_cast<int>(units_tol / rows)), p.n_split_grid), hi = p.n_split_grid;
-  int c_lo = count(lo);
-  if (c_lo > rows) {
-    int ok = hi, c_ok = count(hi);
-    while (lo + 1 < ok) {  // invariant: count(lo) > rows; ok fits, or is n_split_grid
+  // and C is non-increasing in S, down to n_work at S = n_split_grid (a row's walk is at most that). None
+  // fits when the working tokens outnumber the rows: then one item a token. Else from the bound up, in
+  // steps 1, 2, 4, ... to a fitting S, then bisection: the fitting S lies a few past the bound in the
+  // shapes measured (B16 32K: 4 probes of count, B1 32K: 2, where a bisection over [bound, n_split_grid]
+  // took 7-8; the same S and count as the bisection alone over 30,000 random steps, simulated).
+  const int hi = p.n_split_grid;
+  int lo = min(max(1, static_cast<int>(units_tol / rows)), hi);
+  int c_lo = n_work > rows ? n_work : count(lo);
+  if (n_work > rows) {
+    lo = hi;
+  } else if (c_lo > rows) {
+    int ok, c_ok;
+    for (int step = 1;; step *= 2) {  // count(lo) > rows; stops at hi at the latest (count(hi) fits)
+      ok = min(lo + step, hi);
+      c_ok = ok == hi ? n_work : count(ok);
+      if (c_ok <= rows) break;
+      lo = ok;
+    }
+    while (lo + 1 < ok) {  // invariant: count(lo) > rows, count(ok) <= rows
       const int mid = (lo + ok) / 2, c_mid = count(mid);
       if (c_mid <= rows) { ok = mid; c_ok = c_mid; } else lo = mid;
     }
@@ -393,7 +417,8 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
   int before = 0;
 #pragma unroll
   for (int j = 0; j < kDealPerLane; ++j) {
-    if (j < nb) {
+    if (j >= nb) break;
+    {
       const int k = deal_items(pos[j], s * kSplitKV), v = q_len[j] * k;
       int incl = v;
 #pragma unroll
