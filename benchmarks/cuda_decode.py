@@ -80,15 +80,17 @@ def _table_width(name: str) -> int:
 SHAPES = [f"B{b}-{c}k" for b, c in ((1, 4), (1, 16), (1, 32), (4, 4), (4, 16), (4, 32), (16, 4), (16, 32),
                                      (64, 4), (64, 32), (256, 1), (256, 4), (256, 16))] + ["B256-r2k", "B64-r32k"]
 DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VARIANTS])
-# cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]]: fold mode's schedule forced
+# cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>][r]]: fold mode's schedule forced
 # off (grid order) or on (longest first), split mode's splits per CTA forced to N, the mode itself forced
 # (fold: each CTA walks and folds its row's splits, no merge launch; split: split states, then the
 # merge), split mode's fixed dealing (the plan's chunks: no dealing on the device), or the device's
-# dealing over N slots with the model's CTA cost (negative: one wave) (timing only; same bits).
+# dealing over N slots with the model's CTA cost (negative: one wave): its table made in each timed
+# call, or with "r" once before the timing (a step's later layers, which read the first one's table)
+# (timing only; same bits).
 ORDERS = {"": None, "grid": False, "lpt": True}
 MODES_FORCED = ("fold", "split")
 ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>"
-                 "[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]], "
+                 "[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>][r]], "
                  f"and with --bucket triton_strict, cuda_ct_<{'|'.join([AUTO, *CT_VARIANTS])}>")
 
 
@@ -96,14 +98,17 @@ def kv_bytes(reqs) -> int:
     return sum(s for _, s in reqs) * cp.HKV * cp.D * 2 * 2
 
 
-def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None, deal=None, deal_cost=None):
+def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None, deal=None, deal_cost=None,
+            deal_reuse=False):
+    """A launch of step ``st``; with ``deal_reuse`` the dealing's table is made here, once, and the
+    launch returned reads it (the caller times it before another step's launch makes another)."""
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
     kw = dict(scale=cp.SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp,
               deal=deal, deal_cost=deal_cost)
-    decode_sm90(*args, **kw)  # the metadata checked once
-    return lambda: decode_sm90(*args, **kw, check=False)
+    decode_sm90(*args, **kw)  # the metadata checked once (and the dealing's table made)
+    return lambda: decode_sm90(*args, **kw, check=False, deal_reuse=deal_reuse)
 
 
 def prefill_rows(st):
@@ -150,7 +155,7 @@ def kernel_times(replays, n: int = 20) -> dict[str, float]:
 
 
 def _cuda_variant(name: str):
-    """``cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>]]`` -> (variant,
+    """``cuda_<variant>[:grid|:lpt|:spp<N>|:fold|:split|:fixed|:deal<N>[c<cost>][r]]`` -> (variant,
     `cuda_fn` keywords), or None for another name."""
     v, _, o = name[5:].partition(":")
     known = v in VARIANTS or v == AUTO
@@ -160,9 +165,10 @@ def _cuda_variant(name: str):
         return v, dict(spp=int(o[3:]))
     if o == "fixed":
         return v, dict(deal=0)
-    m = re.fullmatch(r"deal([1-9][0-9]*)(?:c(-?[0-9]+(?:\.[0-9]+)?))?", o)
+    m = re.fullmatch(r"deal([1-9][0-9]*)(?:c(-?[0-9]+(?:\.[0-9]+)?))?(r?)", o)
     if m:
-        return v, dict(deal=int(m[1]), deal_cost=None if m[2] is None else float(m[2]))
+        kw = dict(deal=int(m[1]), deal_cost=None if m[2] is None else float(m[2]))
+        return v, dict(kw, deal_reuse=True) if m[3] else kw
     if o in MODES_FORCED:
         return v, dict(mode=o)
     return (v, dict(order=ORDERS[o])) if o in ORDERS else None
@@ -297,6 +303,8 @@ def main(argv=None):
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 else:  # cuda_<variant>[:...] (main refused any other name)
                     variant, kw = _cuda_variant(name)
+                    if kw.get("deal_reuse"):  # both sets replay the one table: the same step's metadata
+                        assert all(torch.equal(sets[0][k], sets[1][k]) for k in ("qsl", "sl")), name
                     fns = [cuda_fn(s, variant, **kw) for s in sets]
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
                 if profiled:

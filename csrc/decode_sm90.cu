@@ -8,7 +8,7 @@
 // the true length (n_kv from seq_len and the causal diagonal), the mask and V-tail
 // branches and the row-guarded stores too, and so do the splits a CTA walks and
 // stores (split_schedule; with the dealt schedule also which token and chunk a grid
-// row runs: dealt_item reads every request's length) and the number of splits
+// row runs: deal_kernel reads every request's length) and the number of splits
 // merge_kernel folds. That is the contract of policy `off` only.
 // The CT binaries (option kConstTime, GROUP <= 16) run decode steps of the
 // constant-time policies on the walk of the Triton CONST_TIME binaries, with the off
@@ -182,9 +182,11 @@ struct Params {
   int window;
   float cap_pre, cap_post;
   const float* sinks;  // [num_heads] float32 (sink libraries)
-  // Policy off, split mode: the dealt schedule (dealt_item) when deal_rows > 0: the CTA rows of one
-  // wave per KV head (the plan's slots / num_kv_heads), the plan's splits per chunk, and a CTA's cost
-  // in splits (the model's; geometry.CTA_COST_IN_SPLITS).
+  // Policy off, split mode: the dealt schedule when deal_table != nullptr: grid row y's item is
+  // deal_table[8 y .. 8 y + 7] (deal_kernel writes it). deal_kernel's inputs: the CTA rows of one
+  // wave per KV head (the plan's slots / num_kv_heads, at most the grid's rows), the plan's splits
+  // per chunk, and a CTA's cost in splits (the model's; geometry.CTA_COST_IN_SPLITS).
+  const int* deal_table;
   int deal_rows;
   int deal_spp;  // the plan's splits per chunk (its fixed dealing)
   float deal_cost;
@@ -277,20 +279,24 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
   return w;
 }
 
-// ---- the dealt schedule (policy off, split mode: p.deal_rows > 0) -----------------------
+// ---- the dealt schedule (policy off, split mode: p.deal_table != nullptr) ----------------
 // The fixed split schedule deals every row's splits to gridDim.z chunks chosen on the host from
 // public values (the table's width: a CUDA graph replays one grid for every batch of its size).
 // That dealing suits a batch of uniform lengths and not one of mixed lengths, where the short
 // rows' CTAs finish early and the long rows' few chunks run on a few SMs (B16, 4K-32K in a 32K
 // table: 0.91-0.94x FA3 with the plan's two chunks; docs/perf-notes.md lever 68). Under policy off
-// the lengths are not secret, so the dealing is made here, per step, from the true lengths (as
-// FA3's prepare_varlen_num_blocks): the grid is (KV heads, items), item i is chunk c of token t,
-// and every token of request r has its splits dealt round robin to k_r chunks (chunk c: s_first
-// + c, + k_r, ...). Each split's state depends only on its positions and the merge folds every
-// split of the row in order whoever stored it, so the bits are those of any other dealing
-// (tests/test_cuda_decode_gpu.py). Every warp of the CTA computes the same dealing from the same
-// loads (no shared memory, no barrier), and hands its request's metadata to work_of (no second
-// round trip).
+// the lengths are not secret, so the dealing is made on the device, per step, from the true
+// lengths, by a small kernel of its own (deal_kernel, as FA3's prepare_varlen_num_blocks) into a
+// table the decode kernel reads one entry of per CTA: a step's layers of one library share it,
+// so it can be made once a step. The grid is (KV heads, the plan's num_tokens x chunks rows): the
+// fixed schedule's CTA count (a grid with more rows than items, even with the extra CTAs exiting at
+// once, measured 0.5-4.5 us slower on an H200 at the fixed schedule's own dealing: perf-notes
+// lever 69); item i, on grid row i (the rows past the step's items exit at once), is chunk c of
+// token t, and every token of request r has its splits dealt round robin to k_r chunks (chunk c:
+// s_first + c, + k_r, ...). Each split's state depends only on its positions and the merge folds
+// every split of the row in order whoever stored it, so the bits are those of any other dealing
+// (tests/test_cuda_decode_gpu.py). Each entry carries its request's metadata for work_of (no
+// second round trip).
 //
 // k_r = the items of the request's walked positions w_r (from the split holding its last token's
 // window start, to its end) at S splits an item: ceil((w_r - kDealTolerance) / (512 S)), at least
@@ -303,18 +309,16 @@ __device__ __forceinline__ Work work_of(const Params& p, int t, int req, int chu
 // chosen by a model of the waves: with U the positions in splits and rows = deal_rows,
 //   time(S) = min(ceil(C / rows) S, U / rows + S) + deal_cost C / rows,
 // whole waves of equal items, or greedy list scheduling's bound (items of mixed sizes start as
-// others end), plus each CTA's start and end; ties to the one-wave S. The grid holds
-// max(rows, num_tokens x the plan's chunks) items: C of either candidate fits. The items are the
-// grid's LAST C rows and the first ones exit at once: an empty CTA dispatched after the real ones
-// would hold back the merge's programmatic launch until a slot frees.
+// others end), plus each CTA's start and end; ties to the one-wave S. Either candidate's C fits
+// the grid (deal_rows <= its rows; the plan's S gives at most its chunks a token).
 //
-// Not routed (ops.cuda_decode.ROUTE_DEALT; benchmarks and tests force it): on an H200 it runs mixed
-// lengths at B8-B16 at 1.04-1.22x FA3 where the fixed dealing runs 0.91-1.15x, but at the SAME
-// dealing on uniform lengths this kernel takes 4-11 us longer (1.5-3 %; 1.5-4 us at one request),
-// with the merge unchanged, and neither the fixed schedule's CTA order nor its table prefetch took
-// that back (docs/perf-notes.md lever 69, docs/bench/decode-dealt-h200.md). The cost followed the
-// search's probes; the search below is the cheaper one written after those runs (not yet measured).
-constexpr int kDealMaxReqs = 256;  // requests a dealt launch reads (dhp_decode_sm90_deal_max_reqs)
+// History (perf-notes lever 69): the dealing was first computed inside the decode kernel by every
+// CTA, on a grid of max(wave, the plan's) rows; at the fixed dealing on uniform lengths that cost
+// 1.5-3 % (7-10 % at one request) against the fixed schedule, from the prologue's latency before
+// the first page load (~2 us: measured with the dealing computed and discarded on the fixed grid)
+// and from the larger grid (measured with the fixed dealing on it, no prologue).
+constexpr int kDealMaxReqs = 256;   // requests a dealt launch reads (dhp_decode_sm90_deal_max_reqs)
+constexpr int kDealMaxRows = 4096;  // grid rows of a dealt launch (its table: 8 int32 a row)
 constexpr int kDealPerLane = kDealMaxReqs / 32;
 constexpr int kDealTolerance = kStep;
 
@@ -327,7 +331,9 @@ __device__ __forceinline__ int deal_items(int pos, int cap) {  // items of pos p
   return pos <= 0 ? 0 : pos <= kDealTolerance ? 1 : (pos - kDealTolerance + cap - 1) / cap;
 }
 
-__device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
+// One warp: the step's dealing, then the table entries of grid rows row0, row0 + row_step, ... below
+// rows_y: {t, req, chunk, chunks, q0, q1, seq_len, 0}, chunks 0 for a row past the step's items.
+__device__ __forceinline__ void deal_warp(const Params& p, int rows_y, int row0, int row_step, int* table) {
   const int lane = threadIdx.x % 32;
   const int nb = (p.num_seqs + 31) / 32;  // <= kDealPerLane (the host's check)
   int q_len[kDealPerLane], pos[kDealPerLane], q0s[kDealPerLane], lens[kDealPerLane];
@@ -405,20 +411,19 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
     auto model = [&](int sc, int cc) {
       return fminf(static_cast<float>((cc + rows - 1) / rows) * sc, u_rows + sc) + p.deal_cost * cc / rows;
     };
-    if (cp <= static_cast<int>(gridDim.y) && model(sp, cp) < model(s, c)) {
+    if (cp <= rows_y && model(sp, cp) < model(s, c)) {
       s = sp;
       c = cp;
     }
   }
-  DealtItem d{0, 0, 0, 0, 0, 0, 0};
-  const int item = grid_row - (static_cast<int>(gridDim.y) - c);  // the last c grid rows
-  if (item < 0) return d;
-  // Item -> (request, token, chunk): the prefix of q_len_r k_r in request order.
-  int before = 0;
+  for (int row = row0; row < rows_y; row += row_step) {
+    const int item = row;  // the first c grid rows; the rest exit at once
+    DealtItem d{0, 0, 0, 0, 0, 0, 0};
+    // Item -> (request, token, chunk): the prefix of q_len_r k_r in request order.
+    int before = 0;
 #pragma unroll
-  for (int j = 0; j < kDealPerLane; ++j) {
-    if (j >= nb) break;
-    {
+    for (int j = 0; j < kDealPerLane; ++j) {
+      if (j >= nb) break;
       const int k = deal_items(pos[j], s * kSplitKV), v = q_len[j] * k;
       int incl = v;
 #pragma unroll
@@ -441,8 +446,20 @@ __device__ __forceinline__ DealtItem dealt_item(const Params& p, int grid_row) {
       }
       before += __shfl_sync(0xffffffff, incl, 31);
     }
+    if (lane == 0) {
+      int4* e = reinterpret_cast<int4*>(table) + 2 * static_cast<int64_t>(row);
+      e[0] = make_int4(d.t, d.req, d.chunk, d.chunks);
+      e[1] = make_int4(d.q0, d.q1, d.seq_len, 0);
+    }
   }
-  return d;
+}
+
+// The dealt schedule's table (one launch before the decode kernels of a step that read it): every
+// warp computes the same dealing and writes its rows' entries.
+constexpr int kDealWarps = 4, kDealRowsPerWarp = 4;
+__global__ void __launch_bounds__(32 * kDealWarps) deal_kernel(const Params p, int rows_y, int* table) {
+  const int warp = blockIdx.x * kDealWarps + threadIdx.x / 32;
+  deal_warp(p, rows_y, warp, gridDim.x * kDealWarps, table);
 }
 
 // ---- constant-time walk (CT binaries: policies strict / request) -----------------
@@ -1465,19 +1482,20 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const int kvh = blockIdx.x;
   int t = blockIdx.y, req = -1, chunk = blockIdx.z, chunks = gridDim.z;
   int kq0 = -1, kq1 = 0, klen = 0;  // the dealt schedule's request metadata (work_of)
-  // The dealt schedule reads the true lengths: policy-off split binaries only (kWalk 0); the CT
+  // The dealt schedule follows the true lengths: policy-off split binaries only (kWalk 0); the CT
   // binaries do not compile it, their grid row is their token as before (work_ct).
   if constexpr (kWalk<OPT> == 0 && WRITE_PARTIALS) {
-    if (p.deal_rows > 0) {  // the dealt schedule: blockIdx.y is a grid row of items
-      const DealtItem d = dealt_item(p, blockIdx.y);
-      if (d.chunks == 0) return;  // before the step's items: the whole CTA, before any barrier
-      t = d.t;
-      req = d.req;
-      chunk = d.chunk;
-      chunks = d.chunks;
-      kq0 = d.q0;
-      kq1 = d.q1;
-      klen = d.seq_len;
+    if (p.deal_table != nullptr) {  // the dealt schedule: blockIdx.y is a grid row of items
+      const int4* e = reinterpret_cast<const int4*>(p.deal_table) + 2 * blockIdx.y;
+      const int4 a = e[0], b = e[1];
+      if (a.w == 0) return;  // past the step's items: the whole CTA, before any barrier
+      t = a.x;
+      req = a.y;
+      chunk = a.z;
+      chunks = a.w;
+      kq0 = b.x;
+      kq1 = b.y;
+      klen = b.z;
     }
   }
   if (kWalk<OPT> == 0 && p.order != nullptr) {  // the longest-first schedule (order_kernel)
@@ -1493,7 +1511,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
     // fast path has it (token t is request t), under work_of's loads instead of after them (the
     // producer's split_ids waits on work_of's request). A hint: another request or split only
     // misses as before. Token t < num_seqs has a table row; chunk < the table's splits.
-    if (threadIdx.x == 128 && p.order == nullptr && p.deal_rows == 0 && t < p.num_seqs)
+    if (threadIdx.x == 128 && p.order == nullptr && p.deal_table == nullptr && t < p.num_seqs)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(p.block_table + static_cast<int64_t>(t) * p.bt_stride +
                                                  chunk * (kSplitKV / p.block_size)));
   }
@@ -1593,10 +1611,14 @@ int launch_variant(int variant, const CUtensorMap& tq, const CUtensorMap& tk, co
 // rule: ops.paged_attention checks it); order_ws is ignored; -8 when num_seqs < 1 or
 // a bucket argument is out of range. Off variants ignore these.
 // deal_slots (policy off, split mode; CT variants and fold mode ignore it): > 0 deals the splits
-// on the device from the true lengths (dealt_item) for that many resident CTAs, with deal_cost a
-// CTA's cost in splits and spp the plan's dealing (one of its two candidates); 0 keeps the fixed
-// schedule (spp splits a chunk); -12 when deal_slots < 0 or a dealt launch has more than
-// kDealMaxReqs requests.
+// on the device from the true lengths for that many resident CTAs (deal_kernel), with deal_cost a
+// CTA's cost in splits and spp the plan's dealing (one of its two candidates), through deal_table:
+// 8 x num_tokens x ceil(n_split_grid / spp) int32 (16-byte aligned, at most kDealMaxRows rows),
+// which deal_fill = 1 fills first (a deal_kernel launch in stream order) and deal_fill = 0 reads as
+// an earlier launch of this library filled it for the same step (the same metadata, plan and
+// deal arguments: a step's layers share one dealing); 0 keeps the fixed schedule (spp splits a
+// chunk); -12 when deal_slots < 0, or a dealt launch has more than kDealMaxReqs requests, more
+// than kDealMaxRows rows or no table.
 extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k,
                                const void* v, int64_t kv_block_stride, int64_t kv_head_stride, int64_t kv_tok_stride,
                                int num_blocks, void* out, int64_t out_tok_stride, int64_t out_head_stride,
@@ -1606,7 +1628,7 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
                                int is_bf16, int variant, float* ws_acc, float* ws_m, float* ws_l, int n_split_grid,
                                int spp, int* order_ws, int l_scalar, const int* bucket, int max_blocks,
                                int window, float cap_pre, float cap_post, const float* sinks, int deal_slots,
-                               float deal_cost, void* stream) {
+                               float deal_cost, int* deal_table, int deal_fill, void* stream) {
   using namespace dhp;
   const tma::EncodeTiled encode = tma::encode_fn();
   if (!encode) return -1;
@@ -1663,22 +1685,31 @@ extern "C" int dhp_decode_sm90(const void* q, int64_t q_tok_stride, int64_t q_he
   ct::set_walk_params(p, l_scalar, bucket, max_blocks);
   if (ct && (num_seqs < 1 || max_blocks < 1 || ((opts & kBucketPerReq) ? bucket == nullptr : l_scalar < 1)))
     return -8;
-  // The dealt schedule (policy off, split mode): max(rows, num_tokens x the plan's chunks) grid rows
-  // (dealt_item: either candidate's items fit).
+  // The dealt schedule (policy off, split mode): the fixed schedule's num_tokens x chunks CTA rows, in
+  // one dimension; the wave's rows for the dealing at most those (either candidate's items fit).
   const bool dealt = split && !ct && deal_slots > 0 && n_split_grid > 0;  // (no splits: nothing to deal)
-  if (deal_slots < 0 || (dealt && num_seqs > kDealMaxReqs)) return -12;
   const int plan_chunks = split ? (n_split_grid + spp - 1) / spp : 1;
-  p.deal_rows = dealt ? (deal_slots / num_kv_heads > 0 ? deal_slots / num_kv_heads : 1) : 0;
+  const int64_t dealt_rows = static_cast<int64_t>(num_tokens) * plan_chunks;
+  if (deal_slots < 0 || (dealt && (num_seqs > kDealMaxReqs || dealt_rows > kDealMaxRows || deal_table == nullptr ||
+                                   (reinterpret_cast<uintptr_t>(deal_table) & 15))))
+    return -12;
+  p.deal_table = dealt ? deal_table : nullptr;
+  p.deal_rows = dealt ? static_cast<int>(std::min<int64_t>(std::max(1, deal_slots / num_kv_heads), dealt_rows)) : 0;
   p.deal_spp = spp;
   p.deal_cost = deal_cost;
   if (num_tokens <= 0) return 0;
-  const int64_t rows_y = dealt ? std::max<int64_t>(p.deal_rows, static_cast<int64_t>(num_tokens) * plan_chunks)
-                               : num_tokens;
+  const int64_t rows_y = dealt ? dealt_rows : num_tokens;
   const int chunks = dealt ? 1 : plan_chunks;
   if (rows_y > 65535 || chunks > 65535) return -6;
   if (split && (reinterpret_cast<uintptr_t>(ws_acc) & 15)) return -9;  // the merge's 16-byte cp.async
   const dim3 grid(num_kv_heads, static_cast<unsigned>(rows_y), chunks);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (dealt && deal_fill) {
+    const int warps = static_cast<int>((rows_y + kDealRowsPerWarp - 1) / kDealRowsPerWarp);
+    deal_kernel<<<(warps + kDealWarps - 1) / kDealWarps, 32 * kDealWarps, 0, st>>>(p, static_cast<int>(rows_y),
+                                                                                 deal_table);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
+  }
   if (is_bf16)
     return split ? launch_variant<true, true>(variant, tq, tk, tv, p, grid, st)
                  : launch_variant<true, false>(variant, tq, tk, tv, p, grid, st);
@@ -1693,3 +1724,7 @@ extern "C" int dhp_decode_sm90_head_size() { return dhp::kModelHead; }
 // The most requests a dealt launch reads (kDealMaxReqs): ops.cuda_decode routes larger steps to the
 // fixed schedule.
 extern "C" int dhp_decode_sm90_deal_max_reqs() { return dhp::kDealMaxReqs; }
+
+// The most grid rows a dealt launch's table holds (kDealMaxRows): ops.cuda_decode checks it against
+// the workspace's table (workspace.DEAL_TABLE_ROWS) and routes larger steps to the fixed schedule.
+extern "C" int dhp_decode_sm90_deal_max_rows() { return dhp::kDealMaxRows; }

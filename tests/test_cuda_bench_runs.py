@@ -161,6 +161,8 @@ def test_decode_rows_name_the_dealing():
     assert v("cuda_auto") == ("auto", dict(order=None))
     assert v("cuda_auto:fixed") == ("auto", dict(deal=0))
     assert v("cuda_auto:deal264") == ("auto", dict(deal=264, deal_cost=None))
+    assert v("cuda_auto:deal264r") == ("auto", dict(deal=264, deal_cost=None, deal_reuse=True))
+    assert v("cuda_auto:deal264c0.5r") == ("auto", dict(deal=264, deal_cost=0.5, deal_reuse=True))
     assert v("cuda_auto:deal528c-1") == ("auto", dict(deal=528, deal_cost=-1.0))
     assert v("cuda_v2:deal132c0.5") == ("v2", dict(deal=132, deal_cost=0.5))
     assert v("cuda_auto:spp8") == ("auto", dict(spp=8))

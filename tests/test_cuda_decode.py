@@ -55,6 +55,9 @@ def test_variant_and_mode_refused(monkeypatch):
     for bad in (float("nan"), float("inf"), False, "0.1"):
         with pytest.raises(ValueError, match=r"deal_cost is .*; accepted: None or a finite number"):
             decode_sm90(*cpu_step(), scale=0.1, deal_cost=bad)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match=r"deal_reuse is .*; accepted: False or True"):
+            decode_sm90(*cpu_step(), scale=0.1, deal_reuse=bad)
 
 
 SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
@@ -97,10 +100,11 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
 
 
 def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read(monkeypatch):
-    """The device's dealing (csrc dealt_item) runs policy-off split-mode launches whose dealing is not
+    """The device's dealing (csrc deal_kernel) runs policy-off split-mode launches whose dealing is not
     forced, over the plan's slots with the model's CTA cost, when routed (ROUTE_DEALT) or asked for;
-    the fixed dealing elsewhere; a forced dealing of a step with more requests than a dealt launch
-    reads is refused, naming the limit."""
+    the fixed dealing elsewhere (more requests than it reads, more grid rows than the workspace's
+    table holds); a forced dealing of a step with more requests than a dealt launch reads is refused,
+    naming the limit."""
     from dhp_backend.ops import cuda_decode
     from dhp_backend.ops.cuda_decode import deal_args
     from dhp_backend.ops.geometry import CTA_COST_IN_SPLITS
@@ -116,6 +120,9 @@ def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read(monkeypat
     assert deal_args(split, False, None, 256, 256, 256, None, None) == (264, CTA_COST_IN_SPLITS)
     assert deal_args(split, False, None, 257, 257, 256, None, None) == (0, 0.0)  # more requests than it reads
     assert deal_args(split, False, None, 40000, 200, 256, None, None) == (0, 0.0)  # 80000 grid rows
+    rows = cuda_decode.wsp.DEAL_TABLE_ROWS  # the table's rows: num_tokens x the plan's chunks
+    assert deal_args(split, False, None, rows // 2, 200, 256, None, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, rows // 2 + 1, 200, 256, None, None) == (0, 0.0)
     assert deal_args(split, True, None, 16, 16, 256, None, None) == (0, 0.0)  # constant time: no true lengths
     assert deal_args(split, False, 8, 16, 16, 256, None, None) == (0, 0.0)  # spp forced: the fixed dealing
     assert deal_args(fold, False, None, 16, 16, 256, None, None) == (0, 0.0)  # fold mode: one CTA a row
@@ -227,12 +234,19 @@ def test_entry_argtypes_follow_the_c_signature(monkeypatch):
     from dhp_backend.ops import cuda_decode
 
     fn = types.SimpleNamespace()
-    monkeypatch.setattr(cuda_decode, "load", lambda *a, **k: types.SimpleNamespace(dhp_decode_sm90=fn,
-                                                                       dhp_decode_sm90_head_size=lambda: 128))
+    rows = [cuda_decode.wsp.DEAL_TABLE_ROWS]
+    monkeypatch.setattr(cuda_decode, "load", lambda *a, **k: types.SimpleNamespace(
+        dhp_decode_sm90=fn, dhp_decode_sm90_head_size=lambda: 128, dhp_decode_sm90_deal_max_rows=lambda: rows[0]))
     cuda_decode._entry.cache_clear()
     try:
         assert cuda_decode._entry() is fn
         assert fn.argtypes == c_signature("decode_sm90.cu", "dhp_decode_sm90")
+        # A library whose dealing table is not the workspace's is refused, naming both sizes.
+        cuda_decode._entry.cache_clear()
+        rows[0] = 2 * cuda_decode.wsp.DEAL_TABLE_ROWS
+        with pytest.raises(RuntimeError, match=rf"table holds {rows[0]} rows, the workspace's "
+                                               rf"{cuda_decode.wsp.DEAL_TABLE_ROWS}"):
+            cuda_decode._entry()
     finally:
         cuda_decode._entry.cache_clear()
 

@@ -295,12 +295,14 @@ def test_longest_first_schedule_keeps_the_bits():
 
 
 def test_dealt_schedule_keeps_the_bits():
-    """Split mode's dealing on the device from the true lengths (csrc dealt_item) moves timing only:
+    """Split mode's dealing on the device from the true lengths (csrc deal_kernel) moves timing only:
     mixed lengths (a short walk beside 32K ones, one just past a split boundary, drafts, an empty
     request, padding tokens), every slot count and CTA cost of the model (1 slot: one item a token;
-    many: one split an item), the fixed dealing and fold mode give the prefill kernel's bits. The
-    split area is filled with NaN before each launch, so a split that no item stored would show; a
-    CUDA graph replayed with new lengths deals them anew with the same bits."""
+    many: one split an item), the fixed dealing and fold mode give the prefill kernel's bits, and so
+    does a second launch that reads the first one's table (deal_reuse: a step's next layer). The split
+    area is filled with NaN before each launch, so a split that no item stored would show, and the
+    table with entries that all name token 0's first split, so a row the dealing left unwritten would
+    show; a CUDA graph of two layers replayed with new lengths deals them anew with the same bits."""
     from dhp_backend.ops import workspace as wsp
 
     gen = torch.Generator(device="cuda").manual_seed(23)
@@ -310,29 +312,40 @@ def test_dealt_schedule_keeps_the_bits():
     n = int(step.query_start_loc[-1])
     want = bits(run_prefill(step)[: step.num_tokens])
     ws, _, _ = wsp.reserve_workspace("cuda")
+    table = wsp.deal_table("cuda").view(-1, 8)
+    wrong = torch.tensor([0, 0, 0, 1, 0, 1, 1, 0], dtype=torch.int32, device="cuda")  # token 0, split 0, length 1
 
-    def dealt(deal=None, deal_cost=None, mode="split", spp=None, out=None, check=True):
-        if check:  # a split no item stored reads NaN in the merge
+    def dealt(deal=None, deal_cost=None, mode="split", spp=None, out=None, check=True, deal_reuse=False):
+        if check:  # a split no item stored reads NaN in the merge; a table row not written, a wrong state
             ws.fill_(float("nan"))
+            if not deal_reuse:
+                table.copy_(wrong.expand_as(table))
         out = torch.full_like(step.query, float("nan")) if out is None else out
         return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
-                           deal=deal, deal_cost=deal_cost, spp=spp, check=check)
+                           deal=deal, deal_cost=deal_cost, spp=spp, check=check, deal_reuse=deal_reuse)
 
     ref = reference(step, scale=SCALE, causal=True)
     runs = [dict(), dict(deal=0), dict(mode="fold"), dict(spp=3), dict(deal=264)]
     runs += [dict(deal=d, deal_cost=c) for d in (1, 8, 33, 132, 264, 528, 4096) for c in (None, -1.0, 0.0, 50.0)]
+    runs += [dict(deal=d, deal_reuse=True) for d in (33, 264)]  # the table the launch before made: any dealing
     for kw in runs:
         out = dealt(**kw)
         assert rel_err(out, ref, n) < TOL[torch.bfloat16], kw
         assert (out[n: step.num_tokens] == 0).all(), f"{kw}: padding rows must be zero"
         assert torch.isnan(out[step.num_tokens:].float()).all(), f"{kw}: rows at/after num_tokens were written"
         assert torch.equal(bits(out[: step.num_tokens]), want), f"{kw}: bits differ from the prefill kernel's"
+    out = dealt(deal=33)
+    assert torch.equal(bits(dealt(deal=33, deal_reuse=True)[: step.num_tokens]), want)
+    with pytest.raises(ValueError, match=r"deal_reuse is True for a launch without the dealt schedule"):
+        dealt(deal=0, deal_reuse=True)
     out = torch.full_like(step.query, float("nan"))
+    out2 = torch.full_like(step.query, float("nan"))
     dealt(deal=264, out=out)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g):  # two layers of one step: the first makes the table, the second reads it
         dealt(deal=264, out=out, check=False)
+        dealt(deal=264, out=out2, check=False, deal_reuse=True)
     for trial in range(3):  # new lengths in place (each request keeps its tokens and pages)
         q_lens = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
         caps = [s for s in step.seq_lens.tolist()]
@@ -340,10 +353,13 @@ def test_dealt_schedule_keeps_the_bits():
                enumerate(zip(q_lens, caps))]
         step.seq_lens.copy_(torch.tensor(new, dtype=torch.int32, device="cuda"))
         ws.fill_(float("nan"))
+        table.copy_(wrong.expand_as(table))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(bits(out[: step.num_tokens]), bits(run_prefill(step)[: step.num_tokens])), (
-            f"replay {trial}, lengths {new}")
+        want = bits(run_prefill(step)[: step.num_tokens])
+        assert torch.equal(bits(out[: step.num_tokens]), want), f"replay {trial}, lengths {new}"
+        assert torch.equal(bits(out2[: step.num_tokens]), want), f"replay {trial}, lengths {new}, table reused"
+
 
 
 def test_dealt_schedule_with_more_requests_than_it_reads():

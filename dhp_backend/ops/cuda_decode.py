@@ -19,11 +19,12 @@ request's rows do not depend on which kernel, batch or policy computed them.
 - Fold-mode launches of 1-4 waves run the step's walks longest first (a
   counting sort on the device; `longest_first`): timing only, same bits.
 - Split-mode launches can deal the splits to CTAs on the device from the step's true
-  lengths (csrc ``dealt_item``: per request a chunk count, chosen by a model of the
-  waves; FA3 does the same in ``prepare_varlen_num_blocks``): the plan's fixed
+  lengths (csrc ``deal_kernel``: per request a chunk count, chosen by a model of the
+  waves, written to a table in the workspace that the decode kernel reads an entry of
+  per CTA; FA3 does the same in ``prepare_varlen_num_blocks``): the plan's fixed
   dealing, made from the table's width, suits uniform batches and not mixed ones
-  (docs/perf-notes.md levers 68, 69). Timing only, same bits; not routed yet
-  (`ROUTE_DEALT`).
+  (docs/perf-notes.md levers 68, 69). A step's layers can share one table
+  (``deal_reuse``). Timing only, same bits; not routed yet (`ROUTE_DEALT`).
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
   (the public length bucket of strict / request), the CT binaries walk the
   Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
@@ -114,9 +115,13 @@ def _entry(window: bool = False, softcap: bool = False, sinks: bool = False, hea
                    ctypes.c_float, i32, i32, i32, p, p, p, i32, i32, p,
                    i32, p, i32,  # CT: l_scalar, bucket, max_blocks
                    i32, ctypes.c_float, ctypes.c_float, p,  # features: window, cap_pre, cap_post, sinks
-                   i32, ctypes.c_float,  # the dealt schedule: deal_slots, deal_cost
+                   i32, ctypes.c_float, p, i32,  # the dealt schedule: deal_slots, deal_cost, deal_table, deal_fill
                    p]
     fn.restype = i32
+    rows = lib.dhp_decode_sm90_deal_max_rows()
+    if rows != wsp.DEAL_TABLE_ROWS:  # the table's size in the workspace is the library's limit
+        raise RuntimeError(f"cuda_decode: the library's dealt-schedule table holds {rows} rows, the workspace's "
+                           f"{wsp.DEAL_TABLE_ROWS}; rebuild the csrc libraries (dhp-backend build)")
     return fn
 
 
@@ -178,27 +183,30 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
 
 
 # Whether split-mode launches take the dealt schedule unless told (`deal_args`). Measured on an H200
-# (docs/bench/decode-dealt-h200.md, perf-notes lever 69): 1.04-1.22x FA3 on mixed lengths at B8-B16
-# where the fixed dealing runs 0.91-1.15x, but at the same dealing on uniform lengths the decode
-# kernel takes 1.5-3 % longer (7-10 % at one request; neither the fixed schedule's CTA order nor its
-# table prefetch took it back): below issue 30's decode targets (>= 1.0x at B1, >= 0.97x at B >= 16,
-# measured on uniform lengths), so not routed until that cost is found. ``deal`` forces it.
+# (docs/bench/decode-dealt-h200.md, perf-notes lever 69) with the dealing computed inside the decode
+# kernel: 1.04-1.22x FA3 on mixed lengths at B8-B16 where the fixed dealing runs 0.91-1.15x, but at
+# the same dealing on uniform lengths 1.5-3 % slower (7-10 % at one request): the prologue's ~2 us
+# before the first page load, and a grid larger than the fixed one. The dealing is now a kernel of
+# its own (a step's layers can share its table) on the fixed grid; routed once that is measured
+# against issue 30's decode targets (>= 1.0x at B1, >= 0.97x at B >= 16) and the vLLM adapter
+# makes the table once a step. ``deal`` forces it.
 ROUTE_DEALT = False
 
 
 def deal_args(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int,
               deal: int | None, deal_cost: float | None) -> tuple[int, float]:
-    """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``dealt_item``: the finest
+    """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``deal_kernel``: the finest
     dealing of the step's true lengths that fits one wave, or the plan's, by a model of the waves)
-    for policy-off split-mode launches of at most ``max_reqs`` requests whose dealing is not forced
+    for policy-off split-mode launches of at most ``max_reqs`` requests and
+    `workspace.DEAL_TABLE_ROWS` grid rows (``num_tokens`` x the plan's chunks) whose dealing is not forced
     (``spp``), over the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`, when `ROUTE_DEALT` or
     ``deal`` says so; (0, 0.0) keeps the plan's fixed dealing. ``deal`` / ``deal_cost`` force the
     slots (0: the fixed dealing) and the model's CTA cost; timing hooks, same bits."""
     if deal and num_reqs > max_reqs:
         _fail("deal", f"{deal} for a step of {num_reqs} requests",
               f"None or 0 for steps of more than {max_reqs} requests (the most a dealt launch reads)")
-    # (the dealt grid holds num_tokens x the plan's chunks rows: csrc's grid limit)
-    if not p["split"] or ct or spp is not None or num_reqs > max_reqs or num_tokens * p["chunks"] > 65535:
+    # (the dealt grid holds num_tokens x the plan's chunks rows, one table entry each)
+    if not p["split"] or ct or spp is not None or num_reqs > max_reqs or num_tokens * p["chunks"] > wsp.DEAL_TABLE_ROWS:
         return 0, 0.0
     if deal is None and not ROUTE_DEALT:
         return 0, 0.0
@@ -218,7 +226,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True,
                 bucket: int | torch.Tensor | None = None, spp: int | None = None,
-                deal: int | None = None, deal_cost: float | None = None,
+                deal: int | None = None, deal_cost: float | None = None, deal_reuse: bool = False,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
@@ -240,7 +248,11 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
     ``deal`` / ``deal_cost``: the dealt schedule's slots (0: the plan's fixed dealing) and its
-    model's CTA cost, forced (None: `deal_args`'s choice; timing only, same bits).
+    model's CTA cost, forced (None: `deal_args`'s choice; timing only, same bits). ``deal_reuse``:
+    the launch reads the workspace's dealing table as an earlier dealt launch on this device and
+    stream left it, without making it again: the caller vouches that it was this step's (the same
+    metadata tensors and values, ``num_tokens``, library, plan and deal arguments), as a step's
+    layers share one; refused for a launch the dealt schedule does not run.
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: as `cuda_prefill.prefill_sm90` (the feature
     library's binaries; policy off walks and merges the splits from the one holding the window's
     first position on).
@@ -260,6 +272,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     if deal_cost is not None and (isinstance(deal_cost, bool) or not isinstance(deal_cost, (int, float))
                                   or not math.isfinite(deal_cost)):
         _fail("deal_cost", repr(deal_cost), "None or a finite number (the dealing model's CTA cost, in splits)")
+    if not isinstance(deal_reuse, bool):
+        _fail("deal_reuse", repr(deal_reuse), "False or True (the workspace's dealing table is this step's)")
     library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap,
                                           sinks, query)
     ct = bucket is not None
@@ -310,6 +324,12 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         code = VARIANTS[variant][0]
         deal_slots, deal_c = deal_args(p, ct, spp, num_tokens, num_reqs, _deal_max_reqs(**library), deal,
                                        deal_cost)
+        deal_ptrs = (null, 0)
+        if deal_slots:
+            deal_ptrs = (wsp.deal_table(query.device).data_ptr(), 0 if deal_reuse else 1)
+        elif deal_reuse:
+            _fail("deal_reuse", "True for a launch without the dealt schedule",
+                  "False, or True for a policy-off split-mode launch that deals (deal / ROUTE_DEALT)")
         ct_args = (0, null, 0)
         if ct:
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
@@ -322,7 +342,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       float(scale) * math.log2(math.e),  # qk_scale as the Triton launcher computes it
                       int(bool(causal)), int(query.dtype == torch.bfloat16), code, ws_acc, ws_m,
                       ws_l, p["n_split_grid"], spp_arg, order_ws, *ct_args, *feature_pointers(feature_tail),
-                      deal_slots, deal_c, stream)
+                      deal_slots, deal_c, *deal_ptrs, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
     return out

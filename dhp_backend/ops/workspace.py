@@ -3,7 +3,8 @@
 design.md section 2: backend memory beyond the KV cache is allocated once (never
 per step), stays small, and should exist before vLLM's memory-profiling run. The
 Triton kernels and the csrc kernels share it (split states, the store sink, the
-zero row, the csrc decode kernel's longest-first schedule). A launch only uses
+zero row, the csrc decode kernel's longest-first schedule and its dealt schedule's
+table). A launch only uses
 the cross-program split path when its partial states fit in this buffer
 (`geometry.plan`); otherwise it folds splits inside each program (same bits, see
 triton/kernels.py), so the buffer's size never changes a result, only the speed.
@@ -32,7 +33,12 @@ SINK_FLOATS = SINK_ROWS * SINK_WIDTH + SINK_ROWS
 # policy off's kernels read as V for positions past a request's true length (one
 # row of the widest head in any dtype).
 ZERO_FLOATS = SINK_WIDTH
-SPLIT_FLOATS = WORKSPACE_BYTES // 4 - SINK_FLOATS - ZERO_FLOATS
+# Before the sink: the csrc decode kernel's dealt-schedule table (policy off, split mode: 8 int32 per
+# grid row, up to csrc kDealMaxRows rows; cuda_decode checks the two agree). Split states never
+# overlap it, so a step's layers can share the table while each writes its own split states.
+DEAL_TABLE_ROWS = 4096
+DEAL_TABLE_INTS = 8 * DEAL_TABLE_ROWS
+SPLIT_FLOATS = WORKSPACE_BYTES // 4 - DEAL_TABLE_INTS - SINK_FLOATS - ZERO_FLOATS
 
 _lock = threading.Lock()
 _buffers: dict[torch.device, torch.Tensor] = {}
@@ -58,4 +64,12 @@ def reserve_workspace(device: torch.device | str) -> tuple[torch.Tensor, torch.T
             buf = torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device)
             buf[-ZERO_FLOATS:].zero_()
             _buffers[device] = buf
-        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS:-ZERO_FLOATS], buf[-ZERO_FLOATS:]
+        return buf[:SPLIT_FLOATS], buf[SPLIT_FLOATS + DEAL_TABLE_INTS:-ZERO_FLOATS], buf[-ZERO_FLOATS:]
+
+
+def deal_table(device: torch.device | str) -> torch.Tensor:
+    """The device workspace's dealt-schedule table: ``DEAL_TABLE_INTS`` int32 (16-byte aligned), reserved
+    with the workspace (`reserve_workspace`)."""
+    split = reserve_workspace(device)[0]
+    buf = _buffers[split.device]
+    return buf[SPLIT_FLOATS:SPLIT_FLOATS + DEAL_TABLE_INTS].view(torch.int32)
