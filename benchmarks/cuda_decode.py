@@ -35,6 +35,7 @@ the same bits), that row against the csrc prefill kernel (`ops.cuda_prefill`, th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -85,8 +86,10 @@ DEFAULT_VARIANTS = "fa3,triton_off," + ",".join(f"cuda_{v}" for v in [AUTO, *VAR
 # (fold: each CTA walks and folds its row's splits, no merge launch; split: split states, then the
 # merge), split mode's fixed dealing (the plan's chunks: no dealing on the device), or the device's
 # dealing over N slots with the model's CTA cost (negative: one wave): its table made in each timed
-# call, or with "r" once before the timing (a step's later layers, which read the first one's table)
-# (timing only; same bits).
+# call, or with "r" a step of STEP_LAYERS layers per timed call, the first making the table and the
+# rest reading it (decode_sm90's deal_step; the row's time is per layer) (timing only; same bits).
+STEP_LAYERS = 8
+_step_ids = itertools.count(1)
 ORDERS = {"": None, "grid": False, "lpt": True}
 MODES_FORCED = ("fold", "split")
 ROWS_ACCEPTED = (f"fa3, triton_off, cuda_<{'|'.join([AUTO, *VARIANTS])}>"
@@ -100,15 +103,23 @@ def kv_bytes(reqs) -> int:
 
 def cuda_fn(st, variant, mode=None, order=None, bucket=None, spp=None, deal=None, deal_cost=None,
             deal_reuse=False):
-    """A launch of step ``st``; with ``deal_reuse`` the dealing's table is made here, once, and the
-    launch returned reads it (the caller times it before another step's launch makes another)."""
+    """A launch of step ``st``; with ``deal_reuse`` STEP_LAYERS launches of one step (its layers: the
+    first makes the dealing's table, the others read it)."""
     from dhp_backend.ops.cuda_decode import decode_sm90
     out = torch.full_like(st["q"], float("nan"))
     args = (st["q"], st["kc"], st["vc"], st["table"], st["qsl"], st["sl"], out)
     kw = dict(scale=cp.SCALE, causal=True, variant=variant, mode=mode, order=order, bucket=bucket, spp=spp,
               deal=deal, deal_cost=deal_cost)
-    decode_sm90(*args, **kw)  # the metadata checked once (and the dealing's table made)
-    return lambda: decode_sm90(*args, **kw, check=False, deal_reuse=deal_reuse)
+    decode_sm90(*args, **kw)  # the metadata checked once
+    if not deal_reuse:
+        return lambda: decode_sm90(*args, **kw, check=False)
+    step_id = next(_step_ids)
+
+    def step():
+        for _ in range(STEP_LAYERS):
+            decode_sm90(*args, **kw, check=False, deal_step=step_id)
+        return out
+    return step
 
 
 def prefill_rows(st):
@@ -303,10 +314,13 @@ def main(argv=None):
                     fns = [cuda_fn(s, _ct_variant(name), bucket=args.bucket) for s in sets]
                 else:  # cuda_<variant>[:...] (main refused any other name)
                     variant, kw = _cuda_variant(name)
-                    if kw.get("deal_reuse"):  # both sets replay the one table: the same step's metadata
-                        assert all(torch.equal(sets[0][k], sets[1][k]) for k in ("qsl", "sl")), name
                     fns = [cuda_fn(s, variant, **kw) for s in sets]
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
+                per = STEP_LAYERS if (_cuda_variant(name) or ("", {}))[1].get("deal_reuse") else 1
+                if per > 1:  # a step's layers per call: the time per layer
+                    row["layers"] = per
+                    row["us"] = row["us"] / per if row["us"] else row["us"]
+                    profiled.update({k: round(v / per, 2) for k, v in profiled.items()})
                 if profiled:
                     row["kernels_us"] = dict(profiled)
                 if o is not None:

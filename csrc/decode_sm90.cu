@@ -1725,6 +1725,18 @@ extern "C" int dhp_decode_sm90_head_size() { return dhp::kModelHead; }
 // fixed schedule.
 extern "C" int dhp_decode_sm90_deal_max_reqs() { return dhp::kDealMaxReqs; }
 
+// The capture sequence of the stream's CUDA-graph capture, 0 when it is not capturing: ops.cuda_decode
+// lets a dealt launch read a table made by an earlier launch of its step only within one capture (or
+// outside any), so that a captured graph makes every table it reads.
+extern "C" unsigned long long dhp_decode_sm90_capture_id(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id) != cudaSuccess ||
+      status != cudaStreamCaptureStatusActive)
+    return 0;
+  return id;
+}
+
 // The most grid rows a dealt launch's table holds (kDealMaxRows): ops.cuda_decode checks it against
 // the workspace's table (workspace.DEAL_TABLE_ROWS) and routes larger steps to the fixed schedule.
 extern "C" int dhp_decode_sm90_deal_max_rows() { return dhp::kDealMaxRows; }

@@ -9,6 +9,9 @@ run time) and runs each configuration in its own process:
   dhp-again    the same again                         -> bitwise equal to dhp
   dhp-off      DHP policy off                         -> bitwise equal to dhp (policy never changes bits)
   dhp-graphs   DHP strict, default compile + CUDA graphs
+  dhp-graphs-4k, dhp-off-graphs-4k  the same at max_model_len 4096, strict and off -> bitwise equal (the
+               table's 8 splits put off's decode steps in split mode, which deals the splits from the true
+               lengths, the dealing's table made once a step inside the graphs)
   bi-solo      VLLM_BATCH_INVARIANT=1, each prompt alone
   bi-reversed  VLLM_BATCH_INVARIANT=1, one batch in reverse order -> bitwise equal to bi-solo
   bi-off-solo, bi-off-reversed  the same pair under policy off (its prefill steps run on
@@ -43,6 +46,8 @@ CONFIGS = {
     "dhp-again": (["--backend", "DHP", "--policy", "strict"], {}),
     "dhp-off": (["--backend", "DHP", "--policy", "off"], {}),
     "dhp-graphs": (["--backend", "DHP", "--policy", "strict", "--eager", "0"], {}),
+    "dhp-graphs-4k": (["--backend", "DHP", "--policy", "strict", "--eager", "0", "--max-model-len", "4096"], {}),
+    "dhp-off-graphs-4k": (["--backend", "DHP", "--policy", "off", "--eager", "0", "--max-model-len", "4096"], {}),
     "bi-solo": (["--backend", "DHP", "--policy", "strict", "--batching", "solo"], {"VLLM_BATCH_INVARIANT": "1"}),
     "bi-reversed": (["--backend", "DHP", "--policy", "strict", "--batching", "reversed"],
                     {"VLLM_BATCH_INVARIANT": "1"}),
@@ -57,7 +62,7 @@ CONFIGS = {
     "fa3-reversed": (["--backend", "FLASH_ATTN", "--batching", "reversed"], {}),
 }
 BITWISE = [("dhp", "dhp-again"), ("dhp", "dhp-off"), ("bi-solo", "bi-reversed"), ("bi-off-solo", "bi-off-reversed"),
-           ("bi-solo", "bi-off-solo")]
+           ("bi-solo", "bi-off-solo"), ("dhp-graphs-4k", "dhp-off-graphs-4k")]
 REPORT_ONLY = [("fa3", "dhp"), ("dhp", "dhp-graphs"), ("fa3-bi-solo", "fa3-bi-reversed"),
                ("nobi-off-solo", "nobi-off-reversed"), ("fa3-solo", "fa3-reversed")]
 

@@ -55,9 +55,9 @@ def test_variant_and_mode_refused(monkeypatch):
     for bad in (float("nan"), float("inf"), False, "0.1"):
         with pytest.raises(ValueError, match=r"deal_cost is .*; accepted: None or a finite number"):
             decode_sm90(*cpu_step(), scale=0.1, deal_cost=bad)
-    for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match=r"deal_reuse is .*; accepted: False or True"):
-            decode_sm90(*cpu_step(), scale=0.1, deal_reuse=bad)
+    for bad in (True, 1.5, "7"):
+        with pytest.raises(ValueError, match=r"deal_step is .*; accepted: None or an int"):
+            decode_sm90(*cpu_step(), scale=0.1, deal_step=bad)
 
 
 SPEC = dispatch.ProblemSpec(device_type="cuda", dtype="bfloat16", head_size=128, num_heads=32, num_kv_heads=8,
@@ -99,38 +99,61 @@ def test_longest_first_only_in_fold_mode_past_one_wave():
     assert not longest_first({"split": True, "slots": 264}, 256, 8)  # split mode has its own chunking
 
 
-def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read(monkeypatch):
+def test_dealt_schedule_only_for_policy_off_split_launches_it_can_read():
     """The device's dealing (csrc deal_kernel) runs policy-off split-mode launches whose dealing is not
-    forced, over the plan's slots with the model's CTA cost, when routed (ROUTE_DEALT) or asked for;
-    the fixed dealing elsewhere (more requests than it reads, more grid rows than the workspace's
-    table holds); a forced dealing of a step with more requests than a dealt launch reads is refused,
-    naming the limit."""
+    forced (`dealable`), at most the requests a dealt launch reads and the rows the workspace's table
+    holds, when asked (``deal``: its slots, with the model's CTA cost); the fixed dealing elsewhere; a
+    forced dealing of a step with more requests than a dealt launch reads is refused, naming the limit."""
     from dhp_backend.ops import cuda_decode
-    from dhp_backend.ops.cuda_decode import deal_args
+    from dhp_backend.ops.cuda_decode import deal_args, dealable
     from dhp_backend.ops.geometry import CTA_COST_IN_SPLITS
 
-    assert cuda_decode.ROUTE_DEALT is False  # measured slower on uniform batches (perf-notes lever 69)
-    assert deal_args({"split": True, "slots": 264, "chunks": 2}, False, None, 16, 16, 256, None, None) == (0, 0.0)
-    assert deal_args({"split": True, "slots": 264, "chunks": 2}, False, None, 16, 16, 256, 264, None) == (
-        264, CTA_COST_IN_SPLITS)
-    monkeypatch.setattr(cuda_decode, "ROUTE_DEALT", True)
-
     split, fold = {"split": True, "slots": 264, "chunks": 2}, {"split": False, "slots": 264, "chunks": 1}
-    assert deal_args(split, False, None, 16, 16, 256, None, None) == (264, CTA_COST_IN_SPLITS)
-    assert deal_args(split, False, None, 256, 256, 256, None, None) == (264, CTA_COST_IN_SPLITS)
-    assert deal_args(split, False, None, 257, 257, 256, None, None) == (0, 0.0)  # more requests than it reads
-    assert deal_args(split, False, None, 40000, 200, 256, None, None) == (0, 0.0)  # 80000 grid rows
+    assert deal_args(split, False, None, 16, 16, 256, None, None) == (0, 0.0)  # not asked: the fixed dealing
+    assert deal_args(split, False, None, 16, 16, 256, 264, None) == (264, CTA_COST_IN_SPLITS)
+    assert deal_args(split, False, None, 256, 256, 256, 264, None) == (264, CTA_COST_IN_SPLITS)
+    assert not dealable(split, False, None, 257, 257, 256)  # more requests than it reads
+    assert not dealable(split, False, None, 40000, 200, 256)  # 80000 grid rows
     rows = cuda_decode.wsp.DEAL_TABLE_ROWS  # the table's rows: num_tokens x the plan's chunks
-    assert deal_args(split, False, None, rows // 2, 200, 256, None, None) == (264, CTA_COST_IN_SPLITS)
-    assert deal_args(split, False, None, rows // 2 + 1, 200, 256, None, None) == (0, 0.0)
-    assert deal_args(split, True, None, 16, 16, 256, None, None) == (0, 0.0)  # constant time: no true lengths
-    assert deal_args(split, False, 8, 16, 16, 256, None, None) == (0, 0.0)  # spp forced: the fixed dealing
-    assert deal_args(fold, False, None, 16, 16, 256, None, None) == (0, 0.0)  # fold mode: one CTA a row
+    assert dealable(split, False, None, rows // 2, 200, 256)
+    assert deal_args(split, False, None, rows // 2 + 1, 200, 256, 264, None) == (0, 0.0)
+    assert deal_args(split, True, None, 16, 16, 256, 264, None) == (0, 0.0)  # constant time: no true lengths
+    assert deal_args(split, False, 8, 16, 16, 256, 264, None) == (0, 0.0)  # spp forced: the fixed dealing
+    assert deal_args(fold, False, None, 16, 16, 256, 264, None) == (0, 0.0)  # fold mode: one CTA a row
     assert deal_args(split, False, None, 16, 16, 256, 0, None) == (0, 0.0)  # forced off
     assert deal_args(split, False, None, 16, 16, 256, 100, 0.5) == (100, 0.5)
     with pytest.raises(ValueError, match=r"deal is 100 for a step of 300 requests; accepted: None or 0 for "
                                          r"steps of more than 256 requests"):
         deal_args(split, False, None, 300, 300, 256, 100, None)
+
+
+def test_run_deals_the_steps_whose_layers_share_the_table(monkeypatch):
+    """`plan.run` gives a planned dealing (DecodeLaunch.deal_slots) to decode_sm90 with the step's
+    deal_step, and the plan's split count unforced; without a deal_step (ops.paged_attention's single
+    launches) and for a plan with the fixed dealing it passes the plan's fixed launch."""
+    import dataclasses
+
+    from dhp_backend.ops import cuda_decode, plan as plan_mod
+
+    assert cuda_decode.ROUTE_DEALT is True  # measured at par on uniform batches, table made once a step
+    seen = []
+    monkeypatch.setattr(cuda_decode, "decode_sm90", lambda *a, **k: seen.append(k) or a[6])
+    monkeypatch.setattr(plan_mod, "_check_plan_fits", lambda *a: None)  # (a CUDA plan, CPU tensors)
+    step = cpu_step()
+    p = plan_mod.StepPlan(spec=SPEC, policy=plan_mod.Policy.OFF, path=None, kernel=plan_mod.CUDA_DECODE,
+                          num_tokens=step[0].shape[0], num_reqs=step[5].shape[0], capacity=64,
+                          bucket_mode=plan_mod.geometry.TRUE_LENGTHS, l_scalar=0)
+    fixed = plan_mod.DecodeLaunch(variant="v2", split=True, n_split_grid=8, spp=4, longest_first=False)
+    dealt = dataclasses.replace(fixed, deal_slots=264, deal_cost=1.5)
+    for launch, step_id, want in ((dealt, 5, dict(spp=None, deal=264, deal_cost=1.5, deal_step=5)),
+                                  (dealt, None, dict(spp=4)), (fixed, 5, dict(spp=4))):
+        seen.clear()
+        plan_mod.run(dataclasses.replace(p, decode=launch), *step, scale=0.1, causal=True, bucket=None,
+                     deal_step=step_id)
+        got = {k: seen[0].get(k) for k in ("spp", "deal", "deal_cost", "deal_step")}
+        assert got == {**dict(deal=None, deal_cost=None, deal_step=None), **want}, (launch, step_id)
+    assert plan_mod.new_deal_step() != plan_mod.new_deal_step()
+    assert dealt.deal_slots and "true lengths" in dataclasses.replace(p, decode=dealt).launch()["dealing"]
 
 
 def _select_ex2(a, m):

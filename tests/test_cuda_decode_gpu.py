@@ -299,10 +299,13 @@ def test_dealt_schedule_keeps_the_bits():
     mixed lengths (a short walk beside 32K ones, one just past a split boundary, drafts, an empty
     request, padding tokens), every slot count and CTA cost of the model (1 slot: one item a token;
     many: one split an item), the fixed dealing and fold mode give the prefill kernel's bits, and so
-    does a second launch that reads the first one's table (deal_reuse: a step's next layer). The split
-    area is filled with NaN before each launch, so a split that no item stored would show, and the
-    table with entries that all name token 0's first split, so a row the dealing left unwritten would
-    show; a CUDA graph of two layers replayed with new lengths deals them anew with the same bits."""
+    do the launches of one step (deal_step) after the first, which read its table. The split area is
+    filled with NaN before each launch, so a split that no item stored would show, and the table with
+    entries that all name token 0's first split before each launch that makes it, so a row the
+    dealing left unwritten would show; a launch of another step in between makes the table anew; a
+    CUDA graph of two layers captured after an eager run of its step makes its own table, and replayed
+    with new lengths deals them anew with the same bits."""
+    from dhp_backend.ops import cuda_decode
     from dhp_backend.ops import workspace as wsp
 
     gen = torch.Generator(device="cuda").manual_seed(23)
@@ -315,37 +318,47 @@ def test_dealt_schedule_keeps_the_bits():
     table = wsp.deal_table("cuda").view(-1, 8)
     wrong = torch.tensor([0, 0, 0, 1, 0, 1, 1, 0], dtype=torch.int32, device="cuda")  # token 0, split 0, length 1
 
-    def dealt(deal=None, deal_cost=None, mode="split", spp=None, out=None, check=True, deal_reuse=False):
+    def dealt(deal=None, deal_cost=None, mode="split", spp=None, out=None, check=True, deal_step=None, on=None):
+        on = step if on is None else on
         if check:  # a split no item stored reads NaN in the merge; a table row not written, a wrong state
             ws.fill_(float("nan"))
-            if not deal_reuse:
+            holds = cuda_decode._deal_table_holds.get(on.query.device)
+            if deal_step is None or holds is None or holds[0] != deal_step:  # a launch that makes the table
                 table.copy_(wrong.expand_as(table))
-        out = torch.full_like(step.query, float("nan")) if out is None else out
-        return decode_sm90(*step.args(), out, scale=SCALE, causal=True, num_tokens=step.num_tokens, mode=mode,
-                           deal=deal, deal_cost=deal_cost, spp=spp, check=check, deal_reuse=deal_reuse)
+        out = torch.full_like(on.query, float("nan")) if out is None else out
+        return decode_sm90(*on.args(), out, scale=SCALE, causal=True, num_tokens=on.num_tokens, mode=mode,
+                           deal=deal, deal_cost=deal_cost, spp=spp, check=check, deal_step=deal_step)
 
     ref = reference(step, scale=SCALE, causal=True)
     runs = [dict(), dict(deal=0), dict(mode="fold"), dict(spp=3), dict(deal=264)]
     runs += [dict(deal=d, deal_cost=c) for d in (1, 8, 33, 132, 264, 528, 4096) for c in (None, -1.0, 0.0, 50.0)]
-    runs += [dict(deal=d, deal_reuse=True) for d in (33, 264)]  # the table the launch before made: any dealing
+    runs += [dict(deal=d, deal_step=7) for d in (33, 264, 264)]  # the 2nd and 3rd read the 1st one's table
     for kw in runs:
         out = dealt(**kw)
         assert rel_err(out, ref, n) < TOL[torch.bfloat16], kw
         assert (out[n: step.num_tokens] == 0).all(), f"{kw}: padding rows must be zero"
         assert torch.isnan(out[step.num_tokens:].float()).all(), f"{kw}: rows at/after num_tokens were written"
         assert torch.equal(bits(out[: step.num_tokens]), want), f"{kw}: bits differ from the prefill kernel's"
-    out = dealt(deal=33)
-    assert torch.equal(bits(dealt(deal=33, deal_reuse=True)[: step.num_tokens]), want)
-    with pytest.raises(ValueError, match=r"deal_reuse is True for a launch without the dealt schedule"):
-        dealt(deal=0, deal_reuse=True)
+    # Another step (other lengths, fewer tokens) between two launches of step 8 makes its own table: the
+    # second launch of step 8 sees that and makes step 8's again (the poison would show otherwise).
+    other = assemble([make_request(1, s, H=32, Hkv=8, D=128, dtype=torch.bfloat16, gen=gen) for s in (700, 9000)],
+                     block_size=16, gen=gen)
+    assert torch.equal(bits(dealt(deal=264, deal_step=8)[: step.num_tokens]), want)
+    assert torch.equal(bits(dealt(deal=264, deal_step=9, on=other)[: other.num_tokens]),
+                       bits(run_prefill(other)[: other.num_tokens]))
+    assert torch.equal(bits(dealt(deal=264, deal_step=8)[: step.num_tokens]), want)
+    for bad in (True, 1.5, "7"):
+        with pytest.raises(ValueError, match=r"deal_step is .*; accepted: None or an int"):
+            dealt(deal=264, deal_step=bad)
     out = torch.full_like(step.query, float("nan"))
     out2 = torch.full_like(step.query, float("nan"))
-    dealt(deal=264, out=out)
+    dealt(deal=264, out=out, deal_step=10)  # an eager run of step 10 first: the capture makes its own table
+    dealt(deal=264, out=out2, deal_step=10)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):  # two layers of one step: the first makes the table, the second reads it
-        dealt(deal=264, out=out, check=False)
-        dealt(deal=264, out=out2, check=False, deal_reuse=True)
+        dealt(deal=264, out=out, check=False, deal_step=10)
+        dealt(deal=264, out=out2, check=False, deal_step=10)
     for trial in range(3):  # new lengths in place (each request keeps its tokens and pages)
         q_lens = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
         caps = [s for s in step.seq_lens.tolist()]

@@ -17,7 +17,7 @@ from dhp_backend.ops.dispatch import (
     graph_capturable,
     prepare_path,
 )
-from dhp_backend.ops.plan import StepPlan, plan_step, prepare_kernels, run, step_kernel
+from dhp_backend.ops.plan import StepPlan, new_deal_step, plan_step, prepare_kernels, run, step_kernel
 
 __all__ = [
     "FallbackRefused",
@@ -28,6 +28,7 @@ __all__ = [
     "bucket_for_step",
     "choose_path",
     "graph_capturable",
+    "new_deal_step",
     "next_pow2",
     "paged_attention",
     "plan_step",

@@ -23,8 +23,9 @@ request's rows do not depend on which kernel, batch or policy computed them.
   waves, written to a table in the workspace that the decode kernel reads an entry of
   per CTA; FA3 does the same in ``prepare_varlen_num_blocks``): the plan's fixed
   dealing, made from the table's width, suits uniform batches and not mixed ones
-  (docs/perf-notes.md levers 68, 69). A step's layers can share one table
-  (``deal_reuse``). Timing only, same bits; not routed yet (`ROUTE_DEALT`).
+  (docs/perf-notes.md levers 68, 69). A step's layers share one table (``deal_step``:
+  the launches after the one that made it read it). Timing only, same bits; `ops.plan`
+  routes it for the vLLM adapter's steps (`ROUTE_DEALT`).
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
   (the public length bucket of strict / request), the CT binaries walk the
   Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
@@ -182,36 +183,58 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
     return not p["split"] and p["slots"] < ctas <= LONGEST_FIRST_MAX_WAVES * p["slots"]
 
 
-# Whether split-mode launches take the dealt schedule unless told (`deal_args`). Measured on an H200
-# (docs/bench/decode-dealt-h200.md, perf-notes lever 69) with the dealing computed inside the decode
-# kernel: 1.04-1.22x FA3 on mixed lengths at B8-B16 where the fixed dealing runs 0.91-1.15x, but at
-# the same dealing on uniform lengths 1.5-3 % slower (7-10 % at one request): the prologue's ~2 us
-# before the first page load, and a grid larger than the fixed one. The dealing is now a kernel of
-# its own (a step's layers can share its table) on the fixed grid; routed once that is measured
-# against issue 30's decode targets (>= 1.0x at B1, >= 0.97x at B >= 16) and the vLLM adapter
-# makes the table once a step. ``deal`` forces it.
-ROUTE_DEALT = False
+# Whether `ops.plan` gives the dealt schedule to the policy-off split-mode decode launches of the steps
+# whose layers share one dealing table (`plan.run` with a ``deal_step``: the vLLM adapter's steps).
+# Measured on an H200 (docs/bench/decode-dealt-h200.md, perf-notes lever 69), the table made once
+# before the launch: uniform lengths at the fixed dealing's speed (-0.5 .. +0.7 us at B1-B16, B24
+# +3-4 us), mixed lengths 1.07x FA3 at B16 4K-32K where the fixed dealing runs 0.90x, 1.24-1.28x at
+# B8 against 0.97-0.99x; made in every launch (deal_kernel, 2.8-4.3 us) it would cost the uniform
+# rows that, so `ops.paged_attention`'s single launches keep the fixed dealing.
+ROUTE_DEALT = True
+
+
+def dealable(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int) -> bool:
+    """Whether the dealt schedule can run a launch of plan ``p``: policy off (its lengths are not secret),
+    split mode whose dealing is not forced (``spp``), at most ``max_reqs`` requests (csrc kDealMaxReqs)
+    and `workspace.DEAL_TABLE_ROWS` grid rows (``num_tokens`` x the plan's chunks, one table entry each)."""
+    return (bool(p["split"]) and not ct and spp is None and num_reqs <= max_reqs
+            and num_tokens * p["chunks"] <= wsp.DEAL_TABLE_ROWS)
+
+
+# What each device's dealing table holds: (the step it was made for, the CUDA-graph capture it was made
+# in or 0, the launch geometry) of the last dealt launch that made it (`decode_sm90`); a launch of the
+# same step, capture and geometry reads it. (A graph captured after an eager run of the same step makes
+# its own table: its replays cannot count on a table the eager run left.)
+_deal_table_holds: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_fn(window: bool = False, softcap: bool = False, sinks: bool = False, head: int = 128):
+    fn = load(*feature_library(DECODE_LIBRARY, window=window, softcap=softcap, sinks=sinks,
+                               head=head)).dhp_decode_sm90_capture_id
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = ctypes.c_ulonglong
+    return fn
+
+
+def _capture_id(library: dict, stream: int) -> int:
+    """The capture sequence of ``stream``'s CUDA-graph capture, 0 outside one (csrc)."""
+    return int(_capture_fn(**library)(ctypes.c_void_p(stream)))
 
 
 def deal_args(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int,
               deal: int | None, deal_cost: float | None) -> tuple[int, float]:
     """(deal_slots, deal_cost) of a launch: the dealt schedule (csrc ``deal_kernel``: the finest
-    dealing of the step's true lengths that fits one wave, or the plan's, by a model of the waves)
-    for policy-off split-mode launches of at most ``max_reqs`` requests and
-    `workspace.DEAL_TABLE_ROWS` grid rows (``num_tokens`` x the plan's chunks) whose dealing is not forced
-    (``spp``), over the plan's ``slots`` with `geometry.CTA_COST_IN_SPLITS`, when `ROUTE_DEALT` or
-    ``deal`` says so; (0, 0.0) keeps the plan's fixed dealing. ``deal`` / ``deal_cost`` force the
-    slots (0: the fixed dealing) and the model's CTA cost; timing hooks, same bits."""
+    dealing of the step's true lengths that fits one wave of ``deal`` slots, or the plan's, by a model
+    of the waves with ``deal_cost``, default `geometry.CTA_COST_IN_SPLITS`) where `dealable`; (0, 0.0)
+    keeps the plan's fixed dealing (``deal`` None or 0, or not dealable). A ``deal`` for a step of more
+    requests than a dealt launch reads is refused. Same bits either way."""
     if deal and num_reqs > max_reqs:
         _fail("deal", f"{deal} for a step of {num_reqs} requests",
               f"None or 0 for steps of more than {max_reqs} requests (the most a dealt launch reads)")
-    # (the dealt grid holds num_tokens x the plan's chunks rows, one table entry each)
-    if not p["split"] or ct or spp is not None or num_reqs > max_reqs or num_tokens * p["chunks"] > wsp.DEAL_TABLE_ROWS:
+    if not deal or not dealable(p, ct, spp, num_tokens, num_reqs, max_reqs):
         return 0, 0.0
-    if deal is None and not ROUTE_DEALT:
-        return 0, 0.0
-    slots = p["slots"] if deal is None else deal
-    return slots, (geometry.CTA_COST_IN_SPLITS if deal_cost is None else float(deal_cost)) if slots else 0.0
+    return deal, geometry.CTA_COST_IN_SPLITS if deal_cost is None else float(deal_cost)
 
 
 def pick_variant(num_tokens: int, num_reqs: int, num_heads: int, num_kv_heads: int, capacity: int, dtype_name: str,
@@ -226,7 +249,7 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                 causal: bool = True, num_tokens: int | None = None, variant: str = DEFAULT_VARIANT,
                 mode: str | None = None, order: bool | None = None, check: bool = True,
                 bucket: int | torch.Tensor | None = None, spp: int | None = None,
-                deal: int | None = None, deal_cost: float | None = None, deal_reuse: bool = False,
+                deal: int | None = None, deal_cost: float | None = None, deal_step: int | None = None,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Arguments as `ops.paged_attention` (``num_tokens`` defaults to ``query.shape[0]``).
@@ -248,11 +271,13 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     that `plan` puts in fold mode ignores it): how the splits are dealt to CTAs,
     timing only, same bits (every split's state is stored and merged left to right).
     ``deal`` / ``deal_cost``: the dealt schedule's slots (0: the plan's fixed dealing) and its
-    model's CTA cost, forced (None: `deal_args`'s choice; timing only, same bits). ``deal_reuse``:
-    the launch reads the workspace's dealing table as an earlier dealt launch on this device and
-    stream left it, without making it again: the caller vouches that it was this step's (the same
-    metadata tensors and values, ``num_tokens``, library, plan and deal arguments), as a step's
-    layers share one; refused for a launch the dealt schedule does not run.
+    model's CTA cost (None or 0: the fixed dealing; timing only, same bits). ``deal_step``: the step's
+    identity (an int the caller gives each step's metadata once, e.g. `plan.new_deal_step`): a dealt
+    launch reads the device's dealing table instead of making it again when the last table made on
+    this device was made by a launch of the same ``deal_step``, the same ``num_tokens`` and split
+    geometry (a step's layers share the metadata, so its later layers read the first one's table).
+    Every launch that makes the table records what it holds; under CUDA-graph capture that happens
+    as the launches are captured, in the order they replay.
     ``sliding_window`` / ``logits_soft_cap`` / ``sinks``: as `cuda_prefill.prefill_sm90` (the feature
     library's binaries; policy off walks and merges the splits from the one holding the window's
     first position on).
@@ -272,8 +297,8 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
     if deal_cost is not None and (isinstance(deal_cost, bool) or not isinstance(deal_cost, (int, float))
                                   or not math.isfinite(deal_cost)):
         _fail("deal_cost", repr(deal_cost), "None or a finite number (the dealing model's CTA cost, in splits)")
-    if not isinstance(deal_reuse, bool):
-        _fail("deal_reuse", repr(deal_reuse), "False or True (the workspace's dealing table is this step's)")
+    if deal_step is not None and (isinstance(deal_step, bool) or not isinstance(deal_step, int)):
+        _fail("deal_step", repr(deal_step), "None or an int (the step's identity: its layers share one dealing)")
     library, feature_tail = feature_args("cuda_decode", scale, causal, sliding_window, logits_soft_cap,
                                           sinks, query)
     ct = bucket is not None
@@ -324,17 +349,21 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
         code = VARIANTS[variant][0]
         deal_slots, deal_c = deal_args(p, ct, spp, num_tokens, num_reqs, _deal_max_reqs(**library), deal,
                                        deal_cost)
+        stream = torch.cuda.current_stream().cuda_stream
         deal_ptrs = (null, 0)
         if deal_slots:
-            deal_ptrs = (wsp.deal_table(query.device).data_ptr(), 0 if deal_reuse else 1)
-        elif deal_reuse:
-            _fail("deal_reuse", "True for a launch without the dealt schedule",
-                  "False, or True for a policy-off split-mode launch that deals (deal / ROUTE_DEALT)")
+            # A table holds a dealing of one step's tokens over one grid (num_tokens x chunks rows); any
+            # dealing of the step is a valid one (same bits), so the launch's own deal arguments need
+            # not match. Made here unless this device's last one was made for this step and grid.
+            capture = _capture_id(library, stream)
+            holds = (deal_step, capture, num_tokens, p["n_split_grid"], spp_arg)
+            reuse = deal_step is not None and _deal_table_holds.get(query.device) == holds
+            _deal_table_holds.pop(query.device, None)  # recorded once the launch is in (below)
+            deal_ptrs = (wsp.deal_table(query.device).data_ptr(), 0 if reuse else 1)
         ct_args = (0, null, 0)
         if ct:
             code += 8 * (_CONST_TIME + (_BUCKET_PER_REQ if l_mode == 1 else 0))
             ct_args = (l_scalar, null if bucket_t is None else bucket_t.data_ptr(), block_table.shape[1])
-        stream = torch.cuda.current_stream().cuda_stream
         rc = _entry(**library)(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
                       value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), nb,
                       out.data_ptr(), out.stride(0), out.stride(1), block_table.data_ptr(), block_table.stride(0),
@@ -345,4 +374,6 @@ def decode_sm90(query, key_cache, value_cache, block_table, query_start_loc, seq
                       deal_slots, deal_c, *deal_ptrs, stream)
     if rc != 0:
         raise RuntimeError(f"cuda_decode: launch failed: {launch_error(rc)}")
+    if deal_slots:
+        _deal_table_holds[query.device] = holds
     return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 
 import torch
@@ -60,6 +61,11 @@ class DecodeLaunch:
     n_split_grid: int
     spp: int           # split mode's splits per CTA
     longest_first: bool  # fold mode's longest-first schedule (policy off only)
+    # Split mode's dealing from the true lengths (policy off; cuda_decode.ROUTE_DEALT, `dealable`): the
+    # slots and CTA cost its model deals over, 0 for the fixed dealing. `run` deals only for a step
+    # whose layers share the dealing's table (``deal_step``).
+    deal_slots: int = 0
+    deal_cost: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +130,8 @@ class StepPlan:
             d = self.decode
             return {"ctas": [self.num_tokens, self.spec.num_kv_heads], "splits": d.n_split_grid,
                     "split_mode": "split" if d.split else "fold", "splits_per_cta": d.spp,
-                    "longest_first": d.longest_first}
+                    "longest_first": d.longest_first,
+                    "dealing": "from the true lengths, once a step" if d.deal_slots else "fixed"}
         return {}
 
     def describe(self) -> str:
@@ -190,7 +197,7 @@ def _plan(spec, policy, num_tokens, num_reqs, max_blocks, bucket_l, path, allow_
 def _decode_launch(plan: StepPlan, device_index: int | None) -> DecodeLaunch:
     """What `cuda_decode.decode_sm90` picks by itself for this step (same functions,
     same inputs, on the step's device), fixed once per step."""
-    from dhp_backend.ops import cuda_decode
+    from dhp_backend.ops import cuda_common, cuda_decode
 
     spec, n, reqs = plan.spec, plan.num_tokens, plan.num_reqs
     ct = plan.kernel == CUDA_DECODE_CT
@@ -203,9 +210,21 @@ def _decode_launch(plan: StepPlan, device_index: int | None) -> DecodeLaunch:
         ext_grid = plan.l_scalar if ct and plan.bucket_mode == geometry.SCALAR_BUCKET else plan.capacity
         p = cuda_decode.plan(n, reqs, spec.num_heads, spec.num_kv_heads, ext_grid, spec.dtype, variant, None,
                              head=spec.head_size)
-    longest = not ct and cuda_decode.longest_first(p, n, spec.num_kv_heads)
+        longest = not ct and cuda_decode.longest_first(p, n, spec.num_kv_heads)
+        deal_slots, deal_cost = 0, 0.0
+        if cuda_decode.ROUTE_DEALT and cuda_decode.dealable(
+                p, ct, None, n, reqs, cuda_decode._deal_max_reqs(**cuda_common.spec_features(spec))):
+            deal_slots, deal_cost = p["slots"], geometry.CTA_COST_IN_SPLITS
     return DecodeLaunch(variant=variant, split=p["split"], n_split_grid=p["n_split_grid"], spp=p["spp"],
-                        longest_first=bool(longest))
+                        longest_first=bool(longest), deal_slots=deal_slots, deal_cost=deal_cost)
+
+
+_deal_steps = itertools.count(1)
+
+
+def new_deal_step() -> int:
+    """A new step identity for `run`'s ``deal_step`` (the vLLM adapter's metadata builder: one a step)."""
+    return next(_deal_steps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,12 +353,17 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *,
         scale: float, causal: bool, bucket: int | torch.Tensor | None,
-        sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+        sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+        deal_step: int | None = None) -> torch.Tensor:
     """Run ``plan`` on one step's tensors (the layouts of `ops.paged_attention`);
     writes ``out[:plan.num_tokens]`` and returns ``out``. The logits soft-cap is
     the plan's (``plan.spec.logits_soft_cap``); ``sinks`` (``[num_heads]``) must be
     given exactly when ``plan.spec.sinks``; ``sliding_window`` must be the plan's
     ``spec.sliding_window`` (both normalised by `ops.attention.check_sliding_window`).
+    ``deal_step`` (`new_deal_step`, one per step's metadata): the step's launches share one dealing
+    table, so a policy-off split-mode decode launch the plan deals (``plan.decode.deal_slots``) takes
+    the dealt schedule, its first launch making the table (`cuda_decode.decode_sm90`); None keeps the
+    fixed dealing (a single launch would make the table each time: `ops.paged_attention`).
 
     Checks that the tensors have the geometry the plan was made for (cheap: shapes,
     dtype, device type, the bucket's kind; no device values are read) and raises
@@ -387,6 +411,8 @@ def run(plan: StepPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cach
         d = plan.decode
         launch_args = dict(variant=d.variant, mode="split" if d.split else "fold", order=d.longest_first,
                            spp=d.spp if d.split else None)
+        if d.deal_slots and deal_step is not None:  # (the plan's spp is decode_sm90's own: not forced)
+            launch_args.update(spp=None, deal=d.deal_slots, deal_cost=d.deal_cost, deal_step=deal_step)
     return decode_sm90(*args, scale=scale, causal=causal, num_tokens=n,
                        bucket=bucket if kernel == CUDA_DECODE_CT else None, check=False, **launch_args,
                        **csrc_features)

@@ -43,6 +43,7 @@ from dhp_backend.ops import (
     bucket_for_step,
     choose_path,
     graph_capturable,
+    new_deal_step,
     plan_step,
     prepare_kernels,
     prepare_path,
@@ -179,6 +180,9 @@ class DHPMetadata:
     bucket: int | torch.Tensor | None
     max_model_len: int
     plan: StepPlan
+    # The step's identity for the decode dealing's table (ops.plan.run's deal_step): the step's layers
+    # share one table, made by the first launch that needs it (a captured graph makes its own).
+    deal_step: int | None = None
 
 
 def _problem_spec(*, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -273,6 +277,7 @@ class DHPMetadataBuilder(AttentionMetadataBuilder[DHPMetadata]):
             bucket=bucket,
             max_model_len=self.max_model_len,
             plan=plan,
+            deal_step=new_deal_step(),
         )
 
 
@@ -419,7 +424,7 @@ class DHPAttentionImpl(AttentionImpl[DHPMetadata]):
             _check_step(md, key_cache)
         run(plan, q3, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens, out3,
             scale=self.scale, causal=md.causal, bucket=md.bucket, sinks=self._sinks_for_kernels(),
-            sliding_window=self.sliding_window)
+            sliding_window=self.sliding_window, deal_step=md.deal_step)
         # once per setting (a process may run several engines: each its trace file) and window
         _once(("forward", self.path_choice.name, self.dhp_config, self.sliding_window), lambda: _trace(
             self.dhp_config.trace_file, {
