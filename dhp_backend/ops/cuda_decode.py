@@ -189,8 +189,10 @@ def longest_first(p: dict, num_tokens: int, num_kv_heads: int) -> bool:
 # before the launch: uniform lengths at the fixed dealing's speed (-0.5 .. +0.7 us at B1-B16, B24
 # +3-4 us), mixed lengths 1.07x FA3 at B16 4K-32K where the fixed dealing runs 0.90x, 1.24-1.28x at
 # B8 against 0.97-0.99x; made in every launch (deal_kernel, 2.8-4.3 us) it would cost the uniform
-# rows that, so `ops.paged_attention`'s single launches keep the fixed dealing.
-ROUTE_DEALT = True
+# rows that, so `ops.paged_attention`'s single launches keep the fixed dealing. Off until the vLLM
+# path with it has run on a GPU (integration.gpu_e2e dhp-off-graphs-4k, the e2e throughput run):
+# the launches' table sharing is tested on the GPU (tests/test_cuda_decode_gpu.py), not yet in vLLM.
+ROUTE_DEALT = False
 
 
 def dealable(p: dict, ct: bool, spp: int | None, num_tokens: int, num_reqs: int, max_reqs: int) -> bool:
