@@ -455,7 +455,9 @@ __device__ __forceinline__ void deal_warp(const Params& p, int rows_y, int row0,
 }
 
 // The dealt schedule's table (one launch before the decode kernels of a step that read it): every
-// warp computes the same dealing and writes its rows' entries.
+// warp computes the same dealing and writes its rows' entries. Policy off only: its loads, trip counts
+// and entries follow every request's true length; dhp_decode_sm90 launches it for a dealt launch,
+// never for a constant-time binary's (ct: no dealing).
 constexpr int kDealWarps = 4, kDealRowsPerWarp = 4;
 __global__ void __launch_bounds__(32 * kDealWarps) deal_kernel(const Params p, int rows_y, int* table) {
   const int warp = blockIdx.x * kDealWarps + threadIdx.x / 32;

@@ -32,8 +32,9 @@ _LAUNCH_ERRORS = {
     -9: "the split-state workspace is not 16-byte aligned",
     -10: "the window / soft-cap / sinks arguments do not match the library's features (cuda_build.feature_library)",
     -11: "the running-state workspace (head 256, policy off) is missing, empty or not 16-byte aligned",
-    -12: "the dealt split schedule's arguments are out of range (deal_slots < 0, or more requests than "
-         "cuda_decode.DEAL_MAX_REQS)",
+    -12: "the dealt split schedule's arguments are out of range (deal_slots < 0, or more requests than the "
+         "library's dhp_decode_sm90_deal_max_reqs, more grid rows than its dhp_decode_sm90_deal_max_rows, or "
+         "no 16-byte aligned table)",
 }
 
 
