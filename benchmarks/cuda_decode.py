@@ -303,6 +303,7 @@ def main(argv=None):
         for name in here:
             row = dict(shape=shape, heads=f"{cp.H}x{cp.HKV}x{cp.D}", batch=B, ctx=ctx, variant=name, us=None,
                        tb_s=None, rel_err=None)
+            per = 1  # launches per timed call (a ':deal<N>r' row: a step's layers)
             try:
                 if name == "fa3":
                     fns = [fa3_fn(s, True) for s in sets]
@@ -315,8 +316,8 @@ def main(argv=None):
                 else:  # cuda_<variant>[:...] (main refused any other name)
                     variant, kw = _cuda_variant(name)
                     fns = [cuda_fn(s, variant, **kw) for s in sets]
+                    per = STEP_LAYERS if kw.get("deal_reuse") else 1
                 o = cuda_runs.check_and_time(row, fns, ref, graph_median_ms)
-                per = STEP_LAYERS if (_cuda_variant(name) or ("", {}))[1].get("deal_reuse") else 1
                 if per > 1:  # a step's layers per call: the time per layer
                     row["layers"] = per
                     row["us"] = row["us"] / per if row["us"] else row["us"]

@@ -25,7 +25,7 @@ request's rows do not depend on which kernel, batch or policy computed them.
   dealing, made from the table's width, suits uniform batches and not mixed ones
   (docs/perf-notes.md levers 68, 69). A step's layers share one table (``deal_step``:
   the launches after the one that made it read it). Timing only, same bits; `ops.plan`
-  routes it for the vLLM adapter's steps (`ROUTE_DEALT`).
+  gives it to the vLLM adapter's steps when `ROUTE_DEALT` (off for now).
 - Policy ``off`` walks the true lengths (not constant-time). With ``bucket``
   (the public length bucket of strict / request), the CT binaries walk the
   Triton CONST_TIME kernels' walk instead: every token to its bucket L_r over
